@@ -1,0 +1,32 @@
+"""jaxmem: train JAX/Flax models in less memory without changing what they learn.
+
+Submodules (imported lazily, so ``import jaxmem`` stays cheap and never imports torch):
+
+- :mod:`jaxmem.measure`   — residual bytes, compiled bytes, measured peak, slope.
+- :mod:`jaxmem.selective` — differentiability-aware layers, 1-bit ReLU masks.
+- :mod:`jaxmem.fewbit`    — few-bit activation residuals (DP-optimal step derivatives).
+- :mod:`jaxmem.rowconv`   — row-centric (row-tiled) convolution training, exact gradients.
+- :mod:`jaxmem.schedule`  — ILP operator ordering and tensor placement over jaxprs.
+- :mod:`jaxmem.models`    — reference Flax models (twins of ``torch_ref.models``).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench")
+__all__ = list(_SUBMODULES) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'jaxmem' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
