@@ -1,0 +1,393 @@
+"""Bench section ``baseline``: JAX default vs PyTorch default on the twin model zoo.
+
+For every model (same architecture in ``jaxmem.models`` / ``torch_ref.models``, weights
+transferred with ``torch_ref.convert.jax_to_torch`` so both run the same function) and one
+SGD training step (cross-entropy; MSE to a random target for the conv chain):
+
+* **residual bytes** (level 1) — JAX: ``jaxmem.measure.residual_bytes(loss, params, ...)``
+  w.r.t. the parameters, activations only; torch: ``torch_ref.measure.saved_bytes`` of the
+  forward+loss, activations only (parameters and the batch are counted separately in both);
+* **compiled bytes** (level 2, JAX only) — ``compiled_memory`` of the jitted train step
+  (temp, and the total temp + output + argument − alias; no buffer donation: the JAX default);
+* **measured peak** (level 3) — CPU high-water mark of one train step after a warm-up, in a
+  fresh subprocess for each framework (``jaxmem.measure.peak_memory``). The peak children
+  build their model from their own framework's initialiser (memory does not depend on the
+  values);
+* **step time torch/JAX** — both steps timed in this process, interleaved, median of
+  repeats (JAX step jitted and blocked on; torch eager). A ratio > 1 means torch is slower.
+* ``loss rel. diff`` — |loss_jax − loss_torch| / |loss_torch| on the shared weights, as a
+  check that the two columns measure the same model.
+
+This module imports torch only inside functions (``import jaxmem`` never imports torch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+from jaxmem.bench import Section
+
+__all__ = ["MODELS", "QUICK_MODELS", "run", "jax_step", "torch_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A twin model and its batch. ``batch``/``size`` are (quick, full)."""
+
+    name: str
+    family: str  # convchain | mlp | vgg16 | resnet18 | resnet50 | gpt | vit
+    batch: tuple[int, int]
+    size: tuple[int, int]  # image side / sequence length / input features
+    loss: str  # "ce" | "mse"
+
+
+MODELS: dict[str, ModelSpec] = {
+    "convchain": ModelSpec("convchain", "convchain", (8, 16), (32, 96), "mse"),
+    "mlp": ModelSpec("mlp", "mlp", (64, 256), (256, 1024), "ce"),
+    "vgg16": ModelSpec("vgg16", "vgg16", (8, 32), (32, 32), "ce"),
+    "resnet18": ModelSpec("resnet18", "resnet18", (8, 32), (32, 32), "ce"),
+    "resnet50": ModelSpec("resnet50", "resnet50", (8, 16), (32, 32), "ce"),
+    "gpt": ModelSpec("gpt", "gpt", (8, 16), (64, 64), "ce"),
+    "vit": ModelSpec("vit", "vit", (8, 32), (32, 32), "ce"),
+}
+#: models of ``jaxmem bench --quick`` (all of MODELS otherwise).
+QUICK_MODELS = ("convchain", "mlp", "resnet18", "gpt")
+
+_LR = 0.01
+_CLASSES = 10
+
+
+def _get(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"baseline: unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+# ----------------------------------------------------------------------------- builders
+
+def _jax_model(spec: ModelSpec, quick: bool):
+    import jaxmem.models as jm
+
+    f = spec.family
+    if f == "convchain":
+        return jm.ConvChain(depth=8, channels=8, relu=True)
+    if f == "mlp":
+        return jm.MLP(features=(1024, 1024, 1024, _CLASSES), activation="gelu")
+    if f == "vgg16":
+        return jm.vgg16(width=0.25, num_classes=_CLASSES)
+    if f == "resnet18":
+        return jm.resnet18(width=0.25, num_classes=_CLASSES, stem="cifar")
+    if f == "resnet50":
+        return jm.resnet50(width=0.25, num_classes=_CLASSES, stem="cifar")
+    if f == "gpt":
+        from jaxmem.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab=512, ctx=64, d_model=128, n_head=4, n_layer=4))
+    if f == "vit":
+        from jaxmem.models.vit import vit_tiny
+
+        return vit_tiny(image_size=32, patch_size=4, num_classes=_CLASSES,
+                        n_layer=2 if quick else 6)
+    raise AssertionError(f)
+
+
+def _torch_model(spec: ModelSpec, quick: bool):
+    import torch_ref.models as tm
+
+    f = spec.family
+    if f == "convchain":
+        return tm.ConvChain(8, 8, relu=True)
+    if f == "mlp":
+        return tm.MLP(spec.size[0 if quick else 1], features=(1024, 1024, 1024, _CLASSES),
+                      activation="gelu")
+    if f == "vgg16":
+        return tm.vgg16(width=0.25, num_classes=_CLASSES)
+    if f == "resnet18":
+        return tm.resnet18(width=0.25, num_classes=_CLASSES, stem="cifar")
+    if f == "resnet50":
+        return tm.resnet50(width=0.25, num_classes=_CLASSES, stem="cifar")
+    if f == "gpt":
+        from jaxmem.models.gpt import GPTConfig
+        from torch_ref.models.gpt import GPT
+
+        return GPT(GPTConfig(vocab=512, ctx=64, d_model=128, n_head=4, n_layer=4))
+    if f == "vit":
+        from torch_ref.models.vit import vit_tiny
+
+        return vit_tiny(image_size=32, patch_size=4, num_classes=_CLASSES,
+                        n_layer=2 if quick else 6)
+    raise AssertionError(f)
+
+
+def _batch(spec: ModelSpec, quick: bool, seed: int = 0):
+    """numpy (x, y) in JAX layout (NHWC images)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = spec.batch[0 if quick else 1]
+    s = spec.size[0 if quick else 1]
+    f = spec.family
+    if f == "convchain":
+        x = rng.standard_normal((n, s, s, 8), dtype=np.float32)
+        y = rng.standard_normal((n, s, s, 8), dtype=np.float32)
+    elif f == "mlp":
+        x = rng.standard_normal((n, s), dtype=np.float32)
+        y = rng.integers(0, _CLASSES, (n,)).astype(np.int32)
+    elif f == "gpt":
+        x = rng.integers(0, 512, (n, s)).astype(np.int32)
+        y = rng.integers(0, 512, (n, s)).astype(np.int32)
+    else:
+        x = rng.standard_normal((n, s, s, 3), dtype=np.float32)
+        y = rng.integers(0, _CLASSES, (n,)).astype(np.int32)
+    return x, y
+
+
+def _train_kw(spec: ModelSpec) -> bool:
+    return spec.family in ("vgg16", "resnet18", "resnet50")
+
+
+def _jax_parts(spec: ModelSpec, quick: bool, seed: int = 0):
+    """(loss_fn(params, stats, x, y), step_fn, variables, (x, y)) for JAX."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    model = _jax_model(spec, quick)
+    x, y = _batch(spec, quick, seed)
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    variables = model.init(jax.random.key(seed), x[:1])
+    params = variables["params"]
+    stats = variables.get("batch_stats", {})
+    has_bn = _train_kw(spec)
+
+    def loss_fn(params, stats, x, y):
+        v = {"params": params}
+        if has_bn:
+            v["batch_stats"] = stats
+            out, upd = model.apply(v, x, train=True, mutable=["batch_stats"])
+            new_stats = upd["batch_stats"]
+        else:
+            out, new_stats = model.apply(v, x), stats
+        if spec.loss == "mse":
+            loss = jnp.mean((out - y) ** 2)
+        else:
+            loss = optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+        return loss, new_stats
+
+    def step(params, stats, x, y):
+        (loss, new_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, x, y)
+        params = jax.tree_util.tree_map(lambda p, gi: p - _LR * gi, params, g)
+        return params, new_stats, loss
+
+    return loss_fn, step, {"params": params, "batch_stats": stats}, (x, y)
+
+
+def _torch_parts(spec: ModelSpec, quick: bool, variables=None, seed: int = 0):
+    """(model, loss_fn(model, x, y), step(), (x, y)) for torch; loads ``variables`` if given."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    model = _torch_model(spec, quick)
+    if variables is not None:
+        from torch_ref.convert import jax_to_torch
+
+        v = {"params": variables["params"]}
+        if variables.get("batch_stats"):
+            v["batch_stats"] = variables["batch_stats"]
+        jax_to_torch(v, model)
+    model.train()
+    x, y = _batch(spec, quick, seed)
+    if x.ndim == 4:
+        x = np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2)))
+    if y.ndim == 4:
+        y = np.ascontiguousarray(np.transpose(y, (0, 3, 1, 2)))
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    if yt.dtype == torch.int32:
+        yt = yt.long()
+    if xt.dtype == torch.int32:
+        xt = xt.long()
+
+    def loss_fn(m, x, y):
+        out = m(x)
+        if spec.loss == "mse":
+            return torch.mean((out - y) ** 2)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, xt, yt)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return model, loss_fn, step, (xt, yt)
+
+
+# ------------------------------------------------------ peak-memory targets (subprocess)
+
+def jax_step(name: str, quick: bool) -> Callable[[], Any]:
+    """``peak_memory`` target: a zero-arg callable running one jitted JAX train step."""
+    import jax
+
+    _, step, v, (x, y) = _jax_parts(_get(name), quick)
+    f = jax.jit(step)
+    state = [v["params"], v["batch_stats"]]
+
+    def run():
+        p, s, loss = f(state[0], state[1], x, y)
+        state[0], state[1] = p, s
+        return loss
+
+    return run
+
+
+def torch_step(name: str, quick: bool) -> Callable[[], Any]:
+    """``peak_memory`` target: a zero-arg callable running one eager torch train step."""
+    _, _, step, _ = _torch_parts(_get(name), quick)
+    return step
+
+
+# ----------------------------------------------------------------------------- section
+
+COLUMNS = [
+    "model", "params", "batch", "jax_residual", "torch_saved", "torch/jax saved",
+    "jax_compiled_temp", "jax_compiled_total", "jax_peak", "torch_peak", "time torch/jax",
+    "loss rel. diff",
+]
+UNITS = {
+    "params": "B", "jax_residual": "B", "torch_saved": "B", "torch/jax saved": "x",
+    "jax_compiled_temp": "B", "jax_compiled_total": "B", "jax_peak": "B", "torch_peak": "B",
+    "time torch/jax": "x",
+}
+
+
+def measure_model(name: str, quick: bool, peak: bool = True, time_repeats: int | None = None,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """All baseline figures for one model (a row of the table)."""
+    import jax
+    import numpy as np
+    import torch
+
+    from jaxmem.measure import compiled_memory, peak_memory, residual_bytes
+    from torch_ref.measure import saved_bytes
+
+    say = progress or (lambda _m: None)
+    spec = _get(name)
+    loss_fn, step, v, (x, y) = _jax_parts(spec, quick)
+    params, stats = v["params"], v["batch_stats"]
+    n_params = sum(int(p.nbytes) for p in jax.tree_util.tree_leaves(params))
+    row: dict[str, Any] = {"model": name, "params": n_params, "batch": int(x.shape[0])}
+
+    say(f"{name}: residual bytes")
+    rep = residual_bytes(lambda p, s, x, y: loss_fn(p, s, x, y)[0], params, stats, x, y)
+    row["jax_residual"] = rep.activation_bytes
+    model, tloss, tstep, (xt, yt) = _torch_parts(spec, quick, variables=v)
+    srep = saved_bytes(tloss, model, xt, yt)
+    row["torch_saved"] = srep.activation_bytes
+    row["torch/jax saved"] = (srep.activation_bytes / rep.activation_bytes
+                              if rep.activation_bytes else None)
+    with torch.no_grad():
+        lt = float(tloss(model, xt, yt))
+    lj = float(loss_fn(params, stats, x, y)[0])
+    row["loss rel. diff"] = abs(lj - lt) / max(abs(lt), 1e-30)
+
+    say(f"{name}: compiled bytes")
+    cm = compiled_memory(step, params, stats, x, y)
+    row["jax_compiled_temp"] = cm.temp_bytes
+    row["jax_compiled_total"] = cm.total_bytes
+
+    say(f"{name}: step time")
+    jstep = jax.jit(step)
+    state = [params, stats]
+
+    def run_jax():
+        p, s, loss = jstep(state[0], state[1], x, y)
+        state[0], state[1] = p, s
+        jax.block_until_ready(loss)
+
+    run_jax()
+    tstep()
+    reps = time_repeats or (5 if quick else 15)
+    tj, tt = [], []
+    for _ in range(reps):  # interleaved, same process
+        t0 = time.perf_counter()
+        run_jax()
+        tj.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        tstep()
+        tt.append(time.perf_counter() - t0)
+    row["time torch/jax"] = statistics.median(tt) / statistics.median(tj)
+    row["jax_step_s_median"] = statistics.median(tj)
+    row["torch_step_s_median"] = statistics.median(tt)
+    del model, tstep, jstep, state
+    if peak:
+        say(f"{name}: measured peak (JAX subprocess)")
+        row["jax_peak"] = peak_memory("jaxmem.bench.baseline:jax_step", name, quick,
+                                      backend="jax").peak_bytes
+        say(f"{name}: measured peak (torch subprocess)")
+        row["torch_peak"] = peak_memory("jaxmem.bench.baseline:torch_step", name, quick,
+                                        backend="torch").peak_bytes
+    else:
+        row["jax_peak"] = row["torch_peak"] = None
+    np.random.seed(0)
+    return row
+
+
+def run(quick: bool = False, models: list[str] | None = None,
+        progress: Callable[[str], None] | None = None, peak: bool = True) -> Section:
+    """The baseline section (see module docstring). ``quick`` uses small batches and the
+    models in :data:`QUICK_MODELS`."""
+    import jax
+    import torch
+
+    names = list(models) if models else list(QUICK_MODELS if quick else MODELS)
+    for n in names:
+        _get(n)
+    rows = []
+    for n in names:
+        rows.append(measure_model(n, quick, peak=peak, progress=progress))
+    notes = [
+        "jax_residual: jaxmem.measure.residual_bytes of the loss w.r.t. all params, activation "
+        "residuals only (jaxpr level, before XLA); torch_saved: torch_ref.measure.saved_bytes "
+        "(saved-tensor hooks, deduplicated by storage), activations only. Params and the batch "
+        "are excluded from both.",
+        "jax_compiled_*: XLA memory_analysis() of the jitted SGD train step; total = temp + "
+        "output + argument - alias (no donation).",
+        "jax_peak / torch_peak: CPU VmHWM delta of one train step after warm-up, each in a "
+        "fresh subprocess (jaxmem.measure.peak_memory); includes gradients and new params.",
+        "time torch/jax: median step times measured interleaved in one process "
+        f"(CPU, {torch.get_num_threads()} torch threads); >1 means torch is slower. Noisy on a "
+        "shared machine.",
+        "Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss rel. diff "
+        "is the check.",
+    ]
+    meta = {
+        "quick": quick,
+        "models": {n: dataclasses.asdict(MODELS[n]) for n in names},
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "backend": jax.default_backend(),
+        "plots": [
+            {"x": "model", "y": ["jax_residual", "torch_saved"],
+             "title": "activation bytes kept for backward (JAX default vs PyTorch default)",
+             "file": "baseline_residuals.png"},
+            {"x": "model", "y": ["jax_compiled_temp", "jax_peak", "torch_peak"],
+             "title": "compiled temp (JAX) and measured CPU peak of one train step",
+             "file": "baseline_peak.png"},
+        ],
+    }
+    return Section(
+        name="baseline",
+        title="Baseline: JAX default vs PyTorch default (one SGD train step)",
+        columns=COLUMNS,
+        rows=rows,
+        units=UNITS,
+        notes=notes,
+        meta=meta,
+    )

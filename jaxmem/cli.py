@@ -1,0 +1,237 @@
+"""The ``jaxmem`` command.
+
+    jaxmem --version
+    jaxmem bench [--quick] [--models m1,m2] [--sections s1,s2] [--out DIR] [--fail-fast]
+    jaxmem bench --list
+
+``jaxmem bench`` runs the benchmark sections registered in :data:`jaxmem.bench.SECTIONS`
+(in that order), shows a progress bar, prints each section as a table and writes
+``<out>/<name>.json``, ``<out>/<name>.md``, PNG plots where a section asks for them, a
+combined ``<out>/report.md`` and ``<out>/summary.json``.
+
+Section outcomes and the exit code:
+
+* **ok** — the section ran.
+* **skipped** — its module does not exist yet (technique not implemented); exit code unaffected.
+* **failed** — its module exists but importing or running it raised. The traceback goes to
+  ``<out>/<name>.error.txt``; the remaining sections still run (so one broken technique does
+  not hide the others) and the command exits with status **1**. ``--fail-fast`` stops at
+  the first failure instead.
+
+Bad usage (unknown section, empty model list) exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("jaxmem")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return getattr(importlib.import_module("jaxmem"), "__version__", "unknown")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxmem",
+        description="jaxmem: train JAX/Flax models in less memory without changing the "
+                    "gradients. Memory benchmarks against PyTorch.",
+    )
+    p.add_argument("--version", action="version", version=f"jaxmem {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    b = sub.add_parser(
+        "bench",
+        help="run the benchmark sections and write a report",
+        description="Run the benchmark sections (JAX default vs PyTorch default, then one "
+                    "section per technique) and write JSON + Markdown (+ PNG) reports.",
+    )
+    b.add_argument("--quick", action="store_true",
+                   help="small shapes: the whole run takes a few minutes on 2 CPU cores")
+    b.add_argument("--models", default=None,
+                   help="comma-separated model names passed to every section "
+                        "(default: each section's own list)")
+    b.add_argument("--sections", default=None,
+                   help="comma-separated sections to run (default: all; see --list)")
+    b.add_argument("--out", default="jaxmem-bench", help="output folder (default: ./jaxmem-bench)")
+    b.add_argument("--list", action="store_true", help="list the sections and exit")
+    b.add_argument("--fail-fast", action="store_true",
+                   help="stop at the first failing section (default: run all, exit 1 at the end)")
+    return p
+
+
+def _split(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _module_status(module: str) -> str:
+    import importlib.util
+
+    try:
+        return "available" if importlib.util.find_spec(module) is not None else "not implemented"
+    except ModuleNotFoundError:
+        return "not implemented"
+
+
+def _list(console: Any) -> int:
+    from rich.table import Table
+
+    from jaxmem.bench import SECTIONS
+
+    t = Table(title="jaxmem bench sections (run in this order)", title_justify="left")
+    t.add_column("section")
+    t.add_column("module")
+    t.add_column("status")
+    for name, mod in SECTIONS.items():
+        t.add_row(name, mod, _module_status(mod))
+    console.print(t)
+    return 0
+
+
+def _run_section(module: str, quick: bool, models: list[str] | None, progress: Any):
+    """Import and run one section. Returns (status, section_or_None, reason)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            return "skipped", None, f"{module} does not exist yet"
+        raise
+    run = getattr(mod, "run", None)
+    if not callable(run):
+        raise TypeError(f"{module} has no run(quick, models, progress) function")
+    section = run(quick=quick, models=models, progress=progress)
+    if not (hasattr(section, "to_markdown") and hasattr(section, "rows")):
+        raise TypeError(f"{module}.run returned {type(section).__name__}, not a Section")
+    return "ok", section, ""
+
+
+def _bench(args: argparse.Namespace, console: Any) -> int:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from jaxmem.bench import SECTIONS
+    from jaxmem.bench.report import rich_table, write_report, write_section
+
+    if args.list:
+        return _list(console)
+    names = _split(args.sections)
+    if names is None:
+        names = list(SECTIONS)
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        console.print(f"[red]jaxmem bench: unknown section(s) {unknown}; allowed: "
+                      f"{', '.join(SECTIONS)}[/red]")
+        return 2
+    models = _split(args.models)
+    if models is not None and not models:
+        console.print("[red]jaxmem bench: --models is empty[/red]")
+        return 2
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t_all = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    sections: dict[str, Any] = {}
+    command = "jaxmem " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0] else "jaxmem bench"
+    with Progress(
+        SpinnerColumn(), TextColumn("[bold]{task.fields[section]}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+        TextColumn("{task.description}"), console=console, transient=False,
+    ) as bar:
+        task = bar.add_task("", total=len(names), section="")
+        for name in names:
+            module = SECTIONS[name]
+            bar.update(task, section=name, description="starting")
+
+            def progress(msg: str, _name: str = name) -> None:
+                bar.update(task, section=_name, description=str(msg)[:70])
+
+            t0 = time.perf_counter()
+            try:
+                status, section, reason = _run_section(module, args.quick, models, progress)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported, exit code set below
+                status, section = "failed", None
+                reason = f"{type(e).__name__}: {e}"
+                with open(os.path.join(out, f"{name}.error.txt"), "w") as f:
+                    f.write(traceback.format_exc())
+            seconds = time.perf_counter() - t0
+            results.append({"name": name, "module": module, "status": status,
+                            "seconds": seconds, "reason": reason})
+            if section is not None:
+                sections[name] = section
+                write_section(section, out, extra={"status": status, "seconds": seconds,
+                                                   "quick": args.quick, "command": command})
+                bar.console.print(rich_table(section))
+                for n in section.notes:
+                    bar.console.print(f"  [dim]- {n}[/dim]")
+            elif status == "skipped":
+                bar.console.print(f"[yellow]{name}: skipped ({reason})[/yellow]")
+            else:
+                bar.console.print(f"[red]{name}: FAILED — {reason}[/red] "
+                                  f"(traceback: {os.path.join(out, name + '.error.txt')})")
+            bar.advance(task)
+            if status == "failed" and args.fail_fast:
+                break
+        bar.update(task, section="done", description="")
+
+    total = time.perf_counter() - t_all
+    header = [
+        f"- command: `{command}`",
+        f"- jaxmem {_version()}, python {platform.python_version()}, "
+        f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
+        f"- started {started:%Y-%m-%d %H:%M UTC}, total {total:.1f} s, quick={args.quick}, "
+        f"models={','.join(models) if models else 'default'}",
+    ]
+    try:
+        import jax
+
+        header.append(f"- jax {jax.__version__}, backend {jax.default_backend()}")
+    except Exception:  # noqa: BLE001
+        pass
+    report = write_report(out, header, results, sections)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"command": command, "quick": args.quick, "models": models,
+                   "total_seconds": total, "sections": results}, f, indent=2)
+        f.write("\n")
+    failed = [r["name"] for r in results if r["status"] == "failed"]
+    skipped = [r["name"] for r in results if r["status"] == "skipped"]
+    console.print(
+        f"\n[bold]report:[/bold] {report}  ({total:.1f} s; "
+        f"{len(results) - len(failed) - len(skipped)} ok, {len(skipped)} skipped, "
+        f"{len(failed)} failed)"
+    )
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jaxmem`` console script; returns the exit status."""
+    from rich.console import Console
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    console = Console()
+    if args.command == "bench":
+        return _bench(args, console)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

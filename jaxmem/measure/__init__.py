@@ -1,0 +1,26 @@
+"""Memory measurement at the three levels of DESIGN.md, each named for what it measures.
+
+1. :func:`residual_bytes` — what autodiff keeps for backward (jaxpr level, before XLA).
+2. :func:`compiled_memory` — what XLA plans for a jitted function (``memory_analysis()``).
+3. :func:`peak_memory` — what a real run allocates, measured in a fresh subprocess.
+
+:func:`slope` turns any of them into bytes per added layer, the headline metric for
+layer-wise techniques. The PyTorch twins live in ``torch_ref.measure``.
+"""
+from jaxmem.measure._validate import TraceError
+from jaxmem.measure.compiled import CompiledMemory, compiled_memory
+from jaxmem.measure.peak import PeakMemory, peak_memory
+from jaxmem.measure.residuals import ResidualEntry, ResidualReport, residual_bytes
+from jaxmem.measure.slope import slope
+
+__all__ = [
+    "CompiledMemory",
+    "PeakMemory",
+    "ResidualEntry",
+    "ResidualReport",
+    "TraceError",
+    "compiled_memory",
+    "peak_memory",
+    "residual_bytes",
+    "slope",
+]

@@ -1,0 +1,37 @@
+"""Row-centric convolution training (LR-CNN: OverL and 2PS), exact gradients.
+
+A conv stack is run tile by tile along the image height, so only one tile's activations
+live at a time; the backward pass recomputes each tile. See ``docs/rowconv.md``.
+
+    layers = [rowconv.Conv(16, 3), rowconv.Act(jax.nn.relu), rowconv.Pool("max", 2)]
+    params = rowconv.init(layers, key, (2, 256, 256, 3))
+    y = rowconv.apply(layers, params, x, rows=8, mode="overlap")   # == rows=1
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .halo import HaloReport, halos
+from .layers import (Act, Affine, BatchNorm, Checkpoint, Conv, Dropout, Pool, Residual,
+                     apply_layers, init_layers, output_shape)
+from .tiled import MODES, apply, split_segments
+
+__all__ = [
+    "Act", "Affine", "BatchNorm", "Checkpoint", "Conv", "Dropout", "Pool", "Residual",
+    "init", "apply", "apply_layers", "halos", "HaloReport", "output_shape", "MODES",
+    "split_segments", "plan", "Plan",
+]
+
+
+def init(layers, key, input_shape, dtype=jnp.float32):
+    """Parameters for ``layers`` on NHWC ``input_shape`` (a list aligned with ``layers``)."""
+    if len(tuple(input_shape)) != 4:
+        raise ValueError(f"input_shape must be NHWC (4 dims), got {tuple(input_shape)}")
+    return init_layers(list(layers), key, tuple(input_shape), dtype)[0]
+
+
+def __getattr__(name):
+    if name in ("plan", "Plan"):
+        from . import plan as _plan
+        return getattr(_plan, name)
+    raise AttributeError(name)

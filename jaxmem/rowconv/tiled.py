@@ -1,0 +1,368 @@
+"""Row-tiled evaluation of a conv stack with exact gradients (OverL and 2PS).
+
+Each tiled segment is one ``jax.custom_vjp`` whose rules drive the tiles explicitly:
+
+* forward: a ``lax.scan`` over tiles writes each output tile into the output buffer
+  (``dynamic_update_slice``). Nothing of the tile's inside is kept. In 'share' mode the
+  boundary rows each layer hands to the next tile travel in the scan carry; their
+  per-tile values (the paper's *sharing data*) are the only residuals besides ``x``.
+* backward: a second ``lax.scan`` over tiles recomputes one tile (``jax.vjp`` of the tile
+  function), pulls back the tile's slice of the output cotangent, accumulates the
+  parameter cotangents in the carry and adds the input-window cotangent into a
+  preallocated buffer. 'share' runs it in reverse tile order and also carries the
+  cotangent of the boundary rows to the previous tile.
+
+Because each tile's receptive field is recomputed exactly (semi-closed padding by masking
+only true image borders), and cotangents of overlapping halo rows are *summed* (overlap)
+or passed on (share), outputs and gradients equal the untiled stack up to floating-point
+summation order. The while loop is what keeps XLA from hoisting all tiles' recomputation
+together (an unrolled Python loop gets re-scheduled back to full-size memory).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import halo as H
+from .layers import (BatchNorm, Checkpoint, Dropout, Pool, Residual, apply_layers,
+                     check_layer, layer_key)
+
+MODES = ("overlap", "share")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _mask_rows(x, row0, n_rows, value):
+    """Rows of ``x`` whose global index (row0 + j) is outside [0, n_rows) -> ``value``."""
+    r = row0 + jnp.arange(x.shape[1])
+    ok = (r >= 0) & (r < n_rows)
+    return jnp.where(ok[None, :, None, None], x, jnp.asarray(value, x.dtype))
+
+
+def _rows(x, start, length):
+    return lax.slice_in_dim(x, start, start + length, axis=1)
+
+
+def _layer_rows(g: H.Geom, p, x, row0, rng):
+    """Apply a non-residual layer to a window whose first row is global row ``row0``."""
+    layer = g.layer
+    if isinstance(layer, Dropout):
+        return layer.apply_rows(x, layer_key(rng, g.path), row0)
+    if g.spatial:
+        rm = g.rowmap
+        x = _mask_rows(x, row0, g.in_shape[1], rm.pad_value)
+        y = layer.apply_window(p, x, (0, 0), g.pad_w)
+        if isinstance(layer, Pool) and layer.kind == "max":
+            # rows above/below the map can be all -inf: make them finite garbage.
+            y = _mask_rows(y, (row0 + rm.lo) // rm.stride, g.out_shape[1], 0.0)
+        return y
+    return layer.apply_window(p, x, None, None)
+
+
+# ----------------------------------------------------------------------------- overlap tile
+
+
+def _ov_seq(nodes, params, x, o, rng):
+    for nd, p in zip(nodes, params):
+        g = nd.geom
+        if g.rowmap is None:
+            Lb = nd.branch[0].iv_in.L if nd.branch else nd.iv_out.L
+            yb = _ov_seq(nd.branch, p["branch"], _rows(x, nd.off_b, Lb), o, rng)
+            if g.shortcut is None:
+                ys = _rows(x, nd.off_s, nd.iv_out.L)
+            else:
+                Ls = nd.shortcut[0].iv_in.L if nd.shortcut else nd.iv_out.L
+                ys = _ov_seq(nd.shortcut, p["shortcut"], _rows(x, nd.off_s, Ls), o, rng)
+            x = yb + ys
+        else:
+            x = _layer_rows(g, p, x, nd.iv_in.at(o), rng)
+    return x
+
+
+def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
+    Hin = geoms[0].in_shape[1]
+    Hout = geoms[-1].out_shape[1]
+    T_f, st_f = H.overlap_starts(Hout, rows_fp)
+    T_b, st_b = H.overlap_starts(Hout, rows_bp)
+    nodes_f, iv_f = H.overlap_plan(geoms, T_f)
+    nodes_b, iv_b = H.overlap_plan(geoms, T_b)
+    # pad the input once so every tile window is an in-bounds dynamic slice
+    top = max(0, -iv_f.c, -iv_b.c)
+    bot = max(0, iv_f.at(st_f[-1]) + iv_f.L - Hin, iv_b.at(st_b[-1]) + iv_b.L - Hin)
+    out_shape = geoms[-1].out_shape
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (top, bot), (0, 0), (0, 0)))
+
+    def forward(params, x, rng):
+        xp = pad(x)
+        out = jnp.zeros(out_shape[:1] + (Hout,) + out_shape[2:], x.dtype)
+
+        def body(out, o):
+            xw = lax.dynamic_slice_in_dim(xp, iv_f.at(o) + top, iv_f.L, axis=1)
+            y = _ov_seq(nodes_f, params, xw, o, rng)
+            return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), o, axis=1), None
+
+        out, _ = lax.scan(body, out, jnp.asarray(st_f, jnp.int32), unroll=unroll)
+        return out
+
+    def backward(params, x, rng, g):
+        xp = pad(x)
+        dxp = jnp.zeros_like(xp)
+        dp0 = jax.tree.map(jnp.zeros_like, params)
+        own0 = jnp.asarray([i * T_b for i in range(len(st_b))], jnp.int32)
+
+        def body(carry, io):
+            dp, dxp = carry
+            o, own = io
+            start = iv_b.at(o) + top
+            xw = lax.dynamic_slice_in_dim(xp, start, iv_b.L, axis=1)
+            gy = lax.dynamic_slice_in_dim(g, o, T_b, axis=1)
+            # the shifted last tile owns only the rows no earlier tile produced
+            gy = _mask_rows(gy, o - own, T_b, 0.0)
+            _, vjp = jax.vjp(lambda p, xw: _ov_seq(nodes_b, p, xw, o, rng), params, xw)
+            dpi, dxw = vjp(gy.astype(x.dtype))
+            dp = jax.tree.map(jnp.add, dp, dpi)
+            acc = lax.dynamic_slice_in_dim(dxp, start, iv_b.L, axis=1) + dxw
+            dxp = lax.dynamic_update_slice_in_dim(dxp, acc, start, axis=1)
+            return (dp, dxp), None
+
+        (dp, dxp), _ = lax.scan(body, (dp0, dxp), (jnp.asarray(st_b, jnp.int32), own0),
+                                unroll=unroll)
+        return dp, _rows(dxp, top, Hin)
+
+    @jax.custom_vjp
+    def seg(params, x, rng):
+        return forward(params, x, rng)
+
+    def seg_fwd(params, x, rng):
+        return forward(params, x, rng), (params, x, rng)
+
+    def seg_bwd(res, g):
+        params, x, rng = res
+        dp, dx = backward(params, x, rng, g)
+        return dp, dx, None
+
+    seg.defvjp(seg_fwd, seg_bwd)
+    return seg(params, x, rng)
+
+
+# ----------------------------------------------------------------------------- share tile
+
+
+def _sh_seq(nodes, params, x, i, carries, new, rng):
+    """One tile through a sequence of share-mode nodes. ``new`` receives updated carries."""
+    for nd, p in zip(nodes, params):
+        g = nd.geom
+        if g.rowmap is None:
+            yb = _sh_seq(nd.branch, p["branch"], x, i, carries, new, rng) if nd.branch else x
+            if g.shortcut is None:
+                ys = x
+            else:
+                ys = (_sh_seq(nd.shortcut, p["shortcut"], x, i, carries, new, rng)
+                      if nd.shortcut else x)
+            if nd.delay_b:
+                yb = _delay(yb, carries, new, nd.slot_b, nd.delay_b)
+            if nd.delay_s:
+                ys = _delay(ys, carries, new, nd.slot_s, nd.delay_s)
+            x = yb + ys
+        elif g.spatial:
+            rm = g.rowmap
+            if nd.carry:
+                cat = jnp.concatenate([carries[nd.slot].astype(x.dtype), x], axis=1)
+                new[nd.slot] = _rows(cat, cat.shape[1] - nd.carry, nd.carry)
+            else:
+                cat = x
+            win = _rows(cat, nd.woff, nd.win)
+            x = _layer_rows(g, p, win, i * nd.T_in + nd.c_out * rm.stride - rm.lo, rng)
+        else:
+            x = _layer_rows(g, p, x, i * nd.T_in + nd.e_in, rng)
+    return x
+
+
+def _delay(y, carries, new, slot, d):
+    cat = jnp.concatenate([carries[slot].astype(y.dtype), y], axis=1)
+    new[slot] = _rows(cat, cat.shape[1] - d, d)
+    return _rows(cat, 0, y.shape[1])
+
+
+def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
+    Hin = geoms[0].in_shape[1]
+    Hout = geoms[-1].out_shape[1]
+    out_shape = geoms[-1].out_shape
+    plan_f = H.share_plan(geoms, rows_fp)
+    plan_b = plan_f if rows_bp == rows_fp else H.share_plan(geoms, rows_bp)
+
+    def carries0(slots, dtype):
+        return [jnp.zeros((s[0], h) + s[2:], dtype) for _, s, h in slots]
+
+    def prep(x, plan):
+        _, _, T, n, e_out, T_in = plan
+        need = n * T_in
+        return jnp.pad(x, ((0, 0), (0, need - Hin), (0, 0), (0, 0))) if need >= Hin \
+            else _rows(x, 0, need)
+
+    def tile(nodes, params, carries, xn, i, rng):
+        new = list(carries)
+        y = _sh_seq(nodes, params, xn, i, carries, new, rng)
+        return y, new
+
+    def run(params, x, rng, plan, keep):
+        nodes, slots, T, n, e_out, T_in = plan
+        xp = prep(x, plan)
+        out = jnp.zeros(out_shape[:1] + (n * T,) + out_shape[2:], x.dtype)
+
+        def body(c, i):
+            carries, out = c
+            xn = lax.dynamic_slice_in_dim(xp, i * T_in, T_in, axis=1)
+            y, new = tile(nodes, params, carries, xn, i, rng)
+            out = lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * T, axis=1)
+            return (new, out), (carries if keep else None)
+
+        (_, out), saved = lax.scan(body, (carries0(slots, x.dtype), out),
+                                   jnp.arange(n, dtype=jnp.int32), unroll=unroll)
+        return _rows(out, -e_out, Hout), saved
+
+    def backward(params, x, rng, saved, g):
+        nodes, slots, T, n, e_out, T_in = plan_b
+        xp = prep(x, plan_b)
+        gp = jnp.pad(g, ((0, 0), (-e_out, n * T + e_out - Hout), (0, 0), (0, 0)))
+        dp0 = jax.tree.map(jnp.zeros_like, params)
+
+        def body(c, inp):
+            dp, dcar, dxp = c
+            i, carries = inp
+            xn = lax.dynamic_slice_in_dim(xp, i * T_in, T_in, axis=1)
+            gy = lax.dynamic_slice_in_dim(gp, i * T, T, axis=1).astype(x.dtype)
+            _, vjp = jax.vjp(lambda p, cs, xn: tile(nodes, p, cs, xn, i, rng),
+                             params, carries, xn)
+            dpi, dcs, dxn = vjp((gy, dcar))
+            dp = jax.tree.map(jnp.add, dp, dpi)
+            dxp = lax.dynamic_update_slice_in_dim(dxp, dxn, i * T_in, axis=1)
+            return (dp, dcs, dxp), None
+
+        (dp, _, dxp), _ = lax.scan(
+            body, (dp0, carries0(slots, x.dtype), jnp.zeros_like(xp)),
+            (jnp.arange(n, dtype=jnp.int32), saved), reverse=True, unroll=unroll)
+        if dxp.shape[1] >= Hin:
+            dx = _rows(dxp, 0, Hin)
+        else:
+            dx = jnp.pad(dxp, ((0, 0), (0, Hin - dxp.shape[1]), (0, 0), (0, 0)))
+        return dp, dx
+
+    @jax.custom_vjp
+    def seg(params, x, rng):
+        return run(params, x, rng, plan_f, False)[0]
+
+    def seg_fwd(params, x, rng):
+        if plan_b is plan_f:
+            y, saved = run(params, x, rng, plan_f, True)
+        else:
+            y, saved = run(params, x, rng, plan_f, False)[0], None
+        return y, (params, x, rng, saved)
+
+    def seg_bwd(res, g):
+        params, x, rng, saved = res
+        if saved is None:  # N_bp != N_fp: one more forward to collect the boundary rows
+            saved = run(params, x, rng, plan_b, True)[1]
+        dp, dx = backward(params, x, rng, saved, g)
+        return dp, dx, None
+
+    seg.defvjp(seg_fwd, seg_bwd)
+    return seg(params, x, rng)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def check_tileable(layers, where="layers"):
+    for i, layer in enumerate(layers):
+        check_layer(layer, f"{where}[{i}]")
+        if isinstance(layer, BatchNorm) and not layer.use_running_average:
+            raise ValueError(
+                f"{where}[{i}] is BatchNorm(use_running_average=False): train-mode BatchNorm "
+                "needs statistics over the whole image and cannot be row-tiled exactly. "
+                "Either use eval/frozen statistics (BatchNorm(use_running_average=True) or "
+                "Affine), or split the stack: run the tiled parts with rowconv.apply and the "
+                "train-mode BatchNorm between them untiled (or use rows=1).")
+        if isinstance(layer, Residual):
+            check_tileable(layer.branch, f"{where}[{i}].branch")
+            if isinstance(layer.branch, (list, tuple)) and any(
+                    isinstance(b, Checkpoint) for b in layer.branch):
+                raise ValueError(f"{where}[{i}]: Checkpoint markers must be at the top level")
+            if layer.shortcut is not None:
+                check_tileable(layer.shortcut, f"{where}[{i}].shortcut")
+
+
+def split_segments(layers):
+    """[(start, stop)] index ranges of the segments between Checkpoint markers."""
+    segs, start = [], 0
+    for i, layer in enumerate(layers):
+        if isinstance(layer, Checkpoint):
+            if i > start:
+                segs.append((start, i))
+            start = i + 1
+    if len(layers) > start:
+        segs.append((start, len(layers)))
+    return segs
+
+
+def _per_segment(v, n, name):
+    if v is None or isinstance(v, int):
+        return [v] * n
+    v = list(v)
+    if len(v) != n:
+        raise ValueError(f"{name} has {len(v)} entries but the stack has {n} segments "
+                         "(Checkpoint markers split it); pass an int or one entry per segment")
+    return v
+
+
+def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
+          rows_bp=None, rng=None, unroll: int = 1):
+    """Run ``layers`` on ``x`` (NHWC) tile by tile; exact outputs and gradients.
+
+    Args:
+      layers: the stack (see ``rowconv.layers``); ``Checkpoint()`` markers cut it into
+        segments tiled separately (the hybrid OverL-H / 2PS-H variants).
+      params: from :func:`init` (a list aligned with ``layers``).
+      x: input batch, NHWC.
+      rows: N_fp, the number of row tiles in the forward pass (an int, or one per
+        segment). ``rows=1`` runs the plain untiled stack.
+      mode: 'overlap' (OverL: independent tiles with recomputed halos) or 'share'
+        (2PS: boundary rows carried from tile to tile, nothing recomputed).
+      rows_bp: N_bp, tiles in the backward pass (default: ``rows``).
+      rng: PRNG key, needed by ``Dropout(deterministic=False)``.
+      unroll: ``lax.scan`` unroll factor of the tile loops.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not hasattr(x, "ndim") or x.ndim != 4:
+        raise ValueError(f"x must be an NHWC array (4 dims), got shape {getattr(x, 'shape', x)}")
+    layers = list(layers)
+    params = list(params)
+    if len(params) != len(layers):
+        raise ValueError(f"params has {len(params)} entries for {len(layers)} layers; "
+                         "use rowconv.init(layers, key, input_shape)")
+    segs = split_segments(layers)
+    r_fp = _per_segment(rows, len(segs), "rows")
+    r_bp = _per_segment(rows_bp, len(segs), "rows_bp")
+    for s, (a, b) in enumerate(segs):
+        nf = r_fp[s]
+        nb = r_bp[s] if r_bp[s] is not None else nf
+        seg_layers, seg_params = layers[a:b], params[a:b]
+        if nf == 1 and nb == 1:
+            for i, layer in enumerate(seg_layers):
+                check_layer(layer, f"layers[{a + i}]")
+            x = apply_layers(seg_layers, seg_params, x, rng, start=a)
+            continue
+        check_tileable(seg_layers, "layers")
+        geoms = H.geometry(seg_layers, x.shape, start=a)
+        H.check_rows(geoms, nf, mode)
+        H.check_rows(geoms, nb, mode)
+        fn = _overlap_segment if mode == "overlap" else _share_segment
+        x = fn(geoms, seg_params, x, rng, nf, nb, unroll)
+    return x

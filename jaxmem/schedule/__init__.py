@@ -1,0 +1,43 @@
+"""jaxmem.schedule — OLLA: optimise the lifetime and location of a training step's arrays.
+
+Framework-neutral core (plain Python + numpy + OR-Tools CP-SAT; importing it never
+imports jax or torch):
+
+* :class:`Graph` — dataflow graph (nodes = operators, edges = tensors in bytes);
+* :func:`simulate` — peak resident bytes of a node order;
+* :func:`optimize` -> :class:`Plan` — ILP node ordering (eq. 14) + arena placement (eq. 15);
+* :func:`place` — placement alone for fixed lifetimes.
+
+JAX front end (imported lazily): :func:`trace` (jaxpr -> Graph), :func:`execute` and
+:class:`Scheduled` (run a step in the planned order, freeing buffers after last use).
+"""
+from __future__ import annotations
+
+from .graph import Edge, Graph, GraphError, Node
+from .order import best_greedy_order, greedy_order
+from .place import best_fit_online, check_placement, peak_of_spans, place
+from .plan import Plan, fragmentation_best_fit, node_lower_bound, optimize, validate_plan
+from .simulate import lifetimes, memory_profile, simulate
+
+_LAZY = {
+    "trace": "jaxmem.schedule.jaxpr_graph",
+    "TracedStep": "jaxmem.schedule.jaxpr_graph",
+    "UnsupportedPrimitiveError": "jaxmem.schedule.jaxpr_graph",
+    "execute": "jaxmem.schedule.executor",
+    "Scheduled": "jaxmem.schedule.executor",
+}
+
+__all__ = [
+    "Graph", "Node", "Edge", "GraphError", "simulate", "lifetimes", "memory_profile",
+    "optimize", "Plan", "validate_plan", "node_lower_bound", "place", "check_placement",
+    "peak_of_spans", "best_fit_online", "fragmentation_best_fit", "greedy_order",
+    "best_greedy_order",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxmem.schedule' has no attribute {name!r}")

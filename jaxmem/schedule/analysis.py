@@ -1,0 +1,154 @@
+"""Structural analysis used to shrink the ILP (OLLA, section 4).
+
+* :func:`spans` — ``SPAN(v) = [ASAP(v), ALAP(v)]``. The paper takes ASAP as the longest
+  path from an input; because our schedules run exactly one node per step we use the
+  tighter (still exact) bounds ``ASAP(v) = |ancestors(v)|`` and
+  ``ALAP(v) = n - 1 - |descendants(v)|``: every ancestor must run before ``v`` and every
+  descendant after it. On a chain every span is a single step.
+* :func:`edge_ranges` — ``MUL(e) = [ASAP(src), max_s ALAP(s)]`` (where the tensor *may* be
+  resident, eq. 11) and ``PRES(e) = [ALAP(src) + 1, max_s ASAP(s)]`` (where it *must* be,
+  eq. 12).
+* :class:`Reach` — reachability bitsets (the paper's memoised ``IsInTransitiveFanin``),
+  used for precedence pruning of placement pairs (section 4.2).
+* :func:`add_early_update_edges` — control edges that force weight updates to run early
+  (section 4.3, Functions 3 and 4).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .graph import Graph
+
+__all__ = ["Reach", "spans", "edge_ranges", "add_early_update_edges", "levels"]
+
+
+class Reach:
+    """Ancestor/descendant bitsets over a topological order (Python ints as bitsets)."""
+
+    def __init__(self, graph: Graph, topo: list[str] | None = None) -> None:
+        self.order = topo if topo is not None else graph.topological_order()
+        self.index = {n: i for i, n in enumerate(self.order)}
+        n = len(self.order)
+        preds = [[self.index[p] for p in graph.preds(v)] for v in self.order]
+        anc = [0] * n
+        for i in range(n):
+            a = 0
+            for p in preds[i]:
+                a |= anc[p] | (1 << p)
+            anc[i] = a
+        desc = [0] * n
+        succs = [[self.index[s] for s in graph.succs(v)] for v in self.order]
+        for i in range(n - 1, -1, -1):
+            d = 0
+            for s in succs[i]:
+                d |= desc[s] | (1 << s)
+            desc[i] = d
+        self.anc = anc
+        self.desc = desc
+
+    def reaches(self, u: str, v: str) -> bool:
+        """True iff ``v`` is in the transitive fanout of ``u`` (u must run before v)."""
+        return bool(self.desc[self.index[u]] >> self.index[v] & 1)
+
+
+def spans(graph: Graph, reach: Reach | None = None) -> dict[str, tuple[int, int]]:
+    """``node -> (ASAP, ALAP)`` for sequential schedules of ``len(graph)`` steps."""
+    reach = reach or Reach(graph)
+    n = len(reach.order)
+    return {
+        v: (reach.anc[i].bit_count(), n - 1 - reach.desc[i].bit_count())
+        for i, v in enumerate(reach.order)
+    }
+
+
+def edge_ranges(graph: Graph, span: dict[str, tuple[int, int]]):
+    """``edge -> (MUL, PRES)`` step ranges (inclusive; PRES may be empty: lo > hi)."""
+    n = len(graph.nodes)
+    out = {}
+    for e in graph.edges.values():
+        a_src, l_src = span[e.src]
+        if e.output:
+            mul_end = n - 1
+            pres_end = n - 1
+        elif e.sinks:
+            mul_end = max(span[s][1] for s in e.sinks)
+            pres_end = max(span[s][0] for s in e.sinks)
+        else:
+            mul_end = l_src
+            pres_end = -1
+        out[e.name] = ((a_src, mul_end), (l_src + 1, pres_end))
+    return out
+
+
+def levels(graph: Graph, topo: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Forward levels (longest path from a source) and backward levels (longest path to
+    a sink) — the levelisations of Function 3."""
+    fwd: dict[str, int] = {}
+    for v in topo:
+        fwd[v] = max((fwd[p] + 1 for p in graph.preds(v)), default=0)
+    bwd: dict[str, int] = {}
+    for v in reversed(topo):
+        bwd[v] = max((bwd[s] + 1 for s in graph.succs(v)), default=0)
+    return fwd, bwd
+
+
+def add_early_update_edges(graph: Graph, update_nodes: Iterable[str] | None = None) -> Graph:
+    """Return a copy of ``graph`` with size-0 control edges ``update -> anchor``.
+
+    For each weight-update node ``u`` (default: nodes of kind ``"update"``) we search
+    outwards from its fanin (Function 3) for an *anchor*: a node whose forward level
+    exceeds ``u``'s (so no cycle can appear) and whose backward level is as high as
+    possible (it runs early). The control edge bounds ``ALAP(u) < ALAP(anchor)``, so the
+    update, and with it the freeing of its gradient, cannot drift to the end of the step.
+    The search is Function 4's; it only adds an edge when it finds a candidate that
+    is not already a descendant of ``u``'s and does not reach ``u`` (acyclicity is
+    re-checked).
+    """
+    g = graph.copy()
+    topo = g.topological_order()
+    fwd, bwd = levels(g, topo)
+    reach = Reach(g, topo)
+    if update_nodes is None:
+        update_nodes = [v for v, node in g.nodes.items() if node.kind == "update"]
+    count = 0
+    for u in update_nodes:
+        if g.succs(u):
+            continue  # already has readers: its ALAP is constrained by them
+        min_fwd = fwd[u]
+        visited: dict[str, tuple[str | None, int]] = {}
+
+        def find(v: str) -> tuple[str | None, int]:
+            # Function 4 (iterative-safe for moderate depths)
+            if v in visited:
+                return visited[v]
+            visited[v] = (None, -1)
+            best, best_lvl = None, -1
+            for s in g.succs(v):
+                if bwd[s] <= best_lvl:
+                    continue
+                if fwd[s] <= min_fwd:
+                    cand, lvl = find(s)
+                    if lvl > best_lvl:
+                        best, best_lvl = cand, lvl
+                else:
+                    best, best_lvl = s, bwd[s]
+            visited[v] = (best, best_lvl)
+            return best, best_lvl
+
+        starts = {u}
+        anchor = None
+        seen_starts: set[str] = set()
+        while anchor is None and starts:
+            nxt = {p for v in starts for p in g.preds(v)} - seen_starts
+            seen_starts |= nxt
+            starts = nxt
+            best_lvl = -1
+            for s in starts:
+                cand, lvl = find(s)
+                if cand is not None and lvl > best_lvl and not reach.reaches(cand, u) and cand != u:
+                    anchor, best_lvl = cand, lvl
+        if anchor is not None:
+            g.add_edge(f"__ctrl_{count}_{u}->{anchor}", u, [anchor], 0)
+            count += 1
+    g.validate()
+    return g

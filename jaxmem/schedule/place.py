@@ -1,0 +1,324 @@
+"""Tensor placement in one arena (OLLA eq. 15) and an online best-fit allocator.
+
+Given fixed lifetimes — ``(size, first step, last step)`` per tensor, inclusive — choose
+an offset ``A_e`` per tensor so that tensors resident at a common step never overlap
+(eqs. 6, 7a, 7b) and the arena ``max_e A_e + S_e`` (eq. 8) is minimal. The arena can
+never be smaller than ``max_t sum_{e live at t} S_e`` (the peak resident set); an arena
+equal to it has *zero fragmentation*.
+
+Method, cheapest first:
+
+1. offline heuristics — *greedy by size* (largest first, each at the best-fitting gap
+   among the time-overlapping tensors already placed) and the paper's *pyramid
+   pre-placement* of long-lived tensors (Function 5) followed by greedy by size;
+   if one reaches the peak it is optimal and we stop;
+2. otherwise CP-SAT with ``NoOverlap2D`` over (time, address) rectangles — pairs whose
+   lifetimes do not intersect are never constrained (the precedence pruning of section
+   4.2 is implicit) — warm-started from the best heuristic placement, anytime.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["place", "Placement", "peak_of_spans", "best_fit_online", "check_placement"]
+
+Span = tuple[int, int, int]  # (size, first, last)
+
+
+@dataclasses.dataclass
+class Placement:
+    addresses: list[int]
+    arena_size: int
+    lower_bound: int
+    optimal: bool
+    method: str
+    seconds: float
+
+
+def _normalize(spans) -> tuple[list, list[Span]]:
+    if isinstance(spans, Mapping):
+        keys = list(spans)
+        vals = [spans[k] for k in keys]
+    else:
+        keys = None
+        vals = list(spans)
+    out = []
+    for i, sp in enumerate(vals):
+        try:
+            size, a, b = sp
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"spans[{keys[i] if keys else i}]: expected (size, first_step, last_step), got {sp!r}"
+            ) from None
+        size, a, b = int(size), int(a), int(b)
+        if size < 0:
+            raise ValueError(f"spans[{keys[i] if keys else i}]: size must be >= 0, got {size}")
+        if b < a:
+            raise ValueError(
+                f"spans[{keys[i] if keys else i}]: last step {b} is before first step {a}"
+            )
+        out.append((size, a, b))
+    return keys, out
+
+
+def peak_of_spans(spans: Sequence[Span]) -> int:
+    """``max_t`` of the bytes resident at step ``t`` (the placement lower bound)."""
+    if not spans:
+        return 0
+    hi = max(b for _, _, b in spans)
+    lo = min(a for _, a, _ in spans)
+    diff = np.zeros(hi - lo + 2, dtype=np.int64)
+    for s, a, b in spans:
+        diff[a - lo] += s
+        diff[b - lo + 1] -= s
+    return int(np.cumsum(diff).max())
+
+
+def _overlap(x: Span, y: Span) -> bool:
+    return x[1] <= y[2] and y[1] <= x[2]
+
+
+def _greedy_by_size(spans: list[Span], order: list[int], fixed: dict[int, int] | None = None):
+    """Place tensors in ``order``; each goes to the smallest gap that fits among the
+    already-placed tensors live at the same time (best fit), else on top."""
+    addr: dict[int, int] = dict(fixed or {})
+    placed = list(addr)
+    for i in order:
+        if i in addr:
+            continue
+        size = spans[i][0]
+        if size == 0:
+            addr[i] = 0
+            continue
+        busy = sorted((addr[j], addr[j] + spans[j][0]) for j in placed
+                      if spans[j][0] > 0 and _overlap(spans[i], spans[j]))
+        best, best_gap, cur = None, None, 0
+        for lo, hi in busy:
+            if lo - cur >= size:
+                gap = lo - cur
+                if best_gap is None or gap < best_gap:
+                    best, best_gap = cur, gap
+            cur = max(cur, hi)
+        addr[i] = best if best is not None else cur
+        placed.append(i)
+    arena = max((addr[i] + spans[i][0] for i in range(len(spans))), default=0)
+    return [addr[i] for i in range(len(spans))], arena
+
+
+def _pyramid(spans: list[Span]) -> dict[int, int]:
+    """Function 5: stack nested long lifetimes at increasing addresses."""
+    fixed: dict[int, int] = {}
+    min_start, max_end, base = -math.inf, math.inf, 0
+    while True:
+        best, best_dur = None, 0
+        for i, (s, a, b) in enumerate(spans):
+            if i in fixed or s == 0 or a < min_start or b > max_end:
+                continue
+            if b - a > best_dur:
+                best, best_dur = i, b - a
+        if best is None:
+            break
+        fixed[best] = base
+        base += spans[best][0]
+        min_start, max_end = spans[best][1], spans[best][2]
+    return fixed
+
+
+def check_placement(spans: Sequence[Span], addresses: Sequence[int]) -> None:
+    """Raise ValueError if two co-live tensors overlap in the arena or an address is < 0."""
+    items = sorted(
+        ((a, s, i) for i, (s, a, _b) in enumerate(spans) if s > 0), key=lambda x: x[0]
+    )
+    # sweep over time: check pairs live together (O(n^2) worst case, fine for tests/bench)
+    idx = [i for _, _, i in items]
+    for k, i in enumerate(idx):
+        if addresses[i] < 0:
+            raise ValueError(f"placement: negative address for tensor {i}")
+        si = spans[i]
+        for j in idx[k + 1:]:
+            sj = spans[j]
+            if sj[1] > si[2]:
+                break
+            if _overlap(si, sj):
+                ai, aj = addresses[i], addresses[j]
+                if ai < aj + sj[0] and aj < ai + si[0]:
+                    raise ValueError(
+                        f"placement: tensors {i} and {j} are live together and overlap "
+                        f"([{ai}, {ai + si[0]}) vs [{aj}, {aj + sj[0]}))"
+                    )
+
+
+def place(
+    spans,
+    time_limit: float = 10.0,
+    num_workers: int = 2,
+    preplace: bool | str = "auto",
+    return_info: bool = False,
+):
+    """Minimal-arena placement of tensors with fixed lifetimes.
+
+    Args:
+      spans: sequence (or mapping name -> ...) of ``(size_bytes, first_step, last_step)``,
+        steps inclusive.
+      time_limit: seconds for the CP-SAT stage (> 0); only used when no heuristic reaches
+        the lower bound.
+      preplace: fix the pyramid of long-lived tensors (paper, section 4.5) in the CP-SAT
+        model; "auto" does it above 200 tensors.
+
+    Returns:
+      ``(addresses, arena_size)`` — addresses in the same structure as ``spans`` (list, or
+      dict with the same keys) — or a :class:`Placement` when ``return_info``.
+    """
+    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        raise ValueError(f"time_limit: must be a number of seconds > 0, got {time_limit!r}")
+    if preplace not in (True, False, "auto"):
+        raise ValueError(f"preplace: must be True, False or 'auto', got {preplace!r}")
+    t0 = time.perf_counter()
+    keys, sp = _normalize(spans)
+    lb = peak_of_spans(sp)
+    n = len(sp)
+    cands = []
+    by_size = sorted(range(n), key=lambda i: (-sp[i][0], -(sp[i][2] - sp[i][1]), sp[i][1]))
+    cands.append(("greedy_by_size",) + _greedy_by_size(sp, by_size))
+    by_dur = sorted(range(n), key=lambda i: (-(sp[i][2] - sp[i][1]), -sp[i][0]))
+    cands.append(("greedy_by_duration",) + _greedy_by_size(sp, by_dur))
+    pyr = _pyramid(sp)
+    cands.append(("pyramid+greedy",) + _greedy_by_size(sp, by_size, fixed=pyr))
+    method, addrs, arena = min(cands, key=lambda c: c[2])
+    optimal = arena == lb
+    if not optimal:
+        res = _cpsat_place(sp, addrs, arena, lb, time_limit - (time.perf_counter() - t0),
+                           num_workers, pyr if (preplace is True or (preplace == "auto" and n > 200)) else None)
+        if res is not None and res[1] <= arena:
+            addrs, arena, optimal = res
+            method = "cp-sat"
+            if optimal:
+                lb = arena
+        elif res is not None and res[2]:
+            pass
+    check_placement(sp, addrs)
+    info = Placement(addrs, int(arena), int(lb), bool(optimal), method, time.perf_counter() - t0)
+    if keys is not None:
+        info.addresses = dict(zip(keys, addrs))
+    if return_info:
+        return info
+    return info.addresses, info.arena_size
+
+
+def _cpsat_place(sp, hint_addrs, hint_arena, lb, time_limit, num_workers, fixed):
+    from ortools.sat.python import cp_model
+
+    if time_limit <= 0.01:
+        return None
+    g = 0
+    for s, _, _ in sp:
+        g = math.gcd(g, s)
+    g = g or 1
+    m = cp_model.CpModel()
+    ub = hint_arena // g
+    arena = m.NewIntVar(lb // g if lb % g == 0 else lb // g + 1, ub, "arena")
+    xs, ys, A = [], [], []
+    for i, (s, a, b) in enumerate(sp):
+        if s == 0:
+            A.append(0)
+            continue
+        sz = s // g
+        if fixed is not None and i in fixed:
+            av = m.NewConstant(fixed[i] // g) if fixed[i] % g == 0 else None
+            if av is None:
+                av = m.NewIntVar(0, ub - sz, f"A{i}")
+        else:
+            av = m.NewIntVar(0, max(0, ub - sz), f"A{i}")
+        A.append(av)
+        xs.append(m.NewFixedSizeIntervalVar(a, b - a + 1, f"T{i}"))
+        ys.append(m.NewFixedSizeIntervalVar(av, sz, f"Y{i}"))
+        m.Add(av + sz <= arena)
+        m.AddHint(av, hint_addrs[i] // g) if hint_addrs[i] % g == 0 else None
+    m.AddNoOverlap2D(xs, ys)
+    m.Minimize(arena)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.num_workers = int(num_workers)
+    st = solver.Solve(m)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    addrs = [0 if isinstance(a, int) else solver.Value(a) * g for a in A]
+    ar = solver.Value(arena) * g
+    ar = max((addrs[i] + sp[i][0] for i in range(len(sp))), default=0)
+    return addrs, ar, st == cp_model.OPTIMAL and fixed is None or ar == lb
+
+
+def best_fit_online(spans: Sequence[Span]) -> tuple[int, int, float]:
+    """Simulate an online best-fit allocator with coalescing free blocks.
+
+    Events are processed step by step (frees of tensors whose last step has passed, then
+    allocations of tensors created at this step, in the given order). A request takes
+    the smallest free block that fits, else grows the arena at the top. Returns
+    ``(arena_high_water, resident_at_that_moment, fragmentation)`` with fragmentation
+    ``(MR - RS) / MR`` measured when the reserved memory MR first reaches its peak
+    (OLLA section 5.4).
+    """
+    free: list[tuple[int, int]] = []  # sorted (start, end) free blocks below top
+    top = 0
+    where: dict[int, int] = {}
+    live = 0
+    mr, rs_at_peak = 0, 0
+    starts: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {}
+    for i, (s, a, b) in enumerate(spans):
+        starts.setdefault(a, []).append(i)
+        ends.setdefault(b, []).append(i)
+    steps = sorted(set(starts) | set(ends))
+
+    def release(i):
+        nonlocal top, live
+        s = spans[i][0]
+        if s == 0:
+            return
+        live -= s
+        lo = where.pop(i)
+        hi = lo + s
+        k = bisect.bisect_left(free, (lo, hi))
+        # coalesce with neighbours
+        if k > 0 and free[k - 1][1] == lo:
+            lo = free[k - 1][0]
+            free.pop(k - 1)
+            k -= 1
+        if k < len(free) and free[k][0] == hi:
+            hi = free[k][1]
+            free.pop(k)
+        if hi == top:
+            top = lo
+        else:
+            free.insert(k, (lo, hi))
+
+    for t in steps:
+        for i in starts.get(t, []):
+            s = spans[i][0]
+            if s == 0:
+                continue
+            best = None
+            for k, (lo, hi) in enumerate(free):
+                if hi - lo >= s and (best is None or hi - lo < free[best][1] - free[best][0]):
+                    best = k
+            if best is None:
+                where[i] = top
+                top += s
+            else:
+                lo, hi = free.pop(best)
+                where[i] = lo
+                if hi - lo > s:
+                    free.insert(best, (lo + s, hi))
+            live += s
+            if top > mr:
+                mr, rs_at_peak = top, live
+        for i in ends.get(t, []):
+            release(i)
+    frag = (mr - rs_at_peak) / mr if mr else 0.0
+    return mr, rs_at_peak, frag

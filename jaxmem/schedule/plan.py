@@ -1,0 +1,214 @@
+"""OLLA end to end: order the nodes, then place the tensors (paper section 4.4).
+
+``optimize(graph)`` returns a :class:`Plan`:
+
+1. warm start — the best greedy order (:mod:`jaxmem.schedule.order`), always available;
+2. ordering — the ILP of eq. 14 (:mod:`jaxmem.schedule.ilp`) with CP-SAT, anytime,
+   warm-started from (1) and bounded above by its peak;
+3. placement — eq. 15 (:func:`jaxmem.schedule.place.place`) for the lifetimes the order
+   implies; persistent tensors sit at the bottom of the arena.
+
+The plan's ``lower_bound`` is a proven lower bound of the best peak of *any* order of
+the given graph (the solver's bound, or the largest single-node working set when the
+solver did not run / early-update control edges were added), so ``peak - lower_bound``
+is the remaining gap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+from .analysis import add_early_update_edges
+from .graph import Graph
+from .ilp import solve_order
+from .order import best_greedy_order
+from .place import best_fit_online, check_placement, place
+from .simulate import lifetimes, simulate
+
+__all__ = ["Plan", "optimize", "node_lower_bound", "validate_plan"]
+
+
+@dataclasses.dataclass
+class Plan:
+    """Result of :func:`optimize`.
+
+    Attributes:
+      order: node names, one per step (a topological order).
+      peak: peak resident bytes of ``order`` (persistent tensors included).
+      addresses: edge name -> byte offset in the arena (every edge; size-0 at 0).
+      arena_size: bytes of the arena; equals ``peak`` when there is no fragmentation.
+      lower_bound: proven lower bound of the optimal peak.
+      optimal: ``peak == lower_bound`` (order proven optimal) and arena == peak.
+      solve_seconds: wall time of the whole optimisation.
+      baseline_peak: peak of the program order (None if it is not topological).
+      greedy_peak: peak of the best greedy order (the fallback).
+      method: which stage produced the order ("ilp", or the greedy rule's name).
+      status: CP-SAT's status for the ordering problem ("skipped" when not run).
+    """
+
+    order: list[str]
+    peak: int
+    addresses: dict[str, int]
+    arena_size: int
+    lower_bound: int
+    optimal: bool
+    solve_seconds: float
+    baseline_peak: int | None = None
+    greedy_peak: int | None = None
+    method: str = ""
+    status: str = ""
+    order_seconds: float = 0.0
+    place_seconds: float = 0.0
+    num_vars: int = 0
+
+    @property
+    def gap(self) -> float:
+        """Relative gap ``(peak - lower_bound) / peak``."""
+        return (self.peak - self.lower_bound) / self.peak if self.peak else 0.0
+
+    @property
+    def fragmentation(self) -> float:
+        return (self.arena_size - self.peak) / self.arena_size if self.arena_size else 0.0
+
+    @property
+    def reduction(self) -> float | None:
+        """``1 - peak / baseline_peak``."""
+        if not self.baseline_peak:
+            return None
+        return 1.0 - self.peak / self.baseline_peak
+
+
+def node_lower_bound(graph: Graph) -> int:
+    """``persistent + max_v (inputs(v) + outputs(v))``: every order needs at least this."""
+    best = 0
+    for v in graph.nodes:
+        es = set(graph.fanin(v)) | set(graph.fanout(v))
+        best = max(best, sum(graph.edges[e].size for e in es if not graph.edges[e].persistent))
+    return best + graph.persistent_bytes()
+
+
+def _check_time(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def optimize(
+    graph: Graph,
+    time_limit: float = 10.0,
+    placement: bool = True,
+    *,
+    place_time_limit: float | None = None,
+    early_updates: bool = False,
+    use_ilp: bool = True,
+    num_workers: int = 2,
+    log: bool = False,
+) -> Plan:
+    """Find a low-peak node order (and arena placement) for ``graph``.
+
+    Args:
+      time_limit: seconds for the ordering ILP (> 0). The solver is anytime: when it
+        runs out of time the best order found so far is returned with ``optimal=False``.
+      placement: also compute arena addresses (eq. 15); otherwise ``addresses`` is empty
+        and ``arena_size == peak`` is what a fragmentation-free allocator would need.
+      place_time_limit: seconds for the placement solver (default ``time_limit``).
+      early_updates: add the paper's early-weight-update control edges (section 4.3) to
+        nodes of kind ``"update"`` before solving (faster, but restricts the search; the
+        reported lower bound then falls back to :func:`node_lower_bound`).
+      use_ilp: False returns the greedy plan without calling the solver.
+    """
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph: expected a jaxmem.schedule.Graph, got {type(graph).__name__}")
+    time_limit = _check_time("time_limit", time_limit)
+    place_time_limit = _check_time(
+        "place_time_limit", time_limit if place_time_limit is None else place_time_limit
+    )
+    t0 = time.perf_counter()
+    graph.validate()
+    try:
+        baseline = simulate(graph, graph.program_order)
+    except ValueError:
+        baseline = None
+    work = add_early_update_edges(graph) if early_updates else graph
+    g_order, g_peak, g_rule = best_greedy_order(work)
+    order, peak, method, status, num_vars = g_order, g_peak, g_rule, "skipped", 0
+    lb = node_lower_bound(graph)
+    if use_ilp and len(graph.nodes) > 1:
+        res = solve_order(work, hint=g_order, time_limit=time_limit, num_workers=num_workers,
+                          upper_bound=g_peak, log=log)
+        status, num_vars = res.status, res.num_vars
+        if res.order:
+            p = simulate(graph, res.order)
+            if p < peak:
+                order, peak, method = res.order, p, "ilp"
+        if not early_updates:
+            lb = max(lb, res.bound if res.status != "UNKNOWN" else 0)
+            if res.status == "INFEASIBLE":
+                lb = max(lb, g_peak)
+    lb = min(lb, peak)
+    order_s = time.perf_counter() - t0
+    addresses: dict[str, int] = {}
+    arena = peak
+    place_optimal = True
+    if placement:
+        spans = lifetimes(graph, order)
+        names = list(spans)
+        sp = [(graph.edges[k].size, *spans[k]) for k in names]
+        info = place(sp, time_limit=place_time_limit, num_workers=num_workers,
+                     return_info=True)
+        base = graph.persistent_bytes()
+        off = 0
+        for e in graph.edges.values():
+            if e.persistent:
+                addresses[e.name] = off
+                off += e.size
+        for k, a in zip(names, info.addresses):
+            addresses[k] = base + a
+        arena = base + info.arena_size
+        place_optimal = arena == peak
+    total = time.perf_counter() - t0
+    return Plan(
+        order=list(order), peak=int(peak), addresses=addresses, arena_size=int(arena),
+        lower_bound=int(lb), optimal=bool(peak == lb and place_optimal),
+        solve_seconds=total, baseline_peak=baseline, greedy_peak=int(g_peak), method=method,
+        status=status, order_seconds=order_s, place_seconds=total - order_s,
+        num_vars=num_vars,
+    )
+
+
+def validate_plan(graph: Graph, plan: Plan) -> None:
+    """Raise ValueError unless ``plan.order`` is topological, ``plan.peak`` is its
+    simulated peak, and (when placed) no two co-live tensors overlap in the arena."""
+    graph.check_order(plan.order)
+    p = simulate(graph, plan.order)
+    if p != plan.peak:
+        raise ValueError(f"plan.peak {plan.peak} != simulated peak {p}")
+    if plan.lower_bound > plan.peak:
+        raise ValueError("plan.lower_bound exceeds plan.peak")
+    if plan.addresses:
+        spans = lifetimes(graph, plan.order)
+        n = len(plan.order)
+        names = [e for e in graph.edges]
+        sp = []
+        addrs = []
+        for e in names:
+            ed = graph.edges[e]
+            a, b = (0, n - 1) if ed.persistent else spans[e]
+            sp.append((ed.size, a, b))
+            addrs.append(plan.addresses[e])
+            if plan.addresses[e] + ed.size > plan.arena_size:
+                raise ValueError(f"edge {e!r} placed beyond the arena")
+        check_placement(sp, addrs)
+
+
+def fragmentation_best_fit(graph: Graph, order: Sequence[str]) -> tuple[int, float]:
+    """Arena high-water and fragmentation of an online best-fit allocator on ``order``
+    (persistent tensors allocated first)."""
+    spans = lifetimes(graph, order)
+    n = len(order)
+    sp = [(e.size, -1, n) for e in graph.edges.values() if e.persistent]
+    # program creation order for allocation within a step: edges in fanout order
+    sp += [(graph.edges[k].size, *spans[k]) for k in spans]
+    mr, _rs, frag = best_fit_online(sp)
+    return mr, frag

@@ -1,0 +1,60 @@
+"""Resident set and peak memory of a node order (OLLA, section 2.2).
+
+For an order ``v_0, ..., v_{n-1}`` (node ``v_t`` runs at step ``t``) a non-persistent tensor
+``e`` is resident over the closed step range
+
+    [ t(src(e)),  max_{s in snks(e)} t(s) ]      (just ``t(src(e))`` when it has no sink;
+                                                   up to ``n - 1`` when it is an output)
+
+so the resident set ``RS(t)`` holds the inputs and outputs of ``v_t`` plus every earlier
+tensor still needed later. Persistent tensors are resident at every step. The peak is
+``max_t sum_{e in RS(t)} S_e``; that is what an allocator with no fragmentation needs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .graph import Graph
+
+__all__ = ["lifetimes", "memory_profile", "simulate"]
+
+
+def lifetimes(graph: Graph, order: Sequence[str], check: bool = True) -> dict[str, tuple[int, int]]:
+    """``edge -> (first step, last step)`` (inclusive) for every non-persistent edge."""
+    if check:
+        graph.check_order(order)
+    pos = {n: i for i, n in enumerate(order)}
+    last = len(order) - 1
+    out = {}
+    for e in graph.edges.values():
+        if e.persistent:
+            continue
+        start = pos[e.src]
+        end = max((pos[s] for s in e.sinks), default=start)
+        if e.output:
+            end = last
+        out[e.name] = (start, end)
+    return out
+
+
+def memory_profile(graph: Graph, order: Sequence[str], check: bool = True) -> np.ndarray:
+    """Resident bytes at each step (int64 array of length ``len(order)``)."""
+    spans = lifetimes(graph, order, check=check)
+    diff = np.zeros(len(order) + 1, dtype=np.int64)
+    for name, (a, b) in spans.items():
+        size = graph.edges[name].size
+        diff[a] += size
+        diff[b + 1] -= size
+    return np.cumsum(diff[:-1]) + graph.persistent_bytes()
+
+
+def simulate(graph: Graph, order: Sequence[str] | None = None) -> int:
+    """Peak resident bytes of ``order`` (default: program order). ValueError on an
+    order that is not topological or does not list every node once."""
+    if order is None:
+        order = graph.program_order
+    if len(order) == 0:
+        return graph.persistent_bytes()
+    return int(memory_profile(graph, order).max())

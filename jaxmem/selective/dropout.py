@@ -1,0 +1,71 @@
+"""Dropout that stores only its PRNG key for the backward pass.
+
+``y = where(m, x / p, 0)`` with ``m ~ Bernoulli(p)``, ``p = 1 - rate`` (Flax's arithmetic,
+``jax.random.bernoulli(key, p, shape)``). ``dL/dx = where(m, g / p, 0)``: the mask is a
+deterministic function of the key, so the backward pass regenerates it from the key (a few
+bytes) instead of keeping a mask or the scaled input.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmem.selective._core import check_float, is_zero, tag
+
+__all__ = ["dropout"]
+
+
+def _mask(key, keep, shape, bshape):
+    return jnp.broadcast_to(jax.random.bernoulli(key, p=keep, shape=bshape), shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dropout(keep, bshape, key, x):
+    m = _mask(key, keep, x.shape, bshape)
+    return lax.select(m, x / keep, jnp.zeros_like(x))
+
+
+def _dropout_fwd(keep, bshape, key, x):
+    m = _mask(key.value, keep, x.value.shape, bshape)
+    y = lax.select(m, x.value / keep, jnp.zeros_like(x.value))
+    res = tag(key.value, "dropout.key") if x.perturbed else None
+    return y, (res,)
+
+
+def _dropout_bwd(keep, bshape, res, g):
+    (key,) = res
+    if key is None or is_zero(g):
+        return None, None
+    m = _mask(key, keep, g.shape, bshape)
+    return None, lax.select(m, g / keep, jnp.zeros_like(g))
+
+
+_dropout.defvjp(_dropout_fwd, _dropout_bwd, symbolic_zeros=True)
+
+
+def dropout(key, x, rate: float, *, deterministic: bool = False,
+            broadcast_dims: Sequence[int] = ()):
+    """Inverted dropout of ``x`` with drop probability ``rate`` (Flax ``nn.Dropout`` math).
+
+    ``broadcast_dims``: axes along which the same mask is shared. With
+    ``deterministic=True`` or ``rate == 0`` this is the identity; ``rate == 1`` gives zeros.
+    """
+    check_float("dropout: x", x)
+    if not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"dropout: rate must be a float in [0, 1], got {rate!r}")
+    x = jnp.asarray(x)
+    if deterministic or rate == 0.0:
+        return x
+    if rate == 1.0:
+        return jnp.zeros_like(x)
+    bshape = list(x.shape)
+    for d in broadcast_dims:
+        if not isinstance(d, int) or not -x.ndim <= d < x.ndim:
+            raise ValueError(f"dropout: broadcast_dims must be axes of x (ndim {x.ndim}), got "
+                             f"{tuple(broadcast_dims)!r}")
+        bshape[d] = 1
+    return _dropout(1.0 - float(rate), tuple(bshape), key, x)

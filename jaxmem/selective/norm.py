@@ -1,0 +1,361 @@
+"""Differentiability-aware normalisation layers: batch, layer, group and RMS norm.
+
+All four are one primitive, ``_normalize``: with statistics over ``axes``
+
+    mu    = mean(x)                     (0 for RMS norm)
+    var   = mean(x^2) - mu^2            (mean(x^2) for RMS norm; clipped at 0)
+    rstd  = 1 / sqrt(var + eps)
+    xhat  = (x - mu) * rstd
+    y     = (x - mu) * (rstd * scale) + bias
+
+(the forward arithmetic of ``flax.linen``'s normalisation layers). With ``gs = g * scale``
+and ``<.>`` the mean over ``axes``, the exact vector-Jacobian products are
+
+    dL/dx     = rstd * (gs - <gs> - xhat * <gs * xhat>)      (RMS: no ``<gs>`` term)
+                + g_mu / N + g_var * 2 (x - mu) / N            (cotangents of mu, var)
+    dL/dscale = sum(g * xhat)          dL/dbias = sum(g)       (over non-parameter axes)
+
+Residuals: ``x`` (tagged ``jaxmem.selective.norm.input``) plus the per-group ``mu`` and
+``rstd`` iff ``x`` or ``scale`` is differentiated; ``xhat`` is recomputed from them in the
+backward pass. That is one input-sized tensor (4 B/element in f32) where JAX's autodiff keeps
+8-12 B/element, and nothing input-sized when only ``bias`` is trained. Storing ``x`` rather
+than ``xhat`` lets XLA share the buffer with any other residual that is the same array.
+
+Evaluation-mode batch norm (``_affine``) normalises with given running statistics and is
+affine in ``x``: ``dL/dx = g * rstd * scale`` needs only per-channel numbers; ``x`` is
+stored only when ``scale`` (or the running variance) is differentiated.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmem.selective._core import check_float, is_zero, perturbed, tag, value
+
+__all__ = ["batch_norm", "layer_norm", "group_norm", "rms_norm", "normalize"]
+
+
+def _stat_dtype(x):
+    return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+
+def _stats(x, axes, subtract_mean, fast_variance):
+    xs = x.astype(_stat_dtype(x))
+    if not subtract_mean:
+        var = jnp.mean(xs * xs, axes, keepdims=True)
+        return jnp.zeros_like(var), var
+    mu = jnp.mean(xs, axes, keepdims=True)
+    if fast_variance:
+        var = jnp.maximum(0.0, jnp.mean(xs * xs, axes, keepdims=True) - mu * mu)
+    else:
+        var = jnp.mean(jnp.square(xs - mu), axes, keepdims=True)
+    return mu, var
+
+
+def _inv_std(var, eps, inv_mode):
+    """``1/sqrt(var+eps)``: ``lax.rsqrt`` (flax) or ``1/sqrt`` (torch-exact twins)."""
+    if inv_mode == "rsqrt":
+        return lax.rsqrt(var + eps)
+    return jnp.reciprocal(jnp.sqrt(var + eps))
+
+
+def _affine_out(x, mu, rstd, scale, bias, out_dtype):
+    mul = rstd if scale is None else rstd * scale
+    y = (x - mu) * mul
+    if bias is not None:
+        y = y + bias
+    return y.astype(out_dtype)
+
+
+def _sum_to(a, shape):
+    """Sum ``a`` over the axes where ``shape`` has size 1 (keepdims), giving ``shape``."""
+    axes = tuple(i for i, (s, t) in enumerate(zip(a.shape, shape)) if t == 1 and s != 1)
+    return jnp.sum(a, axes, keepdims=True).reshape(shape)
+
+
+# ------------------------------------------------------------------ training statistics
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _normalize(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale, bias):
+    eps, inv_mode = eps
+    mu, var = _stats(x, axes, subtract_mean, fast_variance)
+    rstd = _inv_std(var, eps, inv_mode)
+    return _affine_out(x, mu, rstd, scale, bias, out_dtype), mu, var
+
+
+def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale, bias):
+    eps, inv_mode = eps
+    xv, sv, bv = value(x), value(scale), value(bias)
+    mu, var = _stats(xv, axes, subtract_mean, fast_variance)
+    rstd = _inv_std(var, eps, inv_mode)
+    y = _affine_out(xv, mu, rstd, sv, bv, out_dtype)
+    need_x = perturbed(x) or perturbed(scale)
+    res = (
+        tag(xv, "norm.input") if need_x else None,
+        mu if need_x else None,
+        rstd if need_x else None,
+        sv if perturbed(x) else None,
+        jax.ShapeDtypeStruct(xv.shape, xv.dtype),
+        None if sv is None else jax.ShapeDtypeStruct(sv.shape, sv.dtype),
+        None if bv is None else jax.ShapeDtypeStruct(bv.shape, bv.dtype),
+        perturbed(x), perturbed(scale), perturbed(bias),
+    )
+    # ShapeDtypeStructs / bools are not valid residuals; move them to a static closure.
+    statics = res[4:]
+    return (y, mu, var), (res[:4], _Static(statics))
+
+
+class _Static:
+    """Hashable wrapper so static metadata can ride along in the residual pytree."""
+
+    def __init__(self, v):
+        self.v = v
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.v), lambda v, _: _Static(v))
+
+
+def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts):
+    (xv, mu, rstd, sv), static = res
+    x_s, s_s, b_s, px, ps, pb = static.v
+    g, g_mu, g_var = cts
+    n = math.prod(x_s.shape[a] for a in axes)
+    dx = dscale = dbias = None
+    g_zero = is_zero(g)
+    gf = None if g_zero else g.astype(_stat_dtype(x_s.dtype))
+    if pb and not g_zero:
+        dbias = _sum_to(gf, b_s.shape).astype(b_s.dtype)
+    if px or ps:
+        xhat = (xv.astype(mu.dtype) - mu) * rstd
+        if ps and not g_zero:
+            dscale = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
+        if px:
+            acc = jnp.zeros(x_s.shape, mu.dtype)
+            if not g_zero:
+                gs = gf if sv is None else gf * sv
+                inner = gs - xhat * jnp.mean(gs * xhat, axes, keepdims=True)
+                if subtract_mean:
+                    inner = inner - jnp.mean(gs, axes, keepdims=True)
+                acc = acc + rstd * inner
+            if not is_zero(g_mu) and subtract_mean:
+                acc = acc + g_mu / n
+            if not is_zero(g_var):
+                acc = acc + g_var * (2.0 / n) * (xhat / rstd)
+            dx = acc.astype(x_s.dtype)
+    return dx, dscale, dbias
+
+
+_normalize.defvjp(_normalize_fwd, _normalize_bwd, symbolic_zeros=True)
+
+
+# ------------------------------------------------------------ given (running) statistics
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _affine(eps, out_dtype, x, mean, var, scale, bias):
+    rstd = _inv_std(var, *eps)
+    return _affine_out(x, mean, rstd, scale, bias, out_dtype)
+
+
+def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
+    xv, mv, vv, sv, bv = map(value, (x, mean, var, scale, bias))
+    rstd = _inv_std(vv, *eps)
+    y = _affine_out(xv, mv, rstd, sv, bv, out_dtype)
+    need_x = perturbed(scale) or perturbed(var)
+    mul = rstd if sv is None else rstd * sv
+    res = (
+        tag(xv, "norm.input") if need_x else None,
+        mv if need_x else None,
+        rstd if (need_x or perturbed(x) or perturbed(mean)) else None,
+        sv if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
+    )
+    structs = tuple(None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)
+                    for v in (xv, mv, vv, sv, bv))
+    flags = tuple(perturbed(p) for p in (x, mean, var, scale, bias))
+    del mul
+    return y, (res, _Static((structs, flags)))
+
+
+def _affine_bwd(eps, out_dtype, res, g):
+    (xv, mv, rstd, sv), static = res
+    structs, (px, pm, pv, ps, pb) = static.v
+    x_s, m_s, v_s, s_s, b_s = structs
+    if is_zero(g):
+        return None, None, None, None, None
+    gf = g.astype(_stat_dtype(x_s.dtype))
+    dx = dm = dv = ds = db = None
+    mul = None
+    if px or pm or pv:
+        mul = rstd if sv is None else rstd * sv
+    if px:
+        dx = (gf * mul).astype(x_s.dtype)
+    if pm:
+        dm = _sum_to(-gf * mul, m_s.shape).astype(m_s.dtype)
+    if pb:
+        db = _sum_to(gf, b_s.shape).astype(b_s.dtype)
+    if ps or pv:
+        xc = xv.astype(rstd.dtype) - mv
+        if ps:
+            ds = _sum_to(gf * xc * rstd, s_s.shape).astype(s_s.dtype)
+        if pv:
+            dv = _sum_to(gf * xc * (-0.5) * mul * rstd * rstd, v_s.shape).astype(v_s.dtype)
+    return dx, dm, dv, ds, db
+
+
+_affine.defvjp(_affine_fwd, _affine_bwd, symbolic_zeros=True)
+
+
+# --------------------------------------------------------------------------- public API
+def _canon_axes(ndim, axes, what):
+    if isinstance(axes, int):
+        axes = (axes,)
+    out = []
+    for a in axes:
+        if not isinstance(a, int) or not -ndim <= a < ndim:
+            raise ValueError(f"{what} must be ints in [-{ndim}, {ndim}), got {axes!r}")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what} has repeated axes: {axes!r}")
+    return tuple(sorted(out))
+
+
+def _param(p, shape, name, what):
+    if p is None:
+        return None
+    check_float(f"{what}: {name}", p)
+    p = jnp.asarray(p)
+    if math.prod(p.shape) != math.prod(shape):
+        raise ValueError(f"{what}: {name} must have {math.prod(shape)} elements to broadcast "
+                         f"as {shape}, got shape {p.shape}")
+    return p.reshape(shape)
+
+
+def _out_dtype(x, scale, bias, dtype):
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    args = [a for a in (x, scale, bias) if a is not None]
+    # flax: result dtype of the input and the (f32-promoted) parameters
+    return jnp.result_type(*args)
+
+
+def normalize(x, scale=None, bias=None, *, axes: Sequence[int], feature_axes: Sequence[int],
+              eps: float = 1e-6, subtract_mean: bool = True, fast_variance: bool = True,
+              dtype=None, inv_mode: str = "rsqrt"):
+    """Normalise ``x`` over ``axes`` and apply ``scale``/``bias`` along ``feature_axes``.
+
+    ``inv_mode``: ``'rsqrt'`` (flax) or ``'recip_sqrt'`` (``1/sqrt``, torch-exact twins).
+    Returns ``(y, mean, var)``; ``mean``/``var`` keep the reduced axes (size 1) and are
+    differentiable outputs too. See the module docstring for the math and residuals.
+    """
+    check_float("normalize: x", x)
+    x = jnp.asarray(x)
+    axes = _canon_axes(x.ndim, axes, "axes")
+    feature_axes = _canon_axes(x.ndim, feature_axes, "feature_axes")
+    pshape = tuple(x.shape[i] if i in feature_axes else 1 for i in range(x.ndim))
+    scale = _param(scale, pshape, "scale", "normalize")
+    bias = _param(bias, pshape, "bias", "normalize")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    _check_inv_mode(inv_mode)
+    out_dtype = _out_dtype(x, scale, bias, dtype)
+    return _normalize(axes, (float(eps), inv_mode), bool(subtract_mean), bool(fast_variance),
+                      out_dtype, x, scale, bias)
+
+
+def _check_inv_mode(inv_mode):
+    if inv_mode not in ("rsqrt", "recip_sqrt"):
+        raise ValueError(f"inv_mode must be 'rsqrt' or 'recip_sqrt', got {inv_mode!r}")
+
+
+def layer_norm(x, scale=None, bias=None, *, axis=-1, eps: float = 1e-6, dtype=None,
+               fast_variance: bool = True):
+    """Layer norm over ``axis`` (default the last); ``scale``/``bias`` have that axis' shape."""
+    x = jnp.asarray(x)
+    axes = _canon_axes(x.ndim, axis, "axis")
+    return normalize(x, scale, bias, axes=axes, feature_axes=axes, eps=eps, dtype=dtype,
+                     fast_variance=fast_variance)[0]
+
+
+def rms_norm(x, scale=None, *, axis=-1, eps: float = 1e-6, dtype=None):
+    """RMS norm ``x / sqrt(mean(x^2) + eps) * scale`` over ``axis``."""
+    x = jnp.asarray(x)
+    axes = _canon_axes(x.ndim, axis, "axis")
+    return normalize(x, scale, None, axes=axes, feature_axes=axes, eps=eps,
+                     subtract_mean=False, dtype=dtype)[0]
+
+
+def group_norm(x, scale=None, bias=None, *, num_groups: int, eps: float = 1e-6, dtype=None,
+               fast_variance: bool = True):
+    """Group norm of channel-last ``x`` ``(N, *spatial, C)``: statistics per sample over the
+    spatial axes and ``C // num_groups`` channels of each group; ``scale``/``bias`` ``(C,)``.
+    """
+    check_float("group_norm: x", x)
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"group_norm: x must be (N, ..., C), got shape {x.shape}")
+    c = x.shape[-1]
+    if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
+        raise ValueError(f"group_norm: num_groups must be a positive divisor of the channel "
+                         f"count {c}, got {num_groups!r}")
+    xg = x.reshape(x.shape[:-1] + (num_groups, c // num_groups))
+    axes = tuple(range(1, xg.ndim - 2)) + (xg.ndim - 1,)
+    out_dtype = _out_dtype(x, scale, bias, dtype)
+    y = normalize(xg, None if scale is None else jnp.asarray(scale).reshape(-1),
+                  None if bias is None else jnp.asarray(bias).reshape(-1),
+                  axes=axes, feature_axes=(xg.ndim - 2, xg.ndim - 1), eps=eps,
+                  dtype=out_dtype, fast_variance=fast_variance)[0]
+    return y.reshape(x.shape)
+
+
+def batch_norm(x, scale=None, bias=None, running_mean=None, running_var=None, *,
+               train: bool, momentum: float = 0.99, eps: float = 1e-5, axis: int = -1,
+               dtype=None, fast_variance: bool = True, inv_mode: str = "rsqrt",
+               unbiased_running_var: bool = False):
+    """Batch norm over all axes but ``axis`` (the channel axis).
+
+    ``train=True``: normalise with the batch statistics; returns
+    ``(y, new_running_mean, new_running_var)`` with
+    ``new = momentum * running + (1 - momentum) * batch_stat`` (Flax convention; pass
+    ``running_*=None`` to skip the update, then the batch statistics are returned).
+    ``train=False``: normalise with ``running_mean``/``running_var`` and return them
+    unchanged: ``(y, running_mean, running_var)``. ``unbiased_running_var=True`` updates the
+    running variance with ``var * n / (n - 1)`` (torch's rule).
+    """
+    check_float("batch_norm: x", x)
+    x = jnp.asarray(x)
+    if not isinstance(train, bool):
+        raise TypeError(f"batch_norm: train must be a Python bool, got {train!r}")
+    (ax,) = _canon_axes(x.ndim, axis, "axis")
+    c = x.shape[ax]
+    red = tuple(i for i in range(x.ndim) if i != ax)
+    pshape = tuple(c if i == ax else 1 for i in range(x.ndim))
+    if train:
+        y, mu, var = normalize(x, scale, bias, axes=red, feature_axes=(ax,), eps=eps,
+                               dtype=dtype, fast_variance=fast_variance, inv_mode=inv_mode)
+        mu, var = mu.reshape(c), var.reshape(c)
+        if running_mean is None or running_var is None:
+            return y, mu, var
+        n = x.size // c
+        if unbiased_running_var:
+            if n <= 1:
+                raise ValueError("batch_norm: unbiased_running_var needs more than one value "
+                                 f"per channel, input shape {x.shape}")
+            var = var * (n / (n - 1))
+        new_m = (momentum * running_mean + (1 - momentum) * mu).astype(
+            jnp.result_type(running_mean))
+        new_v = (momentum * running_var + (1 - momentum) * var).astype(
+            jnp.result_type(running_var))
+        return y, new_m, new_v
+    if running_mean is None or running_var is None:
+        raise ValueError("batch_norm: train=False needs running_mean and running_var")
+    mshape = _param(running_mean, pshape, "running_mean", "batch_norm")
+    vshape = _param(running_var, pshape, "running_var", "batch_norm")
+    s = _param(scale, pshape, "scale", "batch_norm")
+    b = _param(bias, pshape, "bias", "batch_norm")
+    out_dtype = _out_dtype(x, s, b, dtype) if dtype is not None else jnp.result_type(
+        *[a for a in (x, mshape, s, b) if a is not None])
+    _check_inv_mode(inv_mode)
+    y = _affine((float(eps), inv_mode), out_dtype, x, mshape, vshape, s, b)
+    return y, running_mean, running_var

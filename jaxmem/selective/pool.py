@@ -1,0 +1,144 @@
+"""Max pooling that keeps the packed argmax position inside each window.
+
+``y[o] = max_{k in window} xp[s * o + k]`` (``xp``: ``x`` padded with ``-inf``). The
+gradient sends ``g[o]`` to the first (row-major) window position ``k*(o)`` that attains the
+maximum -- the same tie-breaking as XLA's ``select_and_scatter_add`` that JAX's autodiff uses:
+
+    dL/dxp[i] = sum_{o, k : s * o + k = i, k = k*(o)} g[o]
+
+So the backward pass needs ``k*(o)``, an integer below ``prod(window)``, per *output*
+element, instead of the whole input that JAX keeps. It is stored packed with
+``bits.pack_codes`` in the fewest of 1/2/4/8 bits that hold it (4 bits for a 3x3 window:
+1/32 B per input element at stride 2, versus 4 B for the f32 input).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmem.selective._core import check_float, is_zero, tag
+from jaxmem.selective.bits import pack_codes, unpack_codes
+
+__all__ = ["max_pool"]
+
+
+def _nbits(positions: int) -> int:
+    for b in (1, 2, 4, 8):
+        if positions <= 2**b:
+            return b
+    raise ValueError(f"max_pool: windows with more than 256 positions are not supported "
+                     f"(got {positions})")
+
+
+def _reduce(x, window, strides, pads):
+    init = jnp.array(-jnp.inf, x.dtype)
+    return lax.reduce_window(x, init, lax.max, (1,) + window + (1,), (1,) + strides + (1,),
+                             ((0, 0),) + pads + ((0, 0),))
+
+
+def _window_slices(xp, window, strides, out_sp):
+    """Yield (flat index, strided slice of xp aligned with the output) per window offset."""
+    for idx, off in enumerate(itertools.product(*[range(w) for w in window])):
+        start = (0,) + off + (0,)
+        limit = (xp.shape[0],) + tuple(
+            o + s * (n - 1) + 1 for o, s, n in zip(off, strides, out_sp)) + (xp.shape[-1],)
+        yield idx, off, lax.slice(xp, start, limit, (1,) + strides + (1,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _max_pool(window, strides, pads, x):
+    return _reduce(x, window, strides, pads)
+
+
+def _max_pool_fwd(window, strides, pads, x):
+    xv = x.value
+    y = _reduce(xv, window, strides, pads)
+    if not x.perturbed:
+        return y, (None, None)
+    xp = jnp.pad(xv, ((0, 0),) + pads + ((0, 0),), constant_values=-jnp.inf)
+    positions = math.prod(window)
+    code = jnp.zeros(y.shape, jnp.uint8)
+    hits = list(_window_slices(xp, window, strides, y.shape[1:-1]))
+    for idx, _, sl in reversed(hits):  # reversed: the first matching position wins
+        code = jnp.where(sl == y, jnp.uint8(idx), code)
+    packed = tag(pack_codes(code, _nbits(positions)), "max_pool.argmax")
+    return y, (packed, _Shape((xv.shape, xv.dtype, y.shape)))
+
+
+class _Shape:
+    def __init__(self, v):
+        self.v = v
+
+
+jax.tree_util.register_pytree_node(_Shape, lambda s: ((), s.v), lambda v, _: _Shape(v))
+
+
+def _max_pool_bwd(window, strides, pads, res, g):
+    packed, meta = res
+    if packed is None or is_zero(g):
+        return (None,)
+    x_shape, x_dtype, y_shape = meta.v
+    code = unpack_codes(packed, _nbits(math.prod(window)), y_shape)
+    xp_shape = (x_shape[0],) + tuple(
+        n + lo + hi for n, (lo, hi) in zip(x_shape[1:-1], pads)) + (x_shape[-1],)
+    zero = jnp.zeros((), g.dtype)
+    dxp = jnp.zeros(xp_shape, g.dtype)
+    for idx, off in enumerate(itertools.product(*[range(w) for w in window])):
+        contrib = jnp.where(code == idx, g, zero)
+        cfg = [(0, 0, 0)]
+        for o, s, n, total in zip(off, strides, y_shape[1:-1], xp_shape[1:-1]):
+            cfg.append((o, total - (o + s * (n - 1) + 1), s - 1))
+        cfg.append((0, 0, 0))
+        dxp = dxp + lax.pad(contrib, zero, cfg)
+    start = (0,) + tuple(lo for lo, _ in pads) + (0,)
+    dx = lax.slice(dxp, start, tuple(s + n for s, n in zip(start, x_shape)))
+    return (dx.astype(x_dtype),)
+
+
+_max_pool.defvjp(_max_pool_fwd, _max_pool_bwd, symbolic_zeros=True)
+
+
+def _tuple(v, n, what):
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = (v,) * n
+    v = tuple(v)
+    if len(v) != n or not all(isinstance(i, int) and i >= 1 for i in v):
+        raise ValueError(f"max_pool: {what} must be {n} positive ints, got {v!r}")
+    return v
+
+
+def max_pool(x, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+             padding="VALID"):
+    """Max pooling with Flax semantics: ``x`` is ``(N, *spatial, C)``, the window covers the
+    spatial axes; ``padding`` is ``'VALID'``, ``'SAME'`` or one ``(lo, hi)`` pair per spatial
+    axis (padded with ``-inf``). Backward keeps only the packed argmax positions.
+    """
+    check_float("max_pool: x", x)
+    x = jnp.asarray(x)
+    nsp = x.ndim - 2
+    if nsp < 1:
+        raise ValueError(f"max_pool: x must be (N, *spatial, C), got shape {x.shape}")
+    window = _tuple(window_shape, nsp, "window_shape")
+    strides = window if strides is None else _tuple(strides, nsp, "strides")
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(f"max_pool: padding must be 'SAME', 'VALID' or {nsp} (lo, hi) "
+                             f"pairs, got {padding!r}")
+        pads = tuple(lax.padtype_to_pads(x.shape[1:-1], window, strides, padding.upper()))
+    else:
+        try:
+            pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_pool: padding must be 'SAME', 'VALID' or {nsp} (lo, hi) "
+                             f"pairs, got {padding!r}") from None
+        if len(pads) != nsp:
+            raise ValueError(f"max_pool: padding needs {nsp} (lo, hi) pairs, got {padding!r}")
+    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+    _nbits(math.prod(window))
+    return _max_pool(window, strides, pads, x)
