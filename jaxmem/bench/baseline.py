@@ -220,10 +220,10 @@ def _torch_parts(spec: ModelSpec, quick: bool, variables=None, seed: int = 0):
     opt = torch.optim.SGD(model.parameters(), lr=_LR)
 
     def step():
-        opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, xt, yt)
         loss.backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)  # between steps only the parameters stay resident
         return loss.detach()
 
     return model, loss_fn, step, (xt, yt)
@@ -253,6 +253,71 @@ def torch_step(name: str, quick: bool) -> Callable[[], Any]:
     return step
 
 
+# ------------------------------------------------------------- step-time ratio (subprocess)
+
+_TIME_MARK = "JAXMEM_TIME_RESULT "
+_SINGLE_THREAD_ENV = {
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "JAX_PLATFORMS": "cpu",
+}
+
+
+def _time_main() -> None:
+    """Child of :func:`step_time_ratios`: spec JSON on stdin, result line on stdout."""
+    import json
+    import sys
+
+    import jax
+    import torch
+
+    torch.set_num_threads(1)
+    spec = json.loads(sys.stdin.read())
+    out = {}
+    for name in spec["names"]:
+        j = jax_step(name, spec["quick"])
+        t = torch_step(name, spec["quick"])
+        jax.block_until_ready(j())
+        t()
+        tj, tt = [], []
+        for _ in range(spec["repeats"]):  # interleaved
+            t0 = time.perf_counter()
+            jax.block_until_ready(j())
+            tj.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            t()
+            tt.append(time.perf_counter() - t0)
+        out[name] = {"jax_s": statistics.median(tj), "torch_s": statistics.median(tt),
+                     "jax_min_s": min(tj), "torch_min_s": min(tt)}
+        del j, t
+    sys.stdout.write("\n" + _TIME_MARK + json.dumps(out) + "\n")
+
+
+def step_time_ratios(names: list[str], quick: bool, repeats: int = 5,
+                     timeout: float = 600.0) -> dict[str, dict[str, float]]:
+    """Median train-step times of both frameworks, measured interleaved in ONE fresh process
+    with one CPU thread each (``torch.set_num_threads(1)``; XLA's Eigen pool off). One thread
+    keeps the ratio stable on a loaded machine (torch's 2-thread OpenMP steps were up to 5x
+    slower under contention); multi-threaded ratios can differ."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.update(_SINGLE_THREAD_ENV)
+    code = "from jaxmem.bench.baseline import _time_main; _time_main()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          input=json.dumps({"names": names, "quick": quick,
+                                            "repeats": repeats}),
+                          timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_TIME_MARK)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError("baseline: step-time child failed:\n" + proc.stderr[-3000:])
+    return json.loads(lines[-1][len(_TIME_MARK):])
+
+
 # ----------------------------------------------------------------------------- section
 
 COLUMNS = [
@@ -267,11 +332,10 @@ UNITS = {
 }
 
 
-def measure_model(name: str, quick: bool, peak: bool = True, time_repeats: int | None = None,
+def measure_model(name: str, quick: bool, peak: bool = True,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """All baseline figures for one model (a row of the table)."""
     import jax
-    import numpy as np
     import torch
 
     from jaxmem.measure import compiled_memory, peak_memory, residual_bytes
@@ -294,7 +358,7 @@ def measure_model(name: str, quick: bool, peak: bool = True, time_repeats: int |
                               if rep.activation_bytes else None)
     with torch.no_grad():
         lt = float(tloss(model, xt, yt))
-    lj = float(loss_fn(params, stats, x, y)[0])
+    lj = float(jax.jit(lambda *a: loss_fn(*a)[0])(params, stats, x, y))
     row["loss rel. diff"] = abs(lj - lt) / max(abs(lt), 1e-30)
 
     say(f"{name}: compiled bytes")
@@ -302,30 +366,7 @@ def measure_model(name: str, quick: bool, peak: bool = True, time_repeats: int |
     row["jax_compiled_temp"] = cm.temp_bytes
     row["jax_compiled_total"] = cm.total_bytes
 
-    say(f"{name}: step time")
-    jstep = jax.jit(step)
-    state = [params, stats]
-
-    def run_jax():
-        p, s, loss = jstep(state[0], state[1], x, y)
-        state[0], state[1] = p, s
-        jax.block_until_ready(loss)
-
-    run_jax()
-    tstep()
-    reps = time_repeats or (5 if quick else 15)
-    tj, tt = [], []
-    for _ in range(reps):  # interleaved, same process
-        t0 = time.perf_counter()
-        run_jax()
-        tj.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        tstep()
-        tt.append(time.perf_counter() - t0)
-    row["time torch/jax"] = statistics.median(tt) / statistics.median(tj)
-    row["jax_step_s_median"] = statistics.median(tj)
-    row["torch_step_s_median"] = statistics.median(tt)
-    del model, tstep, jstep, state
+    del model, tstep
     if peak:
         say(f"{name}: measured peak (JAX subprocess)")
         row["jax_peak"] = peak_memory("jaxmem.bench.baseline:jax_step", name, quick,
@@ -335,7 +376,6 @@ def measure_model(name: str, quick: bool, peak: bool = True, time_repeats: int |
                                         backend="torch").peak_bytes
     else:
         row["jax_peak"] = row["torch_peak"] = None
-    np.random.seed(0)
     return row
 
 
@@ -352,6 +392,14 @@ def run(quick: bool = False, models: list[str] | None = None,
     rows = []
     for n in names:
         rows.append(measure_model(n, quick, peak=peak, progress=progress))
+    if progress:
+        progress("step time, both frameworks in one process")
+    times = step_time_ratios(names, quick, repeats=5 if quick else 15)
+    for row in rows:
+        t = times[row["model"]]
+        row["time torch/jax"] = t["torch_s"] / t["jax_s"]
+        row["jax_step_s"] = t["jax_s"]
+        row["torch_step_s"] = t["torch_s"]
     notes = [
         "jax_residual: jaxmem.measure.residual_bytes of the loss w.r.t. all params, activation "
         "residuals only (jaxpr level, before XLA); torch_saved: torch_ref.measure.saved_bytes "
@@ -361,9 +409,9 @@ def run(quick: bool = False, models: list[str] | None = None,
         "output + argument - alias (no donation).",
         "jax_peak / torch_peak: CPU VmHWM delta of one train step after warm-up, each in a "
         "fresh subprocess (jaxmem.measure.peak_memory); includes gradients and new params.",
-        "time torch/jax: median step times measured interleaved in one process "
-        f"(CPU, {torch.get_num_threads()} torch threads); >1 means torch is slower. Noisy on a "
-        "shared machine.",
+        "time torch/jax: median train-step times measured interleaved in one fresh process, "
+        "one CPU thread per framework (torch eager, JAX jitted); >1 means torch is slower. "
+        "Times are noisy; only this ratio is reported.",
         "Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss rel. diff "
         "is the check.",
     ]

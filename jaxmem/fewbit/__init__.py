@@ -1,1 +1,49 @@
+"""Few-bit backward for elementwise activations (Novikov et al., "Few-Bit Backward").
 
+Forward is the exact activation; autodiff keeps only a ``bits``-bit code of the input
+(1-4 bits per element, densely packed) and the backward multiplies ``dy`` by the level of the
+optimal piecewise-constant approximation of ``f'`` on the code's bin.
+
+Functional core:  :func:`fit` (DP + refinement), :func:`pack` / :func:`unpack`,
+named ops (:func:`gelu`, :func:`silu`, ...), :func:`make_activation` (any elementwise fn).
+Flax glue: :mod:`jaxmem.fewbit.flax` (:func:`patch_activations`, :class:`FewBit`).
+"""
+from .activations import ACTIVATIONS, MASK_ACTIVATIONS
+from .factory import check_elementwise, make_activation
+from .fit import Fit, approximation_error, fit, gaussian_weight, uniform_weight
+from .ops import (
+    activation,
+    celu,
+    elu,
+    fewbit_op,
+    gelu,
+    hard_swish,
+    hard_tanh,
+    leaky_relu,
+    log_sigmoid,
+    mask_op,
+    mish,
+    relu,
+    relu6,
+    selu,
+    sigmoid,
+    silu,
+    soft_sign,
+    softplus,
+    softsign,
+    swish,
+    tanh,
+)
+from .linen import activation_fn, patch_activations
+from .pack import codes, pack, packed_shape, unpack
+from .tables import Table, load_table, table_names
+
+__all__ = [
+    "ACTIVATIONS", "MASK_ACTIVATIONS", "Fit", "Table", "activation", "activation_fn",
+    "patch_activations", "approximation_error",
+    "celu", "check_elementwise", "codes", "elu", "fewbit_op", "fit", "gaussian_weight", "gelu",
+    "hard_swish", "hard_tanh", "leaky_relu", "load_table", "log_sigmoid", "make_activation",
+    "mask_op", "mish", "pack", "packed_shape", "relu", "relu6", "selu", "sigmoid", "silu",
+    "soft_sign", "softplus", "softsign", "swish", "table_names", "tanh", "uniform_weight",
+    "unpack",
+]

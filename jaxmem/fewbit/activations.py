@@ -33,12 +33,17 @@ class Activation:
     torch: str = ""
 
 
+# Captured at import: jaxmem.fewbit.patch_activations may later replace the jax.nn attributes.
+_JAX_GELU = jax.nn.gelu
+_JAX_LEAKY_RELU = jax.nn.leaky_relu
+
+
 def _gelu_erf(x):
-    return jax.nn.gelu(x, approximate=False)
+    return _JAX_GELU(x, approximate=False)
 
 
 def _gelu_tanh(x):
-    return jax.nn.gelu(x, approximate=True)
+    return _JAX_GELU(x, approximate=True)
 
 
 ACTIVATIONS: dict[str, Activation] = {

@@ -54,8 +54,12 @@ def _live_bytes() -> int:
 
 
 def _bind(eq, invals):
-    subfuns, params = eq.primitive.get_bind_params(eq.params)
-    out = eq.primitive.bind(*subfuns, *invals, **params)
+    params = eq.primitive.get_bind_params(eq.params)
+    if eq.source is not None:
+        with eq.source.ctx.manager:
+            out = eq.primitive.bind(*invals, **params)
+    else:
+        out = eq.primitive.bind(*invals, **params)
     return out if eq.primitive.multiple_results else [out]
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .analysis import add_early_update_edges
 from .graph import Graph
-from .ilp import solve_order
+from .ilp import estimate_time_indexed_vars, solve_order, solve_order_cumulative
 from .order import best_greedy_order
 from .place import best_fit_online, check_placement, place
 from .simulate import lifetimes, simulate
@@ -61,6 +61,7 @@ class Plan:
     order_seconds: float = 0.0
     place_seconds: float = 0.0
     num_vars: int = 0
+    formulation: str = ""
 
     @property
     def gap(self) -> float:
@@ -102,6 +103,7 @@ def optimize(
     place_time_limit: float | None = None,
     early_updates: bool = False,
     use_ilp: bool = True,
+    formulation: str = "auto",
     num_workers: int = 2,
     log: bool = False,
 ) -> Plan:
@@ -117,7 +119,13 @@ def optimize(
         nodes of kind ``"update"`` before solving (faster, but restricts the search; the
         reported lower bound then falls back to :func:`node_lower_bound`).
       use_ilp: False returns the greedy plan without calling the solver.
+      formulation: ``"olla"`` (the paper's time-indexed C/P model, eq. 14),
+        ``"cumulative"`` (the same problem as integer steps + a cumulative constraint,
+        compact for big graphs) or ``"auto"`` (olla up to 20 000 C/P variables).
     """
+    if formulation not in ("auto", "olla", "cumulative"):
+        raise ValueError(
+            f"formulation: must be 'auto', 'olla' or 'cumulative', got {formulation!r}")
     if not isinstance(graph, Graph):
         raise TypeError(f"graph: expected a jaxmem.schedule.Graph, got {type(graph).__name__}")
     time_limit = _check_time("time_limit", time_limit)
@@ -135,7 +143,10 @@ def optimize(
     order, peak, method, status, num_vars = g_order, g_peak, g_rule, "skipped", 0
     lb = node_lower_bound(graph)
     if use_ilp and len(graph.nodes) > 1:
-        res = solve_order(work, hint=g_order, time_limit=time_limit, num_workers=num_workers,
+        if formulation == "auto":
+            formulation = "olla" if estimate_time_indexed_vars(work) <= 20000 else "cumulative"
+        solver_fn = solve_order if formulation == "olla" else solve_order_cumulative
+        res = solver_fn(work, hint=g_order, time_limit=time_limit, num_workers=num_workers,
                           upper_bound=g_peak, log=log)
         status, num_vars = res.status, res.num_vars
         if res.order:
@@ -173,7 +184,7 @@ def optimize(
         lower_bound=int(lb), optimal=bool(peak == lb and place_optimal),
         solve_seconds=total, baseline_peak=baseline, greedy_peak=int(g_peak), method=method,
         status=status, order_seconds=order_s, place_seconds=total - order_s,
-        num_vars=num_vars,
+        num_vars=num_vars, formulation=formulation if use_ilp else "",
     )
 
 

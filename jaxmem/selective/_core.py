@@ -40,3 +40,17 @@ def check_float(name: str, x) -> None:
     dt = jnp.result_type(x)
     if not jnp.issubdtype(dt, jnp.inexact):
         raise TypeError(f"{name} must be a floating-point array, got dtype {dt}")
+
+
+def after(res, g):
+    """Return ``(res, g)`` behind an ``optimization_barrier``.
+
+    Recomputation from residuals in a backward rule (``xhat = (x - mu) * rstd``, unpacking a
+    mask) depends only on forward values, so XLA's scheduler is free to hoist it into the
+    forward pass and keep its full-size result alive until the backward pass -- undoing the
+    saving. Tying the residuals to the incoming cotangent ``g`` makes everything computed
+    from them wait for ``g``, i.e. stay in the backward pass.
+    """
+    if is_zero(g):
+        return res, g
+    return jax.lax.optimization_barrier((res, g))

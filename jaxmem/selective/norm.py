@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import check_float, is_zero, perturbed, tag, value
+from jaxmem.selective._core import after, check_float, is_zero, perturbed, tag, value
 
 __all__ = ["batch_norm", "layer_norm", "group_norm", "rms_norm", "normalize"]
 
@@ -123,6 +123,8 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
     (xv, mu, rstd, sv), static = res
     x_s, s_s, b_s, px, ps, pb = static.v
     g, g_mu, g_var = cts
+    if not is_zero(g):
+        (xv, mu, rstd, sv), g = after((xv, mu, rstd, sv), g)
     n = math.prod(x_s.shape[a] for a in axes)
     dx = dscale = dbias = None
     g_zero = is_zero(g)
@@ -184,6 +186,7 @@ def _affine_bwd(eps, out_dtype, res, g):
     x_s, m_s, v_s, s_s, b_s = structs
     if is_zero(g):
         return None, None, None, None, None
+    (xv, mv, rstd, sv), g = after((xv, mv, rstd, sv), g)
     gf = g.astype(_stat_dtype(x_s.dtype))
     dx = dm = dv = ds = db = None
     mul = None

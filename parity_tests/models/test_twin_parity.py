@@ -1,14 +1,26 @@
 """Twin models agree between JAX and torch: outputs, every parameter gradient, the input
 gradient and (BatchNorm) the updated running statistics, in train and eval mode.
 
-Weights are random (the torch twin's own initialisation, transferred with ``torch_to_jax``),
-inputs and the output cotangent are fresh random draws. Two precisions:
+Weights are random (the torch twin's own initialisation, BatchNorm affine parameters and
+running statistics randomised too, transferred with ``torch_to_jax``); inputs and the output
+cotangent are fresh random draws; the loss is ``sum(model(x) * cotangent)``.
 
-* float64 (both frameworks): agreement to 1e-9 relative. Rounding is ~1e-16 here, so this is
-  a tight check of the *math* (layouts, paddings, BatchNorm statistics, masks, tied weights).
-* float32: rtol 1e-4 / atol 1e-5 elementwise, as the project asks, with the atol scaled by
-  the array's largest magnitude (``atol * max(1, max|ref|)``): gradients of sums over many
-  outputs reach magnitudes of 10-100 where an absolute 1e-5 is below float32 resolution.
+* float64 in both frameworks: rounding is ~1e-16, so this is the tight check of the *math*
+  (layouts, paddings, BatchNorm statistics and running-variance rule, masks, tied weights).
+  Bound: relative error norm ``|a - b| / |b| <= 1e-8`` per array and elementwise
+  ``|a - b| <= 1e-6 |b| + 1e-9 max|b|``. Measured errors are 1e-15..1e-10; the upper end is
+  train-mode BatchNorm over 3-4 values per channel in the deepest stages, which amplifies
+  rounding ~1e5x. A real mismatch (wrong padding, transposed kernel, biased variance) shows
+  up at 1e-3..1.
+* float32: elementwise ``|a - b| <= 1e-4 |b| + 1e-5 max(1, max|b|)`` (the project's rtol 1e-4 /
+  atol 1e-5, the atol scaled by the array's magnitude: gradients of a sum over many outputs
+  reach 10-100, where an absolute 1e-5 is below float32 resolution), and the relative error
+  norm <= 1e-4. Train-mode BatchNorm deep nets are only checked in float64 (their float32
+  rounding amplification, ~1e-4 relative, would need a looser bound).
+
+The published full-depth constructors (``vgg16(batch_norm=True)``, ``resnet18``, ``resnet50``)
+run once each in float64 train mode; reduced-depth models of the same classes cover every
+mode and precision (test-time budget).
 """
 from __future__ import annotations
 
@@ -18,14 +30,14 @@ import pytest
 import torch
 
 from torch_ref.convert import torch_to_jax
-from twin_parity_utils import TWINS, compare, draw_input, run_jax, run_torch
+from twin_parity_utils import FULL_DEPTH, TWINS, draw_input, flat, output_shape, run_jax, run_torch
 
-CASES = [(name, train) for name, t in TWINS.items() for train in ((True, False) if t.has_bn else (None,))]
+CASES = [(n, tr) for n, t in TWINS.items() for tr in ((True, False) if t.has_bn else (None,))]
 IDS = [f"{n}-{'train' if t else 'eval'}" if t is not None else n for n, t in CASES]
 
 
-def _randomise_bn_stats(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Non-trivial running statistics (fresh ones are 0/1, which would hide a mix-up)."""
+def _randomise_bn(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Non-trivial BatchNorm parameters and running statistics (fresh ones are 1/0/0/1)."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
@@ -35,58 +47,78 @@ def _randomise_bn_stats(model: torch.nn.Module, gen: torch.Generator) -> None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
 
 
-def _run(name, train, dtype_t, seed):
-    twin = TWINS[name]
+def _run(twin, train, dtype_t, seed):
     torch.manual_seed(seed)
     model = twin.make_torch().to(dtype_t)
-    _randomise_bn_stats(model, torch.Generator().manual_seed(seed + 1))
+    _randomise_bn(model, torch.Generator().manual_seed(seed + 1))
     variables = torch_to_jax(model)            # before torch's forward updates the stats
     x = draw_input(twin, seed + 2)
     if twin.kind != "tokens":
         x = x.astype(np.float64 if dtype_t == torch.float64 else np.float32)
-    th = run_torch(twin, model, x, None, bool(train), dtype_t) if False else None
-    # output shape is needed for the cotangent: one forward in eval-free no-grad mode
-    with torch.no_grad():
-        model.train(bool(train))
-        probe = run_jax(twin, variables, x, 1.0, bool(train), None)["y"]
-    cot = np.random.default_rng(seed + 3).standard_normal(probe.shape).astype(probe.dtype)
+    shape, dtype = output_shape(twin, variables, x, bool(train))
+    cot = np.random.default_rng(seed + 3).standard_normal(shape).astype(dtype)
     th = run_torch(twin, model, x, cot, bool(train), dtype_t)
     jx = run_jax(twin, variables, x, cot, bool(train), None)
     return jx, th
 
 
-@pytest.mark.parametrize("name,train", CASES, ids=IDS)
-def test_twin_parity_float64(name, train):
-    with jax.enable_x64(True):
-        jx, th = _run(name, train, torch.float64, seed=10)
-        assert jx["y"].dtype == np.float64
-    problems = compare(jx, th, rtol=1e-9, atol=1e-12)
-    assert not problems, f"{name} (float64) differs:\n" + "\n".join(problems[:10])
-
-
-def _scaled_compare(jx, th, rtol, atol):
-    """compare() with the atol of each array scaled by max(1, max|ref|)."""
-    from twin_parity_utils import flat
-
-    problems = []
-    for key in ("y", "xgrad"):
-        if key in th:
-            s = max(1.0, float(np.max(np.abs(th[key]))))
-            problems += compare({key: jx[key]}, {key: th[key]}, rtol, atol * s)
+def _arrays(jx, th):
+    """(name, jax array, torch array) for the output, input grad, every param grad, stats."""
+    out = [(k, jx[k], th[k]) for k in ("y", "xgrad") if k in th]
     for coll in ("grads", "batch_stats"):
         if coll in th:
             fj, ft = flat(jx[coll]), flat(th[coll])
             assert set(fj) == set(ft), f"{coll} names differ: {sorted(set(fj) ^ set(ft))[:5]}"
-            for k in ft:
-                s = max(1.0, float(np.max(np.abs(ft[k]))))
-                problems += [f"{coll}{k}: {p}" for p in
-                             compare({"y": fj[k]}, {"y": ft[k]}, rtol, atol * s)]
+            assert len(ft) > 0
+            out += [(coll + k, fj[k], ft[k]) for k in ft]
+    return out
+
+
+def _problems(jx, th, rtol, atol_scale, norm_tol):
+    arrays = [(n, np.asarray(a, np.float64), np.asarray(b, np.float64))
+              for n, a, b in _arrays(jx, th)]
+    grad_scale = max(float(np.max(np.abs(b))) for n, _, b in arrays if n.startswith("grads"))
+    problems = []
+    for name, a, b in arrays:
+        if a.shape != b.shape:
+            problems.append(f"{name}: shape {a.shape} vs {b.shape}")
+            continue
+        if name.startswith("grads") and np.max(np.abs(b)) <= norm_tol * grad_scale:
+            # An exactly-zero gradient (e.g. a conv bias followed by train-mode BatchNorm):
+            # both sides are rounding noise; require the JAX side to be as small.
+            if np.max(np.abs(a)) > norm_tol * grad_scale:
+                problems.append(f"{name}: torch gradient ~0, JAX max |g| = {np.max(np.abs(a)):.2e}")
+            continue
+        scale = max(1.0, float(np.max(np.abs(b)))) if atol_scale[1] else float(np.max(np.abs(b)))
+        tol = atol_scale[0] * scale + rtol * np.abs(b)
+        bad = np.abs(a - b) > tol
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)
+        if bad.any() or rel > norm_tol:
+            problems.append(f"{name}: {int(bad.sum())} elements off, rel. error norm {rel:.2e}")
     return problems
+
+
+def _check64(twin, train):
+    with jax.enable_x64(True):
+        jx, th = _run(twin, train, torch.float64, seed=10)
+        assert jx["y"].dtype == np.float64
+    problems = _problems(jx, th, rtol=1e-6, atol_scale=(1e-9, False), norm_tol=1e-8)
+    assert not problems, f"{twin.name} (float64) differs:\n" + "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("name,train", CASES, ids=IDS)
+def test_twin_parity_float64(name, train):
+    _check64(TWINS[name], train)
+
+
+@pytest.mark.parametrize("name", sorted(FULL_DEPTH))
+def test_full_depth_twin_parity_float64_train(name):
+    _check64(FULL_DEPTH[name], True)
 
 
 @pytest.mark.parametrize("name,train", CASES, ids=IDS)
 def test_twin_parity_float32(name, train):
-    jx, th = _run(name, train, torch.float32, seed=20)
+    jx, th = _run(TWINS[name], train, torch.float32, seed=20)
     assert jx["y"].dtype == np.float32
-    problems = _scaled_compare(jx, th, rtol=1e-4, atol=1e-5)
+    problems = _problems(jx, th, rtol=1e-4, atol_scale=(1e-5, True), norm_tol=1e-4)
     assert not problems, f"{name} (float32) differs:\n" + "\n".join(problems[:10])

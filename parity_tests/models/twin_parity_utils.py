@@ -3,6 +3,7 @@ the input gradient and the updated BatchNorm statistics in both frameworks."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import jax
@@ -42,22 +43,37 @@ def twins() -> list[Twin]:
              lambda: tm.MLP(9, (20, 4), activation="gelu"), (5, 9), "vector"),
         Twin("vgg11", jm.vgg11(width=0.125, num_classes=6),
              lambda: tm.vgg11(width=0.125, num_classes=6), (2, 32, 32, 3)),
-        Twin("vgg16_bn", jm.vgg16(width=0.0625, batch_norm=True, num_classes=6),
-             lambda: tm.vgg16(width=0.0625, batch_norm=True, num_classes=6), (3, 32, 32, 3),
-             has_bn=True),
-        Twin("resnet18", jm.resnet18(width=0.125, num_classes=5),
-             lambda: tm.resnet18(width=0.125, num_classes=5), (3, 32, 32, 3), has_bn=True),
-        Twin("resnet18_cifar", jm.resnet18(width=0.0625, num_classes=5, stem="cifar"),
-             lambda: tm.resnet18(width=0.0625, num_classes=5, stem="cifar"), (2, 16, 16, 3),
-             has_bn=True),
-        Twin("resnet50", jm.resnet50(width=0.0625, num_classes=5),
-             lambda: tm.resnet50(width=0.0625, num_classes=5), (3, 32, 32, 3), has_bn=True),
+        Twin("vgg_bn", jm.VGG((8, "M", 12, 12, "M", 16), batch_norm=True, num_classes=6,
+                              hidden=(20,)),
+             lambda: tm.VGG((8, "M", 12, 12, "M", 16), batch_norm=True, num_classes=6,
+                            hidden=(20,)), (3, 16, 16, 3), has_bn=True),
+        Twin("resnet_basic", jm.ResNet("basic", (1, 1, 1, 1), width=0.125, num_classes=5),
+             lambda: tm.ResNet("basic", (1, 1, 1, 1), width=0.125, num_classes=5),
+             (3, 32, 32, 3), has_bn=True),
+        Twin("resnet_bottleneck_cifar",
+             jm.ResNet("bottleneck", (1, 2, 1), width=0.0625, num_classes=5, stem="cifar"),
+             lambda: tm.ResNet("bottleneck", (1, 2, 1), width=0.0625, num_classes=5,
+                               stem="cifar"), (4, 12, 12, 3), has_bn=True),
         Twin("gpt", jm.GPT(gcfg), lambda: tm.GPT(gcfg), (2, 13), "tokens", vocab=61),
         Twin("vit", jm.ViT(vcfg), lambda: tm.ViT(vcfg), (2, 16, 16, 3)),
     ]
 
 
+def full_depth_twins() -> list[Twin]:
+    """The published constructors at full depth (reduced width): checked once, in float64."""
+    return [
+        Twin("vgg16_bn", jm.vgg16(width=0.0625, batch_norm=True, num_classes=6),
+             lambda: tm.vgg16(width=0.0625, batch_norm=True, num_classes=6), (3, 32, 32, 3),
+             has_bn=True),
+        Twin("resnet18", jm.resnet18(width=0.125, num_classes=5),
+             lambda: tm.resnet18(width=0.125, num_classes=5), (3, 32, 32, 3), has_bn=True),
+        Twin("resnet50", jm.resnet50(width=0.0625, num_classes=5),
+             lambda: tm.resnet50(width=0.0625, num_classes=5), (4, 32, 32, 3), has_bn=True),
+    ]
+
+
 TWINS = {t.name: t for t in twins()}
+FULL_DEPTH = {t.name: t for t in full_depth_twins()}
 
 
 def draw_input(twin: Twin, seed: int) -> np.ndarray:
@@ -100,6 +116,10 @@ def run_torch(twin: Twin, model: torch.nn.Module, x: np.ndarray, cot: np.ndarray
     return out
 
 
+def _maybe_jit(f):
+    return jax.jit(f) if os.environ.get("JAXMEM_TWIN_JIT") == "1" else f
+
+
 def run_jax(twin: Twin, variables: dict, x: np.ndarray, cot: np.ndarray, train: bool,
             dtype) -> dict:
     """The same quantities as :func:`run_torch`, from the JAX twin with ``jax.grad``."""
@@ -112,17 +132,26 @@ def run_jax(twin: Twin, variables: dict, x: np.ndarray, cot: np.ndarray, train: 
         return jnp.sum(y * cot), (y, upd)
 
     if twin.kind == "tokens":
-        (_, (y, upd)), gp = jax.value_and_grad(loss, has_aux=True)(params, jnp.asarray(x))
+        (_, (y, upd)), gp = _maybe_jit(jax.value_and_grad(loss, has_aux=True))(params, jnp.asarray(x))
         gx = None
     else:
         xx = jnp.asarray(x, dtype=dtype)
-        (_, (y, upd)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, xx)
+        (_, (y, upd)), (gp, gx) = _maybe_jit(
+            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, xx)
     out = {"y": np.asarray(y), "grads": gp}
     if gx is not None:
         out["xgrad"] = np.asarray(gx)
     if twin.has_bn:
         out["batch_stats"] = upd["batch_stats"]
     return out
+
+
+def output_shape(twin: Twin, variables: dict, x: np.ndarray, train: bool):
+    """Shape and dtype of the JAX twin's output (abstract evaluation, no compute)."""
+    kw = {"train": train} if twin.has_bn else {}
+    out = jax.eval_shape(lambda v, xx: twin.jax_model.apply(v, xx, mutable=["batch_stats"], **kw)[0],
+                         variables, jnp.asarray(x))
+    return out.shape, out.dtype
 
 
 def flat(tree) -> dict[str, np.ndarray]:

@@ -1,0 +1,153 @@
+"""Flax glue: switch a model's activations to few-bit without editing the model.
+
+Models usually call activations inline (``nn.gelu(x)``, ``jax.nn.silu(x)``,
+``nnx.gelu(x)``); those are attribute look-ups on the modules ``jax.nn``, ``flax.linen``
+and ``flax.nnx`` at *trace* time.  :func:`patch_activations` is a scoped, restorable context
+manager that swaps those attributes for few-bit versions while it is active::
+
+    with fewbit.patch_activations(bits=3):
+        step = jax.jit(train_step).lower(state, batch).compile()   # trace inside
+    step(state, batch)                                            # few-bit residuals
+
+Caveats (read them):
+
+* It must wrap **tracing** (``jax.jit(...)`` first call / ``.lower``, ``jax.grad`` calls,
+  ``model.init``/``apply`` under autodiff).  A function that was already traced and cached
+  by ``jit`` before entering the context keeps its exact activations; one traced inside
+  keeps few-bit ones after the context exits (the compiled code does not change).
+* Only calls that look the function up through the module (``nn.gelu``, ``jax.nn.gelu``,
+  ``nnx.gelu``) are redirected; ``from jax.nn import gelu`` bound before entering, or
+  ``jnp.tanh``, are not.
+* It patches process-global module attributes: don't trace other models concurrently
+  from other threads while it is active.
+* Defaults are preserved: ``jax.nn.gelu``'s default ``approximate=True`` (tanh form) stays
+  the default of the patched ``nn.gelu``.  Activation parameters the shipped tables were not
+  fitted for (``elu(alpha=2)``, ``leaky_relu`` slopes, ``celu(alpha)``) use
+  :func:`make_activation` (fitted once, cached) or the exact 1-bit mask.
+
+For models that take the activation as a field, pass ``functools.partial(fewbit.gelu,
+bits=3)`` (or :func:`activation_fn`) instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from . import ops
+from .factory import make_activation
+from .pack import _check_bits
+
+__all__ = ["patch_activations", "activation_fn", "PATCHABLE", "PATCH_MODULES"]
+
+#: modules whose attributes are patched (those that exist and are importable)
+PATCH_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
+                 "flax.nnx.nn.activations")
+
+_ORIG = {n: getattr(jax.nn, n) for n in [
+    "gelu", "silu", "swish", "sigmoid", "tanh", "selu", "softplus", "elu", "celu", "mish",
+    "soft_sign", "log_sigmoid", "hard_swish", "hard_silu", "relu", "relu6", "hard_tanh",
+    "leaky_relu"]}
+
+
+def _floating(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _replacement(attr: str, bits: int) -> Callable:
+    orig = _ORIG[attr]
+
+    if attr == "gelu":
+        def f(x, approximate: bool = True):
+            if not _floating(x):
+                return orig(x, approximate)
+            return ops.gelu(x, bits=bits, approximate=bool(approximate))
+    elif attr in ("elu", "celu"):
+        def f(x, alpha=1.0):
+            if not _floating(x) or not isinstance(alpha, (int, float)):
+                return orig(x, alpha)
+            if float(alpha) == 1.0:
+                return ops.activation(attr, bits)(x)
+            return make_activation(_fixed(orig, "alpha", float(alpha)), bits,
+                                   name=f"{attr}_alpha{alpha}")(x)
+    elif attr == "leaky_relu":
+        def f(x, negative_slope=1e-2):
+            if not _floating(x) or not isinstance(negative_slope, (int, float)):
+                return orig(x, negative_slope)
+            return ops.leaky_relu(x, float(negative_slope))
+    else:
+        table = {"swish": "silu", "soft_sign": "softsign", "hard_silu": "hard_swish"}.get(attr,
+                                                                                          attr)
+
+        def f(x):
+            if not _floating(x):
+                return orig(x)
+            return ops.activation(table, bits)(x)
+
+    f.__name__ = f"fewbit_{attr}"
+    f.__doc__ = f"few-bit ({bits}-bit backward) replacement of jax.nn.{attr}"
+    f.__wrapped__ = orig
+    return f
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed(orig: Callable, kw: str, value: float) -> Callable:
+    """Hashable, cached ``orig(x, kw=value)`` so make_activation fits each variant once."""
+    return functools.partial(orig, **{kw: value})
+
+
+#: attribute names that can be patched
+PATCHABLE = tuple(_ORIG)
+
+
+def activation_fn(name: str, bits: int = 3) -> Callable:
+    """``x -> few-bit name(x)``, for models that take the activation as a field."""
+    return ops.activation(name, bits)
+
+
+@contextlib.contextmanager
+def patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
+                      modules: Iterable[str] = PATCH_MODULES) -> Iterator[dict]:
+    """Temporarily replace ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` activations by few-bit ops.
+
+    Args:
+      bits: bits per element of the stored codes (1..4; the ReLU family is always exact).
+      activations: attribute names to patch (default: all of :data:`PATCHABLE`, e.g.
+        ``["gelu"]`` to patch GELU only).
+      modules: dotted module names whose attributes are patched.
+
+    Yields:
+      dict ``"module.attr" -> replacement`` of what was patched.  Everything is restored on
+      exit, also on exceptions; nested contexts restore in order.
+    """
+    bits = _check_bits(bits)
+    names = tuple(PATCHABLE if activations is None else activations)
+    unknown = [n for n in names if n not in _ORIG]
+    if unknown:
+        raise ValueError(f"cannot patch activations {unknown}; patchable: {list(PATCHABLE)}")
+    saved: list[tuple[object, str, object]] = []
+    patched: dict[str, Callable] = {}
+    try:
+        for modname in modules:
+            try:
+                mod = importlib.import_module(modname)
+            except ImportError:
+                continue
+            for attr in names:
+                cur = getattr(mod, attr, None)
+                if cur is None:
+                    continue
+                # patch the original function and any earlier few-bit patch of it
+                if cur is _ORIG[attr] or getattr(cur, "__wrapped__", None) is _ORIG[attr]:
+                    rep = _replacement(attr, bits)
+                    saved.append((mod, attr, cur))
+                    setattr(mod, attr, rep)
+                    patched[f"{modname}.{attr}"] = rep
+        yield patched
+    finally:
+        for mod, attr, cur in reversed(saved):
+            setattr(mod, attr, cur)
