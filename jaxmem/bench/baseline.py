@@ -157,7 +157,8 @@ def _jax_parts(spec: ModelSpec, quick: bool, seed: int = 0):
     model = _jax_model(spec, quick)
     x, y = _batch(spec, quick, seed)
     x, y = jnp.asarray(x), jnp.asarray(y)
-    variables = model.init(jax.random.key(seed), x[:1])
+    # jit the init: eager Flax init dispatches op by op (10 s for resnet18 on this CPU)
+    variables = jax.jit(model.init)(jax.random.key(seed), x[:1])
     params = variables["params"]
     stats = variables.get("batch_stats", {})
     has_bn = _train_kw(spec)
@@ -256,6 +257,7 @@ def torch_step(name: str, quick: bool) -> Callable[[], Any]:
 # ------------------------------------------------------------- step-time ratio (subprocess)
 
 _TIME_MARK = "JAXMEM_TIME_RESULT "
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _SINGLE_THREAD_ENV = {
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
     "OMP_NUM_THREADS": "1",
@@ -373,7 +375,7 @@ def measure_model(name: str, quick: bool, peak: bool = True,
                                       backend="jax").peak_bytes
         say(f"{name}: measured peak (torch subprocess)")
         row["torch_peak"] = peak_memory("jaxmem.bench.baseline:torch_step", name, quick,
-                                        backend="torch").peak_bytes
+                                        backend="torch", env=_ONE_THREAD).peak_bytes
     else:
         row["jax_peak"] = row["torch_peak"] = None
     return row

@@ -180,7 +180,9 @@ def jax_row(name, batch, time_limit, exec_max_nodes=1200, measure_xla=True):
     from jaxmem.schedule import execute, optimize, trace, validate_plan
 
     step, args = jax_step(name, batch)
-    ts = trace(step, *args)
+    # params, model state and optimizer state are donated (the usual jit(donate_argnums)
+    # training loop): the old weights are freed once updated; the batch is persistent
+    ts = trace(step, *args, donate_argnums=(0, 1, 2))
     plan = optimize(ts.graph, time_limit=time_limit, placement=True)
     validate_plan(ts.graph, plan)
     row = _row_from_plan("jax", name, batch, ts.graph, plan)
@@ -199,7 +201,7 @@ def jax_row(name, batch, time_limit, exec_max_nodes=1200, measure_xla=True):
         try:
             from jaxmem.measure import compiled_memory
 
-            cm = compiled_memory(step, *args)
+            cm = compiled_memory(step, *args, donate_argnums=(0, 1, 2))
             row["xla_bytes"] = cm.total_bytes
             row["xla_temp_bytes"] = cm.temp_bytes
         except Exception as err:  # noqa: BLE001 - report, don't crash the section
@@ -215,7 +217,8 @@ def torch_row(name, batch, time_limit):
 
     model, loss_fn, x, y = torch_step(name, batch)
     gm, step, args = trace_training_step(model, loss_fn, x, y)
-    fxg = fx_to_graph(gm)
+    n_params = len(args) - 2
+    fxg = fx_to_graph(gm, donate=range(n_params))  # in-place SGD: old weights consumed
     plan = optimize(fxg.graph, time_limit=time_limit, placement=True)
     validate_plan(fxg.graph, plan)
     row = _row_from_plan("torch", name, batch, fxg.graph, plan)

@@ -213,7 +213,37 @@ def _refine(prob: _Problem, borders: np.ndarray) -> np.ndarray:
         bounds=[(prob.a, prob.b)] * len(borders),
         options={"maxiter": 500, "ftol": 1e-15, "gtol": 1e-12 * scale},
     )
-    return np.sort(res.x)
+    s = np.sort(res.x)
+    e, g = fun(s)
+    # L-BFGS-B stalls where f' jumps (a border sitting on the jump has a one-sided gradient):
+    # continue with plain gradient descent + Armijo backtracking, which only ever descends.
+    def freeze_jumps(s, g):
+        # a border on a jump of f' is a kink of L: its (one-sided) gradient is unusable
+        jump = np.abs(prob.d(s + 1e-7 * scale) - prob.d(s - 1e-7 * scale)) > 1e-5
+        return np.where(jump, 0.0, g)
+
+    g = freeze_jumps(s, g)
+    step = 1.0
+    for _ in range(400):
+        gn = float(g @ g)
+        if gn == 0.0:
+            break
+        while step > 1e-12:
+            cand = np.clip(s - step * g, prob.a, prob.b)
+            if np.all(np.diff(cand) > 0):
+                ec, gc = fun(cand)
+                if ec <= e - 1e-4 * step * gn:
+                    break
+            step *= 0.5
+        else:
+            break
+        gc = freeze_jumps(cand, gc)
+        if e - ec < 1e-15:
+            s, e, g = cand, ec, gc
+            break
+        s, e, g = cand, ec, gc
+        step *= 2.0
+    return s
 
 
 def approximation_error(derivative, borders, levels, *, interval=(-10.0, 10.0), weight=None,

@@ -152,3 +152,67 @@ def add_early_update_edges(graph: Graph, update_nodes: Iterable[str] | None = No
             count += 1
     g.validate()
     return g
+
+
+def _bits_to_bool(bits: int, n: int):
+    import numpy as np
+
+    raw = bits.to_bytes((n + 7) // 8, "little")
+    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[:n].astype(bool)
+
+
+def structural_lower_bound(graph: Graph, reach: Reach | None = None) -> int:
+    """A lower bound of the peak of *every* topological order.
+
+    When node ``v`` runs, resident are: its inputs and outputs, every tensor produced by
+    an ancestor of ``v`` and read by a descendant of ``v`` (it must survive ``v``'s step),
+    every step output produced by an ancestor, and the persistent tensors. Moreover for an
+    *update pair* — a tensor ``d`` read by the producer of a step output ``o`` (old and new
+    weight) — one of the two is resident at every step after ``d`` exists, so
+    ``min(S_d, S_o)`` is added where neither is already counted (each ``d`` used once).
+    None of this depends on the order, so ``max_v`` bounds the optimum from below.
+    """
+    import numpy as np
+
+    reach = reach or Reach(graph)
+    n = len(reach.order)
+    if n == 0:
+        return graph.persistent_bytes()
+    idx = reach.index
+    A = np.stack([_bits_to_bool(reach.anc[i], n) for i in range(n)])  # A[v, u]: u anc of v
+    D = np.stack([_bits_to_bool(reach.desc[i], n) for i in range(n)])
+    D[np.arange(n), np.arange(n)] = True  # descendants or self
+    total = np.zeros(n, dtype=np.int64)
+    forced: dict[str, np.ndarray] = {}
+    for e in graph.edges.values():
+        if e.persistent or e.size == 0:
+            continue
+        s = idx[e.src]
+        live = A[:, s].copy()
+        if not e.output:
+            if e.sinks:
+                live &= D[:, [idx[k] for k in e.sinks]].any(axis=1)
+            else:
+                live[:] = False
+        live[s] = True  # its own producer's step
+        total += live * e.size
+        forced[e.name] = live
+    # update pairs: tensor d read by the producer of output o (old weight -> new weight).
+    # Once d exists, d is resident until src(o) runs and o from then on: at every later
+    # step at least min(S_d, S_o) of the pair is resident, even where neither is forced.
+    used: set[str] = set()
+    for o in graph.edges.values():
+        if not o.output or o.persistent or o.size == 0:
+            continue
+        cands = [graph.edges[d] for d in graph.fanin(o.src)
+                 if d not in used and d in forced and not graph.edges[d].output]
+        if not cands:
+            continue
+        d = max(cands, key=lambda x: min(x.size, o.size))
+        used.add(d.name)
+        sd = idx[d.src]
+        exists = A[:, sd].copy()
+        exists[sd] = True
+        neither = exists & ~forced[d.name] & ~forced[o.name]
+        total += neither * min(d.size, o.size)
+    return int(total.max()) + graph.persistent_bytes()

@@ -9,9 +9,10 @@
    implies; persistent tensors sit at the bottom of the arena.
 
 The plan's ``lower_bound`` is a proven lower bound of the best peak of *any* order of
-the given graph (the solver's bound, or the largest single-node working set when the
-solver did not run / early-update control edges were added), so ``peak - lower_bound``
-is the remaining gap.
+the given graph — the larger of the solver's bound and
+:func:`~jaxmem.schedule.analysis.structural_lower_bound` (the solver's bound is not used
+when early-update control edges restricted the search) — so ``peak - lower_bound`` is the
+remaining gap.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import dataclasses
 import time
 from typing import Sequence
 
-from .analysis import add_early_update_edges
+from .analysis import add_early_update_edges, structural_lower_bound
 from .graph import Graph
 from .ilp import estimate_time_indexed_vars, solve_order, solve_order_cumulative
 from .order import best_greedy_order
@@ -141,7 +142,7 @@ def optimize(
     work = add_early_update_edges(graph) if early_updates else graph
     g_order, g_peak, g_rule = best_greedy_order(work)
     order, peak, method, status, num_vars = g_order, g_peak, g_rule, "skipped", 0
-    lb = node_lower_bound(graph)
+    lb = max(node_lower_bound(graph), structural_lower_bound(graph))
     if use_ilp and len(graph.nodes) > 1:
         if formulation == "auto":
             formulation = "olla" if estimate_time_indexed_vars(work) <= 20000 else "cumulative"

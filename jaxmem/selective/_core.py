@@ -42,15 +42,16 @@ def check_float(name: str, x) -> None:
         raise TypeError(f"{name} must be a floating-point array, got dtype {dt}")
 
 
-def after(res, g):
-    """Return ``(res, g)`` behind an ``optimization_barrier``.
 
-    Recomputation from residuals in a backward rule (``xhat = (x - mu) * rstd``, unpacking a
-    mask) depends only on forward values, so XLA's scheduler is free to hoist it into the
-    forward pass and keep its full-size result alive until the backward pass -- undoing the
-    saving. Tying the residuals to the incoming cotangent ``g`` makes everything computed
-    from them wait for ``g``, i.e. stay in the backward pass.
+def zero_after(g, dtype):
+    """A scalar ``0`` of ``dtype`` that data-depends on the cotangent ``g``.
+
+    Backward rules that recompute something input-sized from residuals (``xhat`` from the
+    stored ``x``) add this zero to it. Without the dependency XLA may schedule that
+    recomputation in the forward pass and keep its full-size result alive until the backward
+    pass next to the residual it came from -- measured on CPU for batch norm after a conv:
+    8 B/element instead of 4. ``lax.optimization_barrier`` does not survive the CPU pipeline;
+    ``0 * g[0]`` does (XLA does not fold ``0 * x`` for floats). Adding ``+0.0`` is exact.
     """
-    if is_zero(g):
-        return res, g
-    return jax.lax.optimization_barrier((res, g))
+    first = jax.lax.reshape(g, (g.size,))[:1] if g.ndim else g.reshape(1)
+    return (first[0] * 0).astype(dtype)

@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmem.selective._core import after, check_float, is_zero, tag
+from jaxmem.selective._core import check_float, is_zero, tag
 from jaxmem.selective.bits import pack_bits, unpack_bits
 
 __all__ = ["relu", "leaky_relu", "relu6", "hard_tanh"]
@@ -72,7 +72,6 @@ def _masked_bwd(kind, slope, res, g):
     (packed,) = res
     if packed is None or is_zero(g):
         return (None,)
-    packed, g = after(packed, g)
     m = unpack_bits(packed, g.shape)
     other = jnp.zeros((), g.dtype) if kind != "leaky_relu" else g * jnp.asarray(slope, g.dtype)
     return (jnp.where(m, g, other),)

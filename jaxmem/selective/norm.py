@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import after, check_float, is_zero, perturbed, tag, value
+from jaxmem.selective._core import check_float, is_zero, perturbed, tag, value, zero_after
 
 __all__ = ["batch_norm", "layer_norm", "group_norm", "rms_norm", "normalize"]
 
@@ -123,8 +123,6 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
     (xv, mu, rstd, sv), static = res
     x_s, s_s, b_s, px, ps, pb = static.v
     g, g_mu, g_var = cts
-    if not is_zero(g):
-        (xv, mu, rstd, sv), g = after((xv, mu, rstd, sv), g)
     n = math.prod(x_s.shape[a] for a in axes)
     dx = dscale = dbias = None
     g_zero = is_zero(g)
@@ -132,11 +130,12 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
     if pb and not g_zero:
         dbias = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if px or ps:
-        xhat = (xv.astype(mu.dtype) - mu) * rstd
+        anchor = next((zero_after(c, mu.dtype) for c in cts if not is_zero(c)), 0.0)
+        xhat = (xv.astype(mu.dtype) - mu + anchor) * rstd
         if ps and not g_zero:
             dscale = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
         if px:
-            acc = jnp.zeros(x_s.shape, mu.dtype)
+            acc = jnp.zeros(x_s.shape, xhat.dtype)
             if not g_zero:
                 gs = gf if sv is None else gf * sv
                 inner = gs - xhat * jnp.mean(gs * xhat, axes, keepdims=True)
@@ -166,17 +165,15 @@ def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     rstd = _inv_std(vv, *eps)
     y = _affine_out(xv, mv, rstd, sv, bv, out_dtype)
     need_x = perturbed(scale) or perturbed(var)
-    mul = rstd if sv is None else rstd * sv
     res = (
         tag(xv, "norm.input") if need_x else None,
         mv if need_x else None,
-        rstd if (need_x or perturbed(x) or perturbed(mean)) else None,
+        rstd if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
         sv if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
     )
     structs = tuple(None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)
                     for v in (xv, mv, vv, sv, bv))
     flags = tuple(perturbed(p) for p in (x, mean, var, scale, bias))
-    del mul
     return y, (res, _Static((structs, flags)))
 
 
@@ -186,7 +183,6 @@ def _affine_bwd(eps, out_dtype, res, g):
     x_s, m_s, v_s, s_s, b_s = structs
     if is_zero(g):
         return None, None, None, None, None
-    (xv, mv, rstd, sv), g = after((xv, mv, rstd, sv), g)
     gf = g.astype(_stat_dtype(x_s.dtype))
     dx = dm = dv = ds = db = None
     mul = None
@@ -199,11 +195,11 @@ def _affine_bwd(eps, out_dtype, res, g):
     if pb:
         db = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if ps or pv:
-        xc = xv.astype(rstd.dtype) - mv
-        if ps:
-            ds = _sum_to(gf * xc * rstd, s_s.shape).astype(s_s.dtype)
-        if pv:
-            dv = _sum_to(gf * xc * (-0.5) * mul * rstd * rstd, v_s.shape).astype(v_s.dtype)
+        xhat = (xv.astype(rstd.dtype) - mv + zero_after(g, rstd.dtype)) * rstd
+    if ps:
+        ds = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
+    if pv:
+        dv = _sum_to(gf * xhat * (-0.5) * mul * rstd, v_s.shape).astype(v_s.dtype)
     return dx, dm, dv, ds, db
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import after, check_float, is_zero, tag
+from jaxmem.selective._core import check_float, is_zero, tag
 from jaxmem.selective.bits import pack_codes, unpack_codes
 
 __all__ = ["max_pool"]
@@ -84,7 +84,6 @@ def _max_pool_bwd(window, strides, pads, res, g):
     if packed is None or is_zero(g):
         return (None,)
     x_shape, x_dtype, y_shape = meta.v
-    packed, g = after(packed, g)
     code = unpack_codes(packed, _nbits(math.prod(window)), y_shape)
     xp_shape = (x_shape[0],) + tuple(
         n + lo + hi for n, (lo, hi) in zip(x_shape[1:-1], pads)) + (x_shape[-1],)

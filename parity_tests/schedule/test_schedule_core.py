@@ -351,3 +351,20 @@ def test_placement_cp_sat_stage_on_hard_instance():
         check_placement(sp, info.addresses)
         assert info.arena_size == brute_force_arena(sp)
         assert info.optimal
+
+
+def test_structural_lower_bound_is_valid_and_tight_on_chains():
+    from jaxmem.schedule.analysis import structural_lower_bound
+
+    rng = random.Random(21)
+    for _ in range(10):
+        g = random_graph(rng, 7)
+        assert structural_lower_bound(g) <= brute_force_peak(g)
+    # on a chain every order is the same, and the bound is exact
+    g = Graph()
+    for v in "abcd":
+        g.add_node(v)
+    g.add_edge("x", "a", ["b", "d"], 10)
+    g.add_edge("y", "b", ["c"], 5)
+    g.add_edge("z", "c", ["d"], 7)
+    assert structural_lower_bound(g) == simulate(g) == 22

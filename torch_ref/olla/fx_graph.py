@@ -61,8 +61,20 @@ class FxGraph:
     views: set  # fx nodes folded as views
 
 
-def fx_to_graph(gm: fx.GraphModule) -> FxGraph:
-    """Import ``gm`` (an aten-level FX graph with ``meta['val']``) into a Graph."""
+def fx_to_graph(gm: fx.GraphModule, donate: Sequence[int] = ()) -> FxGraph:
+    """Import ``gm`` (an aten-level FX graph with ``meta['val']``) into a Graph.
+
+    ``donate``: indices of placeholders whose storage the step may free after its last
+    use (PyTorch's in-place ``optimizer.step()`` frees nothing but overwrites the
+    weights; modelling the old weights as donated to an out-of-place update gives the
+    same memory). Other placeholders are persistent. Input nodes are kept first.
+    """
+    donate = set(int(i) for i in donate)
+    n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    for i in donate:
+        if not 0 <= i < n_ph:
+            raise ValueError(f"donate: index {i} out of range for {n_ph} placeholders")
+    ph_index = 0
     g = Graph()
     root: dict[Any, Any] = {}  # fx node (or (node, i)) -> value key of its storage
     producer: dict[Any, str] = {}
@@ -93,7 +105,10 @@ def fx_to_graph(gm: fx.GraphModule) -> FxGraph:
             node_of[name] = node
             producer[node] = name
             sizes[node] = _nbytes(val)
-            persistent.add(node)
+            if node.op == "get_attr" or ph_index not in donate:
+                persistent.add(node)
+            if node.op == "placeholder":
+                ph_index += 1
             root[node] = node
         elif node.op == "call_function":
             if _is_view(node):
@@ -135,7 +150,14 @@ def fx_to_graph(gm: fx.GraphModule) -> FxGraph:
         is_p = k in persistent
         g.add_edge(f"t{i}", src, sinks, sizes[k], persistent=is_p,
                    output=(k in out_set) and not is_p)
-    # mark weight-update nodes (every output of the node is a step output)
+    # inputs first (a donated buffer exists from the start of the step)
+    ins = [n for n in g.nodes if n.startswith("in:")]
+    for a, b in zip(ins, ins[1:]):
+        g.add_edge(f"ctrl:{a}->{b}", a, [b], 0)
+    if ins:
+        for name in g.nodes:
+            if not name.startswith("in:") and not g.preds(name):
+                g.add_edge(f"ctrl:{ins[-1]}->{name}", ins[-1], [name], 0)
     g.validate()
     return FxGraph(g, gm, node_of, views)
 
@@ -185,7 +207,8 @@ def trace_training_step(
     lr: float = 0.1,
 ) -> tuple[fx.GraphModule, Callable, tuple]:
     """``make_fx`` of one SGD step; returns ``(gm, step, args)`` with
-    ``gm(*args) == step(*args)`` = ``(new_params..., loss)``."""
+    ``gm(*args) == step(*args)`` = ``(new_params..., loss)``; ``args = (*params, x, y)``
+    (pass ``donate=range(len(params))`` to :func:`fx_to_graph` for in-place SGD)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     names = [n for n, _ in model.named_parameters()]
