@@ -227,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # logs / CI: don't squeeze wide tables into 80 columns
+        console = Console(width=max(console.width, 200))
     if args.command == "bench":
         return _bench(args, console)
     parser.print_help()

@@ -227,9 +227,9 @@ def jax_to_torch(variables: Any, torch_model: nn.Module) -> nn.Module:
     staged = _stage(variables, torch_model, "jax_to_torch")
     with torch.no_grad():
         for t, arr in staged:
-            src = torch.from_numpy(np.ascontiguousarray(arr)) if arr.dtype.kind != "V" else None
-            if src is None or arr.dtype.name == "bfloat16":
-                src = torch.from_numpy(np.ascontiguousarray(arr.astype(np.float32)))
+            if arr.dtype.kind == "V" or arr.dtype.name == "bfloat16":  # numpy has no bf16
+                arr = arr.astype(np.float32)  # exact; cast back to the torch dtype below
+            src = torch.from_numpy(np.array(arr, copy=True, order="C"))  # writable copy
             t.copy_(src.to(device=t.device, dtype=t.dtype))
     return torch_model
 

@@ -2,26 +2,31 @@
 
 For every model (same architecture in ``jaxmem.models`` / ``torch_ref.models``, weights
 transferred with ``torch_ref.convert.jax_to_torch`` so both run the same function) and one
-SGD training step (cross-entropy; MSE to a random target for the conv chain):
+plain-SGD training step (cross-entropy; MSE to a random target for the conv chain):
 
-* **residual bytes** (level 1) — JAX: ``jaxmem.measure.residual_bytes(loss, params, ...)``
-  w.r.t. the parameters, activations only; torch: ``torch_ref.measure.saved_bytes`` of the
-  forward+loss, activations only (parameters and the batch are counted separately in both);
-* **compiled bytes** (level 2, JAX only) — ``compiled_memory`` of the jitted train step
-  (temp, and the total temp + output + argument − alias; no buffer donation: the JAX default);
-* **measured peak** (level 3) — CPU high-water mark of one train step after a warm-up, in a
-  fresh subprocess for each framework (``jaxmem.measure.peak_memory``). The peak children
-  build their model from their own framework's initialiser (memory does not depend on the
-  values);
-* **step time torch/JAX** — both steps timed in this process, interleaved, median of
-  repeats (JAX step jitted and blocked on; torch eager). A ratio > 1 means torch is slower.
-* ``loss rel. diff`` — |loss_jax − loss_torch| / |loss_torch| on the shared weights, as a
-  check that the two columns measure the same model.
+* ``jax_saved`` / ``torch_saved`` (level 1, residual bytes) — JAX:
+  ``jaxmem.measure.residual_bytes(loss, params, ...)`` w.r.t. the parameters; torch:
+  ``torch_ref.measure.saved_bytes`` of forward + loss. Activations only in both (parameters
+  and the batch are excluded);
+* ``jax_temp`` / ``jax_total`` (level 2, JAX only) — ``compiled_memory`` of the jitted train
+  step: temp, and temp + output + argument − alias (no buffer donation: the JAX default);
+* ``jax_peak`` / ``torch_peak`` (level 3) — CPU high-water mark of one train step after a
+  warm-up, in a fresh subprocess per framework (``jaxmem.measure.peak_memory``). The
+  children initialise their own model (memory does not depend on the values);
+* ``torch/jax time`` — both steps timed interleaved in ONE fresh process pinned to one CPU
+  core; ratio of the fastest repeats (> 1: torch slower);
+* ``loss_rdiff`` — |loss_jax − loss_torch| / |loss_torch| on the shared weights: the check that
+  both columns measure the same model.
+
+Parameters are drawn with numpy (:func:`_fast_init`), not Flax's initialisers, whose XLA
+compile alone took 8.6 s for resnet18 on this CPU. A temporary persistent compilation cache
+is shared with the subprocesses (:func:`_shared_compilation_cache`).
 
 This module imports torch only inside functions (``import jaxmem`` never imports torch).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -53,7 +58,7 @@ MODELS: dict[str, ModelSpec] = {
     "vit": ModelSpec("vit", "vit", (8, 32), (32, 32), "ce"),
 }
 #: models of ``jaxmem bench --quick`` (all of MODELS otherwise).
-QUICK_MODELS = ("convchain", "mlp", "resnet18", "gpt")
+QUICK_MODELS = ("convchain", "resnet18", "gpt")
 
 _LR = 0.01
 _CLASSES = 10
@@ -148,6 +153,35 @@ def _train_kw(spec: ModelSpec) -> bool:
     return spec.family in ("vgg16", "resnet18", "resnet50")
 
 
+def _fast_init(model, x, seed: int):
+    """Variables of the model's shapes, drawn with numpy (memory and time do not depend on the
+    values). Flax's own init compiles slowly on CPU (8.6 s of XLA compile for resnet18, eager:
+    10 s), which would dominate ``--quick``. Kernels ~ N(0, 1/fan_in), embeddings and other
+    free parameters ~ N(0, 0.02^2), norm scales / running variances 1, biases / means 0."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(model.init, jax.random.key(seed), x)
+
+    def fill(path, sds):
+        name = str(getattr(path[-1], "key", path[-1]))
+        shape, dtype = sds.shape, sds.dtype
+        if name in ("scale", "var"):
+            return jnp.ones(shape, dtype)
+        if name in ("bias", "mean"):
+            return jnp.zeros(shape, dtype)
+        if name == "kernel":
+            fan_in = int(np.prod(shape[:-1])) or 1
+            std = (1.0 / fan_in) ** 0.5
+        else:
+            std = 0.02
+        return jnp.asarray((rng.standard_normal(shape) * std).astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
 def _jax_parts(spec: ModelSpec, quick: bool, seed: int = 0):
     """(loss_fn(params, stats, x, y), step_fn, variables, (x, y)) for JAX."""
     import jax
@@ -157,8 +191,7 @@ def _jax_parts(spec: ModelSpec, quick: bool, seed: int = 0):
     model = _jax_model(spec, quick)
     x, y = _batch(spec, quick, seed)
     x, y = jnp.asarray(x), jnp.asarray(y)
-    # jit the init: eager Flax init dispatches op by op (10 s for resnet18 on this CPU)
-    variables = jax.jit(model.init)(jax.random.key(seed), x[:1])
+    variables = _fast_init(model, x[:1], seed)
     params = variables["params"]
     stats = variables.get("batch_stats", {})
     has_bn = _train_kw(spec)
@@ -218,13 +251,17 @@ def _torch_parts(spec: ModelSpec, quick: bool, variables=None, seed: int = 0):
             return torch.mean((out - y) ** 2)
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
+        # plain SGD, as torch.optim.SGD(lr) without momentum would do (torch.optim is not
+        # used: importing it pulls in torch._dynamo, 3 s per fresh process)
         loss = loss_fn(model, xt, yt)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)  # between steps only the parameters stay resident
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.grad, alpha=-_LR)
+                p.grad = None  # between steps only the parameters stay resident
         return loss.detach()
 
     return model, loss_fn, step, (xt, yt)
@@ -258,12 +295,7 @@ def torch_step(name: str, quick: bool) -> Callable[[], Any]:
 
 _TIME_MARK = "JAXMEM_TIME_RESULT "
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-_SINGLE_THREAD_ENV = {
-    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "JAX_PLATFORMS": "cpu",
-}
+_SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
 
 
 def _time_main() -> None:
@@ -271,6 +303,12 @@ def _time_main() -> None:
     import json
     import sys
 
+    import os
+
+    # one core for both frameworks (same XLA compile options as the parent, so the shared
+    # compilation cache hits; torch with one intra-op thread)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     import jax
     import torch
 
@@ -299,9 +337,9 @@ def _time_main() -> None:
 def step_time_ratios(names: list[str], quick: bool, repeats: int = 5,
                      timeout: float = 600.0) -> dict[str, dict[str, float]]:
     """Median train-step times of both frameworks, measured interleaved in ONE fresh process
-    with one CPU thread each (``torch.set_num_threads(1)``; XLA's Eigen pool off). One thread
+    pinned to one CPU core (``sched_setaffinity``; torch with one intra-op thread). One core
     keeps the ratio stable on a loaded machine (torch's 2-thread OpenMP steps were up to 5x
-    slower under contention); multi-threaded ratios can differ."""
+    slower under contention); multi-core ratios can differ."""
     import json
     import os
     import subprocess
@@ -320,17 +358,52 @@ def step_time_ratios(names: list[str], quick: bool, repeats: int = 5,
     return json.loads(lines[-1][len(_TIME_MARK):])
 
 
+@contextlib.contextmanager
+def _shared_compilation_cache():
+    """A temporary persistent XLA compilation cache shared by this process and the measuring
+    subprocesses (they compile the same train steps; a hit saves seconds per model). The
+    previous JAX settings and environment are restored on exit."""
+    import os
+    import shutil
+    import tempfile
+
+    import jax
+
+    d = tempfile.mkdtemp(prefix="jaxmem-bench-xla-")
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old_cfg = {k: getattr(jax.config, k) for k in keys}
+    env = {"JAX_COMPILATION_CACHE_DIR": d, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    old_env = {k: os.environ.get(k) for k in env}
+    try:
+        jax.config.update("jax_compilation_cache_dir", d)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        os.environ.update(env)
+        yield d
+    finally:
+        for k, v in old_cfg.items():
+            jax.config.update(k, v)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------- section
 
 COLUMNS = [
-    "model", "params", "batch", "jax_residual", "torch_saved", "torch/jax saved",
-    "jax_compiled_temp", "jax_compiled_total", "jax_peak", "torch_peak", "time torch/jax",
-    "loss rel. diff",
+    "model", "params", "batch", "jax_saved", "torch_saved", "torch/jax saved",
+    "jax_temp", "jax_total", "jax_peak", "torch_peak", "torch/jax time",
+    "loss_rdiff",
 ]
 UNITS = {
-    "params": "B", "jax_residual": "B", "torch_saved": "B", "torch/jax saved": "x",
-    "jax_compiled_temp": "B", "jax_compiled_total": "B", "jax_peak": "B", "torch_peak": "B",
-    "time torch/jax": "x",
+    "params": "B", "jax_saved": "B", "torch_saved": "B", "torch/jax saved": "x",
+    "jax_temp": "B", "jax_total": "B", "jax_peak": "B", "torch_peak": "B",
+    "torch/jax time": "x",
 }
 
 
@@ -352,7 +425,7 @@ def measure_model(name: str, quick: bool, peak: bool = True,
 
     say(f"{name}: residual bytes")
     rep = residual_bytes(lambda p, s, x, y: loss_fn(p, s, x, y)[0], params, stats, x, y)
-    row["jax_residual"] = rep.activation_bytes
+    row["jax_saved"] = rep.activation_bytes
     model, tloss, tstep, (xt, yt) = _torch_parts(spec, quick, variables=v)
     srep = saved_bytes(tloss, model, xt, yt)
     row["torch_saved"] = srep.activation_bytes
@@ -360,13 +433,14 @@ def measure_model(name: str, quick: bool, peak: bool = True,
                               if rep.activation_bytes else None)
     with torch.no_grad():
         lt = float(tloss(model, xt, yt))
-    lj = float(jax.jit(lambda *a: loss_fn(*a)[0])(params, stats, x, y))
-    row["loss rel. diff"] = abs(lj - lt) / max(abs(lt), 1e-30)
 
     say(f"{name}: compiled bytes")
     cm = compiled_memory(step, params, stats, x, y)
-    row["jax_compiled_temp"] = cm.temp_bytes
-    row["jax_compiled_total"] = cm.total_bytes
+    row["jax_temp"] = cm.temp_bytes
+    row["jax_total"] = cm.total_bytes
+    # the step returns the loss before its update; this call reuses the compilation cache
+    lj = float(jax.jit(step)(params, stats, x, y)[2])
+    row["loss_rdiff"] = abs(lj - lt) / max(abs(lt), 1e-30)
 
     del model, tstep
     if peak:
@@ -392,30 +466,33 @@ def run(quick: bool = False, models: list[str] | None = None,
     for n in names:
         _get(n)
     rows = []
-    for n in names:
-        rows.append(measure_model(n, quick, peak=peak, progress=progress))
-    if progress:
-        progress("step time, both frameworks in one process")
-    times = step_time_ratios(names, quick, repeats=5 if quick else 15)
+    with _shared_compilation_cache():
+        for n in names:
+            rows.append(measure_model(n, quick, peak=peak, progress=progress))
+        if progress:
+            progress("step time, both frameworks in one process")
+        times = step_time_ratios(names, quick, repeats=3 if quick else 15)
     for row in rows:
         t = times[row["model"]]
-        row["time torch/jax"] = t["torch_s"] / t["jax_s"]
-        row["jax_step_s"] = t["jax_s"]
-        row["torch_step_s"] = t["torch_s"]
+        row["torch/jax time"] = t["torch_min_s"] / t["jax_min_s"]
+        row["jax_step_s_min"] = t["jax_min_s"]
+        row["torch_step_s_min"] = t["torch_min_s"]
+        row["torch/jax time (median)"] = t["torch_s"] / t["jax_s"]
     notes = [
-        "jax_residual: jaxmem.measure.residual_bytes of the loss w.r.t. all params, activation "
+        "jax_saved: jaxmem.measure.residual_bytes of the loss w.r.t. all params, activation "
         "residuals only (jaxpr level, before XLA); torch_saved: torch_ref.measure.saved_bytes "
         "(saved-tensor hooks, deduplicated by storage), activations only. Params and the batch "
         "are excluded from both.",
-        "jax_compiled_*: XLA memory_analysis() of the jitted SGD train step; total = temp + "
+        "jax_temp / jax_total: XLA memory_analysis() of the jitted SGD train step; total = temp + "
         "output + argument - alias (no donation).",
         "jax_peak / torch_peak: CPU VmHWM delta of one train step after warm-up, each in a "
         "fresh subprocess (jaxmem.measure.peak_memory); includes gradients and new params.",
-        "time torch/jax: median train-step times measured interleaved in one fresh process, "
-        "one CPU thread per framework (torch eager, JAX jitted); >1 means torch is slower. "
-        "Times are noisy; only this ratio is reported.",
-        "Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss rel. diff "
-        "is the check.",
+        "torch/jax time: ratio of the fastest of the interleaved train steps of each framework "
+        "(torch eager, JAX jitted), both in one fresh process pinned to one CPU core; >1 means "
+        "torch is slower. Times are noisy; only this ratio is reported (the JSON also has the "
+        "ratio of medians).",
+        "Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss_rdiff = "
+        "|loss_jax - loss_torch| / |loss_torch| is the check.",
     ]
     meta = {
         "quick": quick,
@@ -424,10 +501,10 @@ def run(quick: bool = False, models: list[str] | None = None,
         "torch": torch.__version__,
         "backend": jax.default_backend(),
         "plots": [
-            {"x": "model", "y": ["jax_residual", "torch_saved"],
+            {"x": "model", "y": ["jax_saved", "torch_saved"],
              "title": "activation bytes kept for backward (JAX default vs PyTorch default)",
              "file": "baseline_residuals.png"},
-            {"x": "model", "y": ["jax_compiled_temp", "jax_peak", "torch_peak"],
+            {"x": "model", "y": ["jax_temp", "jax_peak", "torch_peak"],
              "title": "compiled temp (JAX) and measured CPU peak of one train step",
              "file": "baseline_peak.png"},
         ],

@@ -92,11 +92,13 @@ def numpy_derivative(fn: Callable) -> Callable:
     """``f'`` as a vectorised float64 numpy callable, by JAX autodiff under x64."""
     import numpy as np
 
+    grad = jax.jit(jax.vmap(jax.grad(lambda t: fn(t))))  # built once; traced per shape
+
     def d(x):
         x = np.asarray(x, dtype=np.float64)
         with jax.enable_x64(True):
-            g = jax.jit(jax.vmap(jax.grad(lambda t: fn(t))))(jnp.asarray(x.reshape(-1)))
-            out = np.asarray(g, dtype=np.float64)
+            out = np.asarray(grad(jnp.asarray(x.reshape(-1), dtype=jnp.float64)),
+                             dtype=np.float64)
         return out.reshape(x.shape)
 
     return d

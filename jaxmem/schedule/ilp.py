@@ -58,6 +58,7 @@ def solve_order(
     num_workers: int = 2,
     upper_bound: int | None = None,
     log: bool = False,
+    lower_bound: int | None = None,
 ) -> OrderResult:
     """Solve eq. 14 for ``graph``; ``hint`` is a topological order used as warm start."""
     from ortools.sat.python import cp_model
@@ -163,7 +164,10 @@ def solve_order(
     if upper_bound is not None:
         ub = max(0, (upper_bound - persistent) // g)
         total = min(total, ub)
-    peak = m.NewIntVar(0, max(total, 0), "peak")
+    lo = 0
+    if lower_bound is not None:
+        lo = min(max(0, -(-(lower_bound - persistent) // g)), max(total, 0))
+    peak = m.NewIntVar(lo, max(total, 0), "peak")
     step_terms: dict[int, list] = {t: [] for t in range(n)}
     step_const = [0] * n
     for v, d in C.items():
@@ -267,6 +271,7 @@ def solve_order_cumulative(
     num_workers: int = 2,
     upper_bound: int | None = None,
     log: bool = False,
+    lower_bound: int | None = None,
 ) -> OrderResult:
     """The same problem as :func:`solve_order` in a compact scheduling form that scales
     to thousands of nodes: one integer step ``t_v in SPAN(v)`` per node,
@@ -301,7 +306,10 @@ def solve_order_cumulative(
     total = sum(sizes) // g
     if upper_bound is not None:
         total = min(total, max(0, (upper_bound - persistent) // g))
-    peak = m.NewIntVar(0, max(total, 0), "peak")
+    lo = 0
+    if lower_bound is not None:
+        lo = min(max(0, -(-(lower_bound - persistent) // g)), max(total, 0))
+    peak = m.NewIntVar(lo, max(total, 0), "peak")
     intervals, demands, ends = [], [], {}
     for e in graph.edges.values():
         if e.persistent or e.size == 0:

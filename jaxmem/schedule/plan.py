@@ -143,21 +143,24 @@ def optimize(
     g_order, g_peak, g_rule = best_greedy_order(work)
     order, peak, method, status, num_vars = g_order, g_peak, g_rule, "skipped", 0
     lb = max(node_lower_bound(graph), structural_lower_bound(graph))
-    if use_ilp and len(graph.nodes) > 1:
+    if use_ilp and len(graph.nodes) > 1 and g_peak > lb:
         if formulation == "auto":
             formulation = "olla" if estimate_time_indexed_vars(work) <= 20000 else "cumulative"
         solver_fn = solve_order if formulation == "olla" else solve_order_cumulative
         res = solver_fn(work, hint=g_order, time_limit=time_limit, num_workers=num_workers,
-                          upper_bound=g_peak, log=log)
+                        upper_bound=g_peak, lower_bound=lb if not early_updates else None,
+                        log=log)
         status, num_vars = res.status, res.num_vars
         if res.order:
             p = simulate(graph, res.order)
             if p < peak:
                 order, peak, method = res.order, p, "ilp"
-        if not early_updates:
-            lb = max(lb, res.bound if res.status != "UNKNOWN" else 0)
+        if not early_updates and res.status != "UNKNOWN":
+            lb = max(lb, res.bound)
             if res.status == "INFEASIBLE":
                 lb = max(lb, g_peak)
+    elif use_ilp and g_peak <= lb:
+        status = "OPTIMAL"  # the greedy order meets the structural bound: nothing to solve
     lb = min(lb, peak)
     order_s = time.perf_counter() - t0
     addresses: dict[str, int] = {}

@@ -84,6 +84,7 @@ def bilinear(fn: Callable[[Any, Any], Any], x, w, *, name: str = "bilinear"):
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                 **kwargs):
     """Drop-in for ``lax.dot_general`` with differentiability-aware residuals."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     fn = functools.partial(
         _dot_general_fn,
         dimension_numbers=_freeze(dimension_numbers),
@@ -101,8 +102,13 @@ def _dot_general_fn(x, w, *, dimension_numbers, precision, preferred_element_typ
 
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
                          rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
-                         batch_group_count=1, precision=None, preferred_element_type=None):
-    """Drop-in for ``lax.conv_general_dilated`` with differentiability-aware residuals."""
+                         batch_group_count=1, precision=None, preferred_element_type=None,
+                         **kwargs):
+    """Drop-in for ``lax.conv_general_dilated`` with differentiability-aware residuals.
+
+    Extra keyword arguments (e.g. ``out_sharding``) are passed through to lax; ``None``
+    values are dropped."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     ndim_sp = jnp.ndim(lhs) - 2
     padding = _check_padding(padding, ndim_sp)
     fn = functools.partial(
@@ -116,6 +122,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
         batch_group_count=batch_group_count,
         precision=precision,
         preferred_element_type=preferred_element_type,
+        **kwargs,
     )
     return bilinear(fn, lhs, rhs, name="conv")
 

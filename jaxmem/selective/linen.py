@@ -26,61 +26,17 @@ trace). Forward-mode ``jax.jvp`` through selective layers is not supported (cust
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmem.selective import activation as _act
 from jaxmem.selective import dropout as _drop
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
-from jaxmem.selective import pool as _pool
+from jaxmem.selective import patch as _patch
 
 __all__ = ["scope", "convert", "SelectiveModel", "wrap"]
-
-_lock = threading.RLock()
-_depth = 0
-_saved: list[tuple[Any, str, Any]] = []
-
-
-# ------------------------------------------------------------------- function patches
-def _max_pool_adapter(orig):
-    def max_pool(inputs, window_shape, strides=None, padding="VALID"):
-        if jnp.ndim(inputs) != len(window_shape) + 2 or not jnp.issubdtype(
-                jnp.result_type(inputs), jnp.floating):
-            return orig(inputs, window_shape, strides=strides, padding=padding)
-        return _pool.max_pool(inputs, window_shape, strides, padding)
-    return max_pool
-
-
-_orig_leaky = jax.nn.leaky_relu
-
-
-def _leaky_adapter(x, negative_slope=1e-2):
-    if not isinstance(negative_slope, (int, float)):
-        return _orig_leaky(x, negative_slope)
-    return _act.leaky_relu(x, negative_slope)
-
-
-def _patch_table():
-    import flax.linen.activation as fla
-    import flax.linen.pooling as flp
-    import jax.nn as jnn
-
-    orig_pool = flp.max_pool
-    table = []
-    for mod in (nn, fla, jnn):
-        for name, fn in (("relu", _act.relu), ("relu6", _act.relu6),
-                         ("hard_tanh", _act.hard_tanh), ("leaky_relu", _leaky_adapter)):
-            if hasattr(mod, name):
-                table.append((mod, name, fn))
-    for mod in (nn, flp):
-        table.append((mod, "max_pool", _max_pool_adapter(orig_pool)))
-    return table
-
 
 # ------------------------------------------------------------------- method interceptor
 @contextlib.contextmanager
@@ -276,27 +232,15 @@ def _flax_dropout(m, next_fun, args, kwargs):
 
 # ------------------------------------------------------------------------- public API
 @contextlib.contextmanager
-def scope():
-    """Within this context, Linen modules and inline activations/pooling trace to the
-    selective primitives (see the module docstring). Re-entrant; restores on exit."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            _saved.clear()
-            for mod, name, fn in _patch_table():
-                _saved.append((mod, name, getattr(mod, name)))
-                setattr(mod, name, fn)
-        _depth += 1
-    try:
-        with nn.intercept_methods(_interceptor):
-            yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for mod, name, old in reversed(_saved):
-                    setattr(mod, name, old)
-                _saved.clear()
+def scope(functions: bool = True):
+    """Within this context, Linen modules (and, with ``functions``, the inline
+    activations / ``max_pool``) trace to the selective primitives (see the module
+    docstring). Re-entrant; everything is restored on exit."""
+    with contextlib.ExitStack() as stack:
+        if functions:
+            stack.enter_context(_patch.patch_functions())
+        stack.enter_context(nn.intercept_methods(_interceptor))
+        yield
 
 
 def wrap(fn):

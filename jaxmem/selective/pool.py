@@ -85,19 +85,40 @@ def _max_pool_bwd(window, strides, pads, res, g):
         return (None,)
     x_shape, x_dtype, y_shape = meta.v
     code = unpack_codes(packed, _nbits(math.prod(window)), y_shape)
-    xp_shape = (x_shape[0],) + tuple(
-        n + lo + hi for n, (lo, hi) in zip(x_shape[1:-1], pads)) + (x_shape[-1],)
+    nsp = len(window)
+    out_sp = y_shape[1:-1]
+    xp_sp = tuple(n + lo + hi for n, (lo, hi) in zip(x_shape[1:-1], pads))
+    # Stride-phase decomposition: padded position p = s*o + k lies in phase a = k mod s at
+    # phase index q = o + k // s. Each phase's gradient is a sum of output-sized arrays
+    # shifted by k // s (plain pads, which XLA fuses); interleaving the phases gives dxp.
+    qlen = tuple(-(-L // st) for L, st in zip(xp_sp, strides))
     zero = jnp.zeros((), g.dtype)
-    dxp = jnp.zeros(xp_shape, g.dtype)
+    phases = {}
     for idx, off in enumerate(itertools.product(*[range(w) for w in window])):
         contrib = jnp.where(code == idx, g, zero)
         cfg = [(0, 0, 0)]
-        for o, s, n, total in zip(off, strides, y_shape[1:-1], xp_shape[1:-1]):
-            cfg.append((o, total - (o + s * (n - 1) + 1), s - 1))
+        for k, st, n, q in zip(off, strides, out_sp, qlen):
+            cfg.append((k // st, q - n - k // st, 0))
         cfg.append((0, 0, 0))
-        dxp = dxp + lax.pad(contrib, zero, cfg)
+        ph = tuple(k % st for k, st in zip(off, strides))
+        term = lax.pad(contrib, zero, cfg)
+        phases[ph] = term if ph not in phases else phases[ph] + term
+    full = (y_shape[0],) + qlen + (y_shape[-1],)
+    grid = {}
+    for ph in itertools.product(*[range(st) for st in strides]):
+        grid[ph] = phases.get(ph, jnp.zeros(full, g.dtype))
+    # interleave: stack phase axes right after each spatial axis, then merge them.
+    def build(prefix):
+        d = len(prefix)
+        if d == nsp:
+            return grid[prefix]
+        parts = [build(prefix + (a,)) for a in range(strides[d])]
+        return jnp.stack(parts, axis=2 + d)
+    inter = build(())
+    dxp = inter.reshape((y_shape[0],) + tuple(q * st for q, st in zip(qlen, strides))
+                        + (y_shape[-1],))
     start = (0,) + tuple(lo for lo, _ in pads) + (0,)
-    dx = lax.slice(dxp, start, tuple(s + n for s, n in zip(start, x_shape)))
+    dx = lax.slice(dxp, start, tuple(a + n for a, n in zip(start, x_shape)))
     return (dx.astype(x_dtype),)
 
 

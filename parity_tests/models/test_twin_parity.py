@@ -15,8 +15,7 @@ cotangent are fresh random draws; the loss is ``sum(model(x) * cotangent)``.
 * float32: elementwise ``|a - b| <= 1e-4 |b| + 1e-5 max(1, max|b|)`` (the project's rtol 1e-4 /
   atol 1e-5, the atol scaled by the array's magnitude: gradients of a sum over many outputs
   reach 10-100, where an absolute 1e-5 is below float32 resolution), and the relative error
-  norm <= 1e-4. Train-mode BatchNorm deep nets are only checked in float64 (their float32
-  rounding amplification, ~1e-4 relative, would need a looser bound).
+  norm <= 1e-4. In train mode with BatchNorm the atol is 1e-4 (see the test for why).
 
 The published full-depth constructors (``vgg16(batch_norm=True)``, ``resnet18``, ``resnet50``)
 run once each in float64 train mode; reduced-depth models of the same classes cover every
@@ -145,5 +144,9 @@ def test_full_depth_forward_parity_float32_train(name):
 def test_twin_parity_float32(name, train):
     jx, th = _run(TWINS[name], train, torch.float32, seed=20)
     assert jx["y"].dtype == np.float32
-    problems = _problems(jx, th, rtol=1e-4, atol_scale=(1e-5, True), norm_tol=1e-4)
+    # Train-mode BatchNorm: its parameter gradients are sums over N*H*W of terms that cancel
+    # (the backward subtracts the means of g and g*xhat), so a single small element can carry
+    # ~1e-4 of the array's scale in float32 rounding; the float64 test above is the tight one.
+    atol = 1e-4 if train else 1e-5
+    problems = _problems(jx, th, rtol=1e-4, atol_scale=(atol, True), norm_tol=1e-4)
     assert not problems, f"{name} (float32) differs:\n" + "\n".join(problems[:10])

@@ -242,3 +242,24 @@ def test_traced_function_can_be_scheduled_inside_jit_world():
     out = execute(ts, optimize(ts.graph, time_limit=1), *args)
     with jax.disable_jit():
         assert _leaves_equal(out, step(*args))
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_as_function_reemits_the_plan_under_jit(chunks):
+    from jaxmem.schedule.xla import as_function
+
+    step, args = _convchain_step()
+    ts = trace(step, *args, donate_argnums=(0, 1))
+    plan = optimize(ts.graph, time_limit=1)
+    fn = jax.jit(as_function(ts, plan.order, chunks=chunks))
+    flat = jax.tree_util.tree_leaves(args)
+    out = fn(*flat)
+    ref = jax.tree_util.tree_leaves(jax.jit(step)(*args))
+    assert len(out) == len(ref)
+    for a, b in zip(out, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if chunks > 1:
+        text = jax.jit(as_function(ts, plan.order, chunks=chunks)).lower(*flat).as_text()
+        assert "optimization_barrier" in text
+    with pytest.raises(ValueError, match="chunks"):
+        as_function(ts, plan.order, chunks=0)

@@ -1,0 +1,54 @@
+"""jaxmem.selective -- store for backward only what the *requested* gradients need.
+
+From "Lowering PyTorch's Memory Consumption for Selective Differentiation" (Bhatia & Dangel),
+brought to JAX. Functional core (each a ``jax.custom_vjp`` with ``symbolic_zeros=True`` that
+saves residuals according to which inputs are perturbed):
+
+* :func:`dense`, :func:`conv`, :func:`conv_transpose`, and the lax drop-ins
+  :func:`dot_general`, :func:`conv_general_dilated` -- keep the input only if the weight is
+  differentiated, the weight only if the input is;
+* :func:`batch_norm` (train / eval), :func:`layer_norm`, :func:`group_norm`,
+  :func:`rms_norm` -- keep one input-sized tensor + per-group statistics iff the input or
+  scale is differentiated, nothing input-sized for a bias-only update;
+* :func:`relu`, :func:`leaky_relu`, :func:`relu6`, :func:`hard_tanh` -- a 1-bit packed mask;
+* :func:`max_pool` -- the packed argmax position inside each window;
+* :func:`dropout` -- only the PRNG key.
+
+Trainable subsets: :func:`value_and_grad`, :func:`grad`, :func:`partition`,
+:func:`combine`, :func:`train_step`, :func:`nnx_value_and_grad`.
+Flax glue: :mod:`jaxmem.selective.linen` (``convert(model)``, ``scope()``) and
+:mod:`jaxmem.selective.nnx` (``convert(module)``). Bit packing: :mod:`jaxmem.selective.bits`.
+Every residual is tagged ``checkpoint_name(..., "jaxmem.selective.<op>.<what>")``.
+"""
+from jaxmem.selective.activation import hard_tanh, leaky_relu, relu, relu6
+from jaxmem.selective.bits import pack_bits, unpack_bits
+from jaxmem.selective.dropout import dropout
+from jaxmem.selective.subset import (
+    combine,
+    grad,
+    nnx_value_and_grad,
+    partition,
+    path_str,
+    train_step,
+    trainable_mask,
+    value_and_grad,
+)
+from jaxmem.selective.linear import (
+    bilinear,
+    conv,
+    conv_general_dilated,
+    conv_transpose,
+    dense,
+    dot_general,
+)
+from jaxmem.selective.norm import batch_norm, group_norm, layer_norm, normalize, rms_norm
+from jaxmem.selective.pool import max_pool
+from jaxmem.selective._core import NAME_PREFIX
+
+__all__ = [
+    "NAME_PREFIX", "batch_norm", "bilinear", "combine", "conv", "conv_general_dilated",
+    "conv_transpose", "dense", "dot_general", "dropout", "grad", "group_norm", "hard_tanh",
+    "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad", "normalize", "pack_bits",
+    "partition", "path_str", "relu", "relu6", "rms_norm", "train_step", "trainable_mask",
+    "unpack_bits", "value_and_grad",
+]
