@@ -25,7 +25,8 @@ offending parameter.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -240,4 +241,15 @@ def check_compatible(variables: Any, torch_model: nn.Module) -> None:
     _stage(variables, torch_model, "check_compatible")
 
 
-__all__ = ["torch_to_jax", "jax_to_torch", "check_compatible", "grads_to_jax"]
+def init_twins(jax_model: Any, torch_model: nn.Module, key: Any, *args: Any, **kwargs: Any):
+    """Initialise both twins identically: ``variables = jax_model.init(key, *args, **kwargs)``
+    (flax's initialisers), loaded into ``torch_model`` with :func:`jax_to_torch`.
+
+    Returns ``variables``. The converse (torch's initialisers) is ``torch_to_jax(torch_model)``.
+    """
+    variables = dict(jax_model.init(key, *args, **kwargs).items())
+    jax_to_torch(variables, torch_model)
+    return variables
+
+
+__all__ = ["check_compatible", "grads_to_jax", "init_twins", "jax_to_torch", "torch_to_jax"]

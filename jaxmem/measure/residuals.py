@@ -33,6 +33,7 @@ them later, the jaxpr does not). Nothing else is merged.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -51,6 +52,9 @@ from jaxmem.measure._validate import (
 __all__ = ["ResidualEntry", "ResidualReport", "residual_bytes"]
 
 KINDS = ("activation", "argument", "constant")
+
+# Report the user's frames as sources, not this module's wrappers (as JAX does for its own).
+source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)

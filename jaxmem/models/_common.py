@@ -6,7 +6,7 @@ def scaled(channels: int, width: float) -> int:
     """``max(1, round(channels * width))``: a channel count under a width multiplier."""
     if not (isinstance(width, (int, float)) and width > 0):
         raise ValueError(f"width must be a positive number (a multiplier), got {width!r}")
-    return max(1, int(round(channels * width)))
+    return max(1, round(channels * width))
 
 
 def check_channels(x, expected: int, model: str) -> None:

@@ -64,4 +64,4 @@ def conv_chain(depth: int = 8, channels: int = 8, relu: bool = True, dtype: Any 
     return ConvChain(depth=depth, channels=channels, relu=relu, dtype=dtype)
 
 
-__all__ = ["ConvChain", "conv_chain", "chain_kernel_init"]
+__all__ = ["ConvChain", "chain_kernel_init", "conv_chain"]

@@ -6,7 +6,8 @@ activation (called inline, e.g. ``nn.relu(x)``) after every layer but the last. 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 
@@ -66,4 +67,4 @@ class MLP(nn.Module):
         return x
 
 
-__all__ = ["MLP", "ACTIVATIONS", "apply_activation"]
+__all__ = ["ACTIVATIONS", "MLP", "apply_activation"]

@@ -14,7 +14,8 @@ Activations are called inline (``nnx.relu``, ``nnx.gelu`` -- the same functions 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -120,4 +121,4 @@ def load_params(model: nnx.Module, params: Any) -> nnx.Module:
     return model
 
 
-__all__ = ["ConvChainNNX", "MLPNNX", "load_params", "params_of"]
+__all__ = ["MLPNNX", "ConvChainNNX", "load_params", "params_of"]

@@ -17,7 +17,8 @@ flax's 'SAME' pads (0, 1) while torch pads (1, 1)). ReLU is called inline (``nn.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -160,4 +161,4 @@ def resnet101(*, width: float = 1.0, num_classes: int = 1000, in_channels: int =
     return ResNet("bottleneck", (3, 4, 23, 3), width, num_classes, in_channels, stem, dtype)
 
 
-__all__ = ["ResNet", "BasicBlock", "Bottleneck", "resnet18", "resnet34", "resnet50", "resnet101"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50", "resnet101"]

@@ -10,7 +10,8 @@ to ``num_classes``. No dropout (deterministic, so frameworks compare exactly).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -124,4 +125,4 @@ def vgg_features(name: str = "vgg16", *, width: float = 1.0, batch_norm: bool = 
     return VGGFeatures(VGG_CFGS[name], width, batch_norm, dtype)
 
 
-__all__ = ["VGG", "VGGFeatures", "VGG_CFGS", "vgg", "vgg11", "vgg16", "vgg_features"]
+__all__ = ["VGG", "VGG_CFGS", "VGGFeatures", "vgg", "vgg11", "vgg16", "vgg_features"]

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .ops import conv2d
+
 Padding = Any  # "SAME" | "VALID" | int | ((lo, hi), (lo, hi)) | (int, int)
 
 
@@ -135,10 +137,8 @@ class Conv:
         """Convolution with padding (pad_h, pad_w); pad_h=(0,0) on a tile window."""
         sh, sw = _pair(self.strides, "Conv.strides")
         dh, dw = _pair(self.kernel_dilation, "Conv.kernel_dilation")
-        y = lax.conv_general_dilated(
-            x, p["kernel"].astype(x.dtype), (sh, sw), (tuple(pad_h), tuple(pad_w)),
-            rhs_dilation=(dh, dw), dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            feature_group_count=self.feature_group_count)
+        y = conv2d(x, p["kernel"].astype(x.dtype), (sh, sw), (tuple(pad_h), tuple(pad_w)),
+                   (dh, dw), self.feature_group_count)
         if self.use_bias:
             y = y + p["bias"].astype(y.dtype)
         return y

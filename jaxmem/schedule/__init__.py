@@ -28,10 +28,24 @@ _LAZY = {
 }
 
 __all__ = [
-    "Graph", "Node", "Edge", "GraphError", "simulate", "lifetimes", "memory_profile",
-    "optimize", "Plan", "validate_plan", "node_lower_bound", "place", "check_placement",
-    "peak_of_spans", "best_fit_online", "fragmentation_best_fit", "greedy_order",
+    "Edge",
+    "Graph",
+    "GraphError",
+    "Node",
+    "Plan",
+    "best_fit_online",
     "best_greedy_order",
+    "check_placement",
+    "fragmentation_best_fit",
+    "greedy_order",
+    "lifetimes",
+    "memory_profile",
+    "node_lower_bound",
+    "optimize",
+    "peak_of_spans",
+    "place",
+    "simulate",
+    "validate_plan",
 ]
 
 

@@ -15,11 +15,11 @@
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .graph import Graph
 
-__all__ = ["Reach", "spans", "edge_ranges", "add_early_update_edges", "levels"]
+__all__ = ["Reach", "add_early_update_edges", "edge_ranges", "levels", "spans"]
 
 
 class Reach:
@@ -117,7 +117,7 @@ def add_early_update_edges(graph: Graph, update_nodes: Iterable[str] | None = No
         min_fwd = fwd[u]
         visited: dict[str, tuple[str | None, int]] = {}
 
-        def find(v: str) -> tuple[str | None, int]:
+        def find(v: str, visited=visited, min_fwd=min_fwd) -> tuple[str | None, int]:
             # Function 4 (iterative-safe for moderate depths)
             if v in visited:
                 return visited[v]

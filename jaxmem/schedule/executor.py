@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
 from .jaxpr_graph import TracedStep, trace
 from .plan import Plan, optimize
 
-__all__ = ["execute", "Scheduled", "ExecStats"]
+__all__ = ["ExecStats", "Scheduled", "execute"]
 
 
 @dataclasses.dataclass
@@ -113,10 +114,15 @@ def execute(
     *args,
     measure: bool = False,
     return_stats: bool = False,
+    keep_donated: bool = False,
 ):
     """Run ``traced`` (or trace ``fn`` on ``args``) in ``plan.order`` and return exactly
     what the function returns. ``plan`` may be a :class:`Plan`, a node order, or None
-    (program order). With ``measure``/``return_stats`` also return :class:`ExecStats`."""
+    (program order). With ``measure``/``return_stats`` also return :class:`ExecStats`.
+
+    Leaves of arguments traced with ``donate_argnums`` are *deleted* after their last
+    use (like a donated buffer under ``jax.jit``; the caller must not reuse them) unless
+    ``keep_donated=True`` (then they stay alive and the measured peak includes them)."""
     if not isinstance(traced, TracedStep):
         if not callable(traced):
             raise TypeError(f"traced: expected a TracedStep or a callable, got {type(traced)}")
@@ -151,9 +157,6 @@ def execute(
     free_at: dict[int, list[int]] = {}
     for i, t in last_use.items():
         free_at.setdefault(t, []).append(i)
-    view_children: dict[int, list[int]] = {}
-    for v, (_eq, src) in ts.views.items():
-        view_children.setdefault(ts.alias.get(v, v), []).append(v)
 
     stats_on = measure or return_stats
     before = 0
@@ -198,7 +201,9 @@ def execute(
             jax.block_until_ready([v for v in env.values() if isinstance(v, jax.Array)])
             profile.append(_live_bytes() - before)
         for i in free_at.get(t, []):
-            env.pop(i, None)
+            val = env.pop(i, None)
+            if i in ts.donated_ids and isinstance(val, jax.Array) and not keep_donated:
+                val.delete()  # donation: the caller's buffer is consumed, as under jit
     seconds = time.perf_counter() - t0
 
     def value(a):

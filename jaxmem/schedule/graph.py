@@ -21,9 +21,9 @@ the order of a jaxpr's equations), the baseline every optimisation is compared w
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["Graph", "Node", "Edge", "GraphError"]
+__all__ = ["Edge", "Graph", "GraphError", "Node"]
 
 
 class GraphError(ValueError):
@@ -212,7 +212,7 @@ class Graph:
                         f"before its source {e.src!r}"
                     )
 
-    def copy(self) -> "Graph":
+    def copy(self) -> Graph:
         g = Graph()
         g.nodes = dict(self.nodes)
         g.edges = dict(self.edges)

@@ -32,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from .analysis import Reach, edge_ranges, spans
 from .graph import Graph
 from .simulate import lifetimes
 
-__all__ = ["OrderResult", "solve_order", "solve_order_cumulative", "estimate_time_indexed_vars"]
+__all__ = ["OrderResult", "estimate_time_indexed_vars", "solve_order", "solve_order_cumulative"]
 
 
 @dataclasses.dataclass
@@ -238,8 +238,8 @@ def solve_order(
                 steps[v] = next(t for t, x in d.items() if solver.Value(x))
         topo_idx = reach.index
         order = sorted(graph.nodes, key=lambda v: (steps[v], topo_idx[v]))
-        obj = int(solver.ObjectiveValue()) * g + persistent
-        bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6)) * g + persistent
+        obj = round(solver.ObjectiveValue()) * g + persistent
+        bound = math.ceil(solver.BestObjectiveBound() - 1e-6) * g + persistent
         if status == cp_model.OPTIMAL:
             bound = obj
         return OrderResult(order, obj, bound, name, time.perf_counter() - t0, num_vars)
@@ -360,8 +360,8 @@ def solve_order_cumulative(
     num_vars = len(m.Proto().variables)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         order = sorted(graph.nodes, key=lambda v: (solver.Value(tv[v]), reach.index[v]))
-        obj = int(solver.ObjectiveValue()) * g + persistent
-        bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6)) * g + persistent
+        obj = round(solver.ObjectiveValue()) * g + persistent
+        bound = math.ceil(solver.BestObjectiveBound() - 1e-6) * g + persistent
         if status == cp_model.OPTIMAL:
             bound = obj
         return OrderResult(order, obj, bound, name, time.perf_counter() - t0, num_vars)

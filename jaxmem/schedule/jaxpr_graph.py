@@ -36,16 +36,17 @@ side effects and collective/mapped primitives (``pmap``, ``shard_map``, ...) rai
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
-
-import numpy as np
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 from jax._src import core as jcore
 
 from .graph import Graph
 
-__all__ = ["trace", "TracedStep", "FlatEqn", "UnsupportedPrimitiveError"]
+__all__ = ["FlatEqn", "TracedStep", "UnsupportedPrimitiveError", "trace"]
 
 
 class UnsupportedPrimitiveError(ValueError):
@@ -208,6 +209,7 @@ class TracedStep:
     in_tree: Any
     out_tree: Any
     donate_argnums: tuple
+    donated_ids: frozenset = frozenset()
 
     @property
     def program_order(self) -> list[str]:
@@ -242,7 +244,7 @@ def trace(
         if not 0 <= i < len(args):
             raise ValueError(f"donate_argnums: {i} is out of range for {len(args)} arguments")
 
-    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+    in_tree = jax.tree_util.tree_structure(args)
     closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     donated_leaf = []
@@ -319,7 +321,7 @@ def trace(
         edge_of[i] = g.add_edge(f"v{i}", src, sinks, _nbytes(aval), persistent=persistent,
                                 output=is_out and not persistent)
     # inputs first: chain input nodes and make them precede source-free op nodes
-    for a, b in zip(in_nodes, in_nodes[1:]):
+    for a, b in itertools.pairwise(in_nodes):
         g.add_edge(f"ctrl:{a}->{b}", a, [b], 0)
     if in_nodes:
         last = in_nodes[-1]
@@ -331,4 +333,5 @@ def trace(
         graph=g, eqns=real, node_eqn=node_eqn, in_ids=in_ids, out_ids=out_atoms, avals=avals,
         consts=fl.consts, alias=alias, views=views, edge_of=edge_of, in_tree=in_tree,
         out_tree=out_tree, donate_argnums=donate_argnums,
+        donated_ids=frozenset(i for i, d in zip(in_ids, donated_leaf) if d),
     )

@@ -15,12 +15,12 @@ simulated peak wins:
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from collections.abc import Callable
 
 from .graph import Graph
 from .simulate import simulate
 
-__all__ = ["greedy_order", "best_greedy_order", "RULES"]
+__all__ = ["RULES", "best_greedy_order", "greedy_order"]
 
 
 def _list_schedule(graph: Graph, key: Callable[[int, int, int], tuple]) -> list[str]:
@@ -81,7 +81,7 @@ RULES: dict[str, Callable[[int, int, int], tuple]] = {
     "program": lambda d, i, o: (i,),
     "free_first": lambda d, i, o: (d > 0, i),
     "min_delta": lambda d, i, o: (d, i),
-    "lookahead": lambda d, i, o: (d > 0, d if d > 0 else 0, i),
+    "lookahead": lambda d, i, o: (d > 0, max(0, d), i),
 }
 
 

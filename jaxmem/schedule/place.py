@@ -22,11 +22,11 @@ import bisect
 import dataclasses
 import math
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["place", "Placement", "peak_of_spans", "best_fit_online", "check_placement"]
+__all__ = ["Placement", "best_fit_online", "check_placement", "peak_of_spans", "place"]
 
 Span = tuple[int, int, int]  # (size, first, last)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from .analysis import add_early_update_edges, structural_lower_bound
 from .graph import Graph
@@ -27,7 +27,7 @@ from .order import best_greedy_order
 from .place import best_fit_online, check_placement, place
 from .simulate import lifetimes, simulate
 
-__all__ = ["Plan", "optimize", "node_lower_bound", "validate_plan"]
+__all__ = ["Plan", "node_lower_bound", "optimize", "validate_plan"]
 
 
 @dataclasses.dataclass

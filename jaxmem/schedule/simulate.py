@@ -12,7 +12,7 @@ tensor still needed later. Persistent tensors are resident at every step. The pe
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

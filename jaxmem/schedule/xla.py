@@ -10,7 +10,7 @@ and ``benchmarks/schedule/xla_barriers.py``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

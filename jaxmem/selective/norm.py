@@ -168,7 +168,7 @@ def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     res = (
         tag(xv, "norm.input") if need_x else None,
         mv if need_x else None,
-        rstd if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
+        rstd if (need_x or perturbed(x) or perturbed(mean)) else None,
         sv if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
     )
     structs = tuple(None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)

@@ -232,6 +232,28 @@ def test_dtypes(dtype, size):
     assert e.nbytes == 64 * size and e.dtype == np.dtype(dtype)
 
 
+def _sin3(x):
+    for _ in range(3):
+        x = jnp.sin(x)
+    return jnp.sum(x)
+
+
+def test_jit_checkpoint_and_scan_inside_fn():
+    x = rand(0, (16,))
+    plain = residual_bytes(_sin3, x)
+    assert plain.activation_bytes == 3 * 16 * F32  # cos of each layer
+    assert residual_bytes(jax.jit(_sin3), x).activation_bytes == plain.activation_bytes
+    remat = residual_bytes(jax.checkpoint(_sin3), x)  # only the input is kept
+    assert remat.activation_bytes == 0 and remat.argument_bytes == 16 * F32
+    scanned = residual_bytes(
+        lambda x: jnp.sum(jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=4)[0]),
+        x)
+    assert scanned.activation_bytes == 4 * 16 * F32  # one stacked (4, 16) residual
+    rep = residual_bytes(jax.vmap(lambda r: _sin3(r)), rand(1, (5, 16)))
+    assert rep.activation_bytes == 5 * 3 * 16 * F32
+    assert "test_measure_residuals.py" in rep.entries[0].source
+
+
 # ---------------------------------------------------------------- errors
 
 def test_error_non_array_argument():

@@ -1,22 +1,33 @@
 """Weight transfer ``torch_ref.convert``: exact round trips both ways and clear errors."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from twin_parity_utils import FULL_DEPTH, TWINS, flat
 
 import jaxmem.models as jm
 import torch_ref.models as tm
-from torch_ref.convert import check_compatible, grads_to_jax, jax_to_torch, torch_to_jax
-from twin_parity_utils import FULL_DEPTH, TWINS, flat
+from torch_ref.convert import check_compatible, grads_to_jax, init_twins, jax_to_torch, torch_to_jax
 
 ALL = {**TWINS, **FULL_DEPTH}
 
 
+@functools.cache
+def _abstract_init_named(name):
+    return _abstract_init_uncached(ALL[name])
+
+
 def _abstract_init(twin):
+    return _abstract_init_named(twin.name)
+
+
+def _abstract_init_uncached(twin):
     x = jnp.zeros(twin.input_shape, jnp.int32 if twin.kind == "tokens" else jnp.float32)
     return jax.eval_shape(twin.jax_model.init, jax.random.PRNGKey(0), x)
 
@@ -205,3 +216,13 @@ def test_error_unsupported_modules_are_named():
         torch_to_jax(grouped)
     with pytest.raises(TypeError, match=r"'proj'"):
         jax_to_torch({"params": {}}, _WithConv1d())
+
+
+def test_init_twins_gives_identical_models():
+    jmodel, tmodel = jm.MLP((7, 3)), tm.MLP(5, (7, 3))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 5))
+    v = init_twins(jmodel, tmodel, jax.random.PRNGKey(0), x)
+    np.testing.assert_array_equal(np.asarray(v["params"]["dense_0"]["kernel"]),
+                                  tmodel.dense_0.weight.detach().numpy().T)
+    y_t = tmodel(torch.as_tensor(np.array(x))).detach().numpy()
+    np.testing.assert_allclose(jmodel.apply(v, x), y_t, rtol=1e-5, atol=1e-6)

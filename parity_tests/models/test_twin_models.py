@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from twin_parity_utils import fjit
 
 import jaxmem.models as jm
 import torch_ref.models as tm
-from jaxmem.models.nnx import ConvChainNNX, MLPNNX, load_params, params_of
+from jaxmem.models.nnx import MLPNNX, ConvChainNNX, load_params, params_of
 from torch_ref.convert import jax_to_torch, torch_to_jax
 
 KEY = jax.random.PRNGKey(0)
@@ -37,11 +38,11 @@ def test_convchain_layout_matches_paper_figure1():
 def test_convchain_linear_variant_is_linear_and_relu_variant_is_not():
     x, z = _normal((2, 6, 6, 3), 1), _normal((2, 6, 6, 3), 2)
     lin = jm.ConvChain(depth=4, channels=3, relu=False)
-    v = lin.init(KEY, x)
-    f = lambda a: lin.apply(v, a)  # noqa: E731
+    v = fjit(lin.init)(KEY, x)
+    f = fjit(lambda a: lin.apply(v, a))
     np.testing.assert_allclose(f(2.0 * x - 3.0 * z), 2.0 * f(x) - 3.0 * f(z), rtol=1e-4, atol=1e-5)
     relu = jm.ConvChain(depth=4, channels=3)
-    g = lambda a: relu.apply(v, a)  # noqa: E731
+    g = fjit(lambda a: relu.apply(v, a))
     assert np.all(np.asarray(g(x)) >= 0)
     assert not np.allclose(g(-x), -g(x), atol=1e-3)
 
@@ -65,15 +66,15 @@ def test_gpt_is_causal_and_head_is_tied():
     cfg = jm.GPTConfig(vocab=31, ctx=12, d_model=16, n_head=2, n_layer=2)
     model = jm.GPT(cfg)
     tok = jax.random.randint(KEY, (2, 10), 0, 20)        # tokens 20..30 never appear
-    v = jax.jit(model.init)(KEY, tok)
+    v = fjit(model.init)(KEY, tok)
     assert set(v["params"]) == {"wte", "wpe", "h_0", "h_1", "ln_f"}   # no separate head
-    apply = jax.jit(model.apply)
+    apply = fjit(model.apply)
     changed = tok.at[:, 6:].set((tok[:, 6:] + 5) % 20)
     a, b = apply(v, tok), apply(v, changed)
     np.testing.assert_array_equal(a[:, :6], b[:, :6])    # the past ignores the future
     assert not np.allclose(a[:, 6:], b[:, 6:])
     # Rows of wte for tokens absent from the input get gradient only through the tied head.
-    g = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, tok))))(v["params"])
+    g = fjit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, tok))))(v["params"])
     assert np.all(np.abs(np.asarray(g["wte"]["embedding"])[20:]).sum(axis=1) > 0)
 
 
@@ -84,10 +85,10 @@ def test_vit_tokens_follow_patch_grid():
                        num_classes=3)
     model = jm.ViT(cfg)
     x = _normal((1, 8, 8, 3))
-    v = jax.jit(model.init)(KEY, x)
+    v = fjit(model.init)(KEY, x)
     v0 = {"params": {**v["params"], "pos_embed": jnp.zeros_like(v["params"]["pos_embed"])}}
     swapped = jnp.concatenate([x[:, :, 4:], x[:, :, :4]], axis=2)  # swap patch columns
-    apply = jax.jit(model.apply)
+    apply = fjit(model.apply)
     np.testing.assert_allclose(apply(v0, x), apply(v0, swapped), rtol=1e-5, atol=1e-6)
     assert not np.allclose(apply(v, x), apply(v, swapped), atol=1e-6)
 
@@ -106,7 +107,7 @@ def test_vgg_features_trunk_alone_equals_vgg_trunk():
     t_full = tm.vgg16(width=0.0625, batch_norm=True).eval()
     v = torch_to_jax(t_full)
     sub = {"params": v["params"]["features"], "batch_stats": v["batch_stats"]["features"]}
-    y = trunk.apply(sub, x)
+    y = fjit(trunk.apply)(sub, x)
     yt = t_full.features(torch.as_tensor(np.asarray(x).transpose(0, 3, 1, 2).copy()))
     np.testing.assert_allclose(y, yt.detach().numpy().transpose(0, 2, 3, 1), rtol=1e-4, atol=1e-5)
 
@@ -116,20 +117,20 @@ def test_vgg_features_trunk_alone_equals_vgg_trunk():
 def test_vmap_jit_checkpoint_and_scan():
     model = jm.ConvChain(depth=3, channels=4)
     xs = _normal((3, 2, 6, 6, 4))
-    v = jax.jit(model.init)(KEY, xs[0])
-    direct = jnp.stack([jax.jit(model.apply)(v, x) for x in xs])
+    v = fjit(model.init)(KEY, xs[0])
+    direct = jnp.stack([fjit(model.apply)(v, x) for x in xs])
     np.testing.assert_allclose(jax.vmap(lambda x: model.apply(v, x))(xs), direct, rtol=1e-5,
                                atol=1e-6)
-    loss = lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2)  # noqa: E731
-    g = jax.jit(jax.grad(loss))(v["params"], xs[0])
-    g_ck = jax.jit(jax.grad(jax.checkpoint(loss)))(v["params"], xs[0])
+    loss = lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2)
+    g = fjit(jax.grad(loss))(v["params"], xs[0])
+    g_ck = fjit(jax.grad(jax.checkpoint(loss)))(v["params"], xs[0])
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                            g, g_ck)
 
     def body(carry, x):
         return carry + loss(v["params"], x), None
-    np.testing.assert_allclose(jax.jit(lambda a: jax.lax.scan(body, 0.0, a)[0])(xs),
-                               sum(jax.jit(loss)(v["params"], x) for x in xs), rtol=1e-5)
+    np.testing.assert_allclose(fjit(lambda a: jax.lax.scan(body, 0.0, a)[0])(xs),
+                               sum(fjit(loss)(v["params"], x) for x in xs), rtol=1e-5)
 
 
 @pytest.mark.parametrize("which,dtype", [(w, jnp.bfloat16) for w in
@@ -142,7 +143,7 @@ def test_half_precision_forward(which, dtype):
     elif which == "mlp":
         mk, x = (lambda d: jm.MLP((16, 4), activation="gelu", dtype=d)), _normal((3, 5))
     elif which == "resnet":
-        mk = lambda d: jm.ResNet("bottleneck", (1,), width=0.125, num_classes=4,  # noqa: E731
+        mk = lambda d: jm.ResNet("bottleneck", (1,), width=0.125, num_classes=4,
                                  stem="cifar", dtype=d)
         x = _normal((4, 8, 8, 3))
     elif which == "gpt":
@@ -151,9 +152,9 @@ def test_half_precision_forward(which, dtype):
     else:
         cfg = jm.ViTConfig(image_size=8, patch_size=4, d_model=16, n_head=2, n_layer=1)
         mk, x = (lambda d: jm.ViT(cfg, dtype=d)), _normal((2, 8, 8, 3))
-    v = jax.jit(mk(None).init)(KEY, x)
-    y32 = jax.jit(mk(None).apply)(v, x)
-    y16 = jax.jit(mk(dtype).apply)(v, x if which == "gpt" else x.astype(dtype))
+    v = fjit(mk(None).init)(KEY, x)
+    y32 = fjit(mk(None).apply)(v, x)
+    y16 = fjit(mk(dtype).apply)(v, x if which == "gpt" else x.astype(dtype))
     assert y16.dtype == dtype
     err = np.linalg.norm(np.asarray(y16, np.float32) - y32) / np.linalg.norm(y32)
     assert err < 3e-2
@@ -209,9 +210,15 @@ def test_nnx_convchain_and_mlp_equal_linen_and_torch():
     v = torch_to_jax(t_chain)
     chain = load_params(ConvChainNNX(3, 4, rngs=nnx.Rngs(5)), v["params"])
     lin = jm.ConvChain(3, 4)
-    np.testing.assert_array_equal(chain(x), lin.apply(v, x))
-    g_nnx = nnx.grad(lambda m, a: jnp.sum(m(a) ** 2))(chain, x)
-    g_lin = jax.grad(lambda p: jnp.sum(lin.apply({"params": p}, x) ** 2))(v["params"])
+
+    @nnx.jit
+    def nnx_value_and_grad(m, a):
+        return nnx.value_and_grad(lambda mm: jnp.sum(mm(a) ** 2))(m)
+
+    y_nnx, g_nnx = nnx_value_and_grad(chain, x)
+    y_lin, g_lin = fjit(jax.value_and_grad(
+        lambda p: jnp.sum(lin.apply({"params": p}, x) ** 2)))(v["params"])
+    np.testing.assert_array_equal(y_nnx, y_lin)
     jax.tree_util.tree_map(np.testing.assert_array_equal, nnx.to_pure_dict(g_nnx), g_lin)
     # back to torch through the Linen layout
     t2 = jax_to_torch({"params": params_of(chain)}, tm.ConvChain(3, 4))
@@ -220,7 +227,8 @@ def test_nnx_convchain_and_mlp_equal_linen_and_torch():
     xm = _normal((5, 6))
     mlp = MLPNNX(6, (8, 3), activation="gelu", rngs=nnx.Rngs(0))
     lm = jm.MLP((8, 3), activation="gelu")
-    np.testing.assert_array_equal(mlp(xm), lm.apply({"params": params_of(mlp)}, xm))
+    np.testing.assert_array_equal(nnx.jit(lambda m, a: m(a))(mlp, xm),
+                                  fjit(lm.apply)({"params": params_of(mlp)}, xm))
     with pytest.raises(ValueError, match="shape mismatch"):
         load_params(MLPNNX(5, (8, 3), rngs=nnx.Rngs(0)), params_of(mlp))
     with pytest.raises(ValueError, match="activation"):

@@ -27,9 +27,18 @@ import jax
 import numpy as np
 import pytest
 import torch
+from twin_parity_utils import (
+    FULL_DEPTH,
+    TWINS,
+    draw_input,
+    fjit,
+    flat,
+    output_shape,
+    run_jax,
+    run_torch,
+)
 
 from torch_ref.convert import torch_to_jax
-from twin_parity_utils import FULL_DEPTH, TWINS, draw_input, flat, output_shape, run_jax, run_torch
 
 CASES = [(n, tr) for n, t in TWINS.items() for tr in ((True, False) if t.has_bn else (None,))]
 IDS = [f"{n}-{'train' if t else 'eval'}" if t is not None else n for n, t in CASES]
@@ -50,7 +59,7 @@ def _randomise_bn(model: torch.nn.Module, gen: torch.Generator) -> None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
 
 
-def _run(twin, train, dtype_t, seed):
+def _run(twin, train, dtype_t, seed, torch_device="cpu", jax_device=None):
     torch.manual_seed(seed)
     model = twin.make_torch().to(dtype_t)
     _randomise_bn(model, torch.Generator().manual_seed(seed + 1))
@@ -60,8 +69,8 @@ def _run(twin, train, dtype_t, seed):
         x = x.astype(np.float64 if dtype_t == torch.float64 else np.float32)
     shape, dtype = output_shape(twin, variables, x, bool(train))
     cot = np.random.default_rng(seed + 3).standard_normal(shape).astype(dtype)
-    th = run_torch(twin, model, x, cot, bool(train), dtype_t)
-    jx = run_jax(twin, variables, x, cot, bool(train), None)
+    th = run_torch(twin, model, x, cot, bool(train), dtype_t, torch_device)
+    jx = run_jax(twin, variables, x, cot, bool(train), None, jax_device)
     return jx, th
 
 
@@ -131,7 +140,7 @@ def test_full_depth_forward_parity_float32_train(name):
     with torch.no_grad():
         yt = model(torch.as_tensor(np.transpose(x, (0, 3, 1, 2)).copy())).numpy()
     stats_t = flat(torch_to_jax(model)["batch_stats"])
-    y, upd = jax.jit(lambda v, xx: twin.jax_model.apply(v, xx, train=True,
+    y, upd = fjit(lambda v, xx: twin.jax_model.apply(v, xx, train=True,
                                                          mutable=["batch_stats"]))(variables, x)
     np.testing.assert_allclose(np.asarray(y), yt, rtol=1e-4, atol=1e-5 * max(1, np.abs(yt).max()))
     stats_j = flat(upd["batch_stats"])
@@ -150,3 +159,31 @@ def test_twin_parity_float32(name, train):
     atol = 1e-4 if train else 1e-5
     problems = _problems(jx, th, rtol=1e-4, atol_scale=(atol, True), norm_tol=1e-4)
     assert not problems, f"{name} (float32) differs:\n" + "\n".join(problems[:10])
+
+
+GPU_CASES = [("convchain", None), ("mlp_gelu", None), ("resnet_bottleneck_cifar", True),
+             ("vgg_bn", False), ("gpt", None), ("vit", None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,train", GPU_CASES, ids=[n for n, _ in GPU_CASES])
+def test_twin_parity_float32_gpu(name, train):
+    """The float32 check on the GPU (both frameworks), with TF32 off in both: at default
+    precision both use TF32 matmuls/convs (10-bit mantissa) and would not meet 1e-4."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU device")
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with jax.default_matmul_precision("highest"):
+            jx, th = _run(TWINS[name], train, torch.float32, seed=40, torch_device="cuda",
+                          jax_device=dev)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    atol = 1e-4 if train else 1e-5
+    problems = _problems(jx, th, rtol=1e-4, atol_scale=(atol, True), norm_tol=1e-4)
+    assert not problems, f"{name} (float32, GPU) differs:\n" + "\n".join(problems[:10])

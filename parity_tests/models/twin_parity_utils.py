@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,24 +93,25 @@ def nchw_to_nhwc(a: np.ndarray) -> np.ndarray:
 
 
 def run_torch(twin: Twin, model: torch.nn.Module, x: np.ndarray, cot: np.ndarray, train: bool,
-              dtype) -> dict:
+              dtype, device: str = "cpu") -> dict:
     """Loss ``sum(model(x) * cot)``; returns output, param grads (JAX layout), input grad (JAX
     layout) and, with BatchNorm, the running statistics after the call (JAX layout)."""
-    model.train(train)
+    model.to(device).train(train)
     if twin.kind == "tokens":
-        xt = torch.as_tensor(x)
+        xt = torch.as_tensor(x, device=device)
     else:
-        xt = torch.as_tensor(nhwc_to_nchw(x) if twin.kind == "image" else x, dtype=dtype)
+        xt = torch.as_tensor(nhwc_to_nchw(x) if twin.kind == "image" else x, dtype=dtype,
+                             device=device)
         xt.requires_grad_(True)
     y = model(xt)
-    y_np = y.detach().numpy()
+    y_np = y.detach().cpu().numpy()
     y_jl = nchw_to_nhwc(y_np) if (twin.kind == "image" and y.dim() == 4) else y_np
     cot_t = torch.as_tensor(nhwc_to_nchw(cot) if (twin.kind == "image" and y.dim() == 4) else cot,
-                            dtype=dtype)
+                            dtype=dtype, device=device)
     (y * cot_t).sum().backward()
     out = {"y": y_jl, "grads": grads_to_jax(model)}
     if twin.kind != "tokens":
-        g = xt.grad.numpy()
+        g = xt.grad.cpu().numpy()
         out["xgrad"] = nchw_to_nhwc(g) if twin.kind == "image" else g
     if twin.has_bn:
         out["batch_stats"] = torch_to_jax(model)["batch_stats"]
@@ -121,19 +123,25 @@ def run_torch(twin: Twin, model: torch.nn.Module, x: np.ndarray, cot: np.ndarray
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def _maybe_jit(f):
+def fjit(f, **kw):
+    """``jax.jit`` with the fast-compile option (tests: compile time dominates run time)."""
+    return jax.jit(f, compiler_options=_FAST_COMPILE, **kw)
+
+
+def _maybe_jit(f, device=None):
     if os.environ.get("JAXMEM_TWIN_EAGER") == "1":
         return f
-
-    def run(*args):
-        return jax.jit(f).lower(*args).compile(compiler_options=_FAST_COMPILE)(*args)
-
-    return run
+    return fjit(f) if device is None or device.platform == "cpu" else jax.jit(f)
 
 
 def run_jax(twin: Twin, variables: dict, x: np.ndarray, cot: np.ndarray, train: bool,
-            dtype) -> dict:
-    """The same quantities as :func:`run_torch`, from the JAX twin with ``jax.grad``."""
+            dtype, device=None) -> dict:
+    """The same quantities as :func:`run_torch`, from the JAX twin with ``jax.grad``
+    (on ``device``, a ``jax.Device``, when given)."""
+    if device is not None:
+        variables = jax.device_put(variables, device)
+        x = jax.device_put(x, device)
+        cot = jax.device_put(cot, device)
     params = variables["params"]
     rest = {k: v for k, v in variables.items() if k != "params"}
     kw = {"train": train} if twin.has_bn else {}
@@ -143,12 +151,13 @@ def run_jax(twin: Twin, variables: dict, x: np.ndarray, cot: np.ndarray, train: 
         return jnp.sum(y * cot), (y, upd)
 
     if twin.kind == "tokens":
-        (_, (y, upd)), gp = _maybe_jit(jax.value_and_grad(loss, has_aux=True))(params, jnp.asarray(x))
+        (_, (y, upd)), gp = _maybe_jit(jax.value_and_grad(loss, has_aux=True), device)(
+            params, jnp.asarray(x))
         gx = None
     else:
         xx = jnp.asarray(x, dtype=dtype)
         (_, (y, upd)), (gp, gx) = _maybe_jit(
-            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, xx)
+            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), device)(params, xx)
     out = {"y": np.asarray(y), "grads": gp}
     if gx is not None:
         out["xgrad"] = np.asarray(gx)

@@ -1,7 +1,6 @@
 """Framework-neutral OLLA core: simulate, ILP ordering, placement — against brute force."""
 from __future__ import annotations
 
-import itertools
 import random
 import sys
 
@@ -322,7 +321,7 @@ def test_placement_fragmentation_example():
     addrs, arena = place(sp, time_limit=2)
     check_placement(sp, addrs)
     assert arena == peak_of_spans(sp) == 6
-    mr, rs, frag = best_fit_online(sp)
+    mr, _rs, frag = best_fit_online(sp)
     assert mr == 8 and frag > 0  # online best fit: A=[0,2) B=[2,4), C goes on top
 
 

@@ -5,8 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxmem.schedule import optimize, simulate, validate_plan  # noqa: E402
-from torch_ref.olla import fx_to_graph, pytorch_peak, reorder, trace_training_step  # noqa: E402
+from jaxmem.schedule import optimize, simulate, validate_plan
+from torch_ref.olla import fx_to_graph, pytorch_peak, reorder, trace_training_step
 
 
 def _mlp_case():

@@ -5,16 +5,39 @@ Activations are ``nn.Module`` instances (``self.relu``, ``self.act``; not in-pla
 module-swapping tools (the selective-differentiation paper's drop-in layers) can replace them.
 """
 from .convchain import ConvChain, conv_chain
-from .mlp import ACTIVATIONS, MLP
 from .gpt import GPT, GPTConfig, gpt
+from .mlp import ACTIVATIONS, MLP
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet34, resnet50, resnet101
 from .transformer import Block, MLPBlock, SelfAttention
 from .vgg import VGG, VGG_CFGS, VGGFeatures, vgg, vgg11, vgg16, vgg_features
 from .vit import ViT, ViTConfig, vit_tiny
 
 __all__ = [
-    "ACTIVATIONS", "Block", "GPT", "GPTConfig", "MLPBlock", "SelfAttention", "ViT",
-    "ViTConfig", "gpt", "vit_tiny", "BasicBlock", "Bottleneck", "ConvChain", "MLP", "ResNet",
-    "VGG", "VGGFeatures", "VGG_CFGS", "conv_chain", "resnet18", "resnet34", "resnet50",
-    "resnet101", "vgg", "vgg11", "vgg16", "vgg_features",
+    "ACTIVATIONS",
+    "GPT",
+    "MLP",
+    "VGG",
+    "VGG_CFGS",
+    "BasicBlock",
+    "Block",
+    "Bottleneck",
+    "ConvChain",
+    "GPTConfig",
+    "MLPBlock",
+    "ResNet",
+    "SelfAttention",
+    "VGGFeatures",
+    "ViT",
+    "ViTConfig",
+    "conv_chain",
+    "gpt",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "vgg",
+    "vgg11",
+    "vgg16",
+    "vgg_features",
+    "vit_tiny",
 ]

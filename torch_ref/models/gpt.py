@@ -14,9 +14,9 @@ from .transformer import Block, layer_norm
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig = GPTConfig()):
+    def __init__(self, config: GPTConfig | None = None):
         super().__init__()
-        self.config = cfg = config
+        self.config = cfg = config if config is not None else GPTConfig()
         self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.ctx, cfg.d_model)
         for i in range(cfg.n_layer):

@@ -2,7 +2,7 @@
 activation module (``self.act``) between them (not after the last)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

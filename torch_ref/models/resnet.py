@@ -2,7 +2,7 @@
 ``conv1, bn1, layer{s}_{b}.{conv1,bn1,...,downsample_conv,downsample_bn}, fc``)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -2,7 +2,8 @@
 ReLU, 2x2 max-pools) -> global average pool -> ``fc_*`` head. No dropout."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn

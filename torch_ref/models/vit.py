@@ -12,9 +12,9 @@ from .transformer import Block, layer_norm
 
 
 class ViT(nn.Module):
-    def __init__(self, config: ViTConfig = ViTConfig()):
+    def __init__(self, config: ViTConfig | None = None):
         super().__init__()
-        self.config = cfg = config
+        self.config = cfg = config if config is not None else ViTConfig()
         d = cfg.d_model
         self.patch_embed = nn.Conv2d(cfg.in_channels, d, cfg.patch_size, cfg.patch_size, 0)
         self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)

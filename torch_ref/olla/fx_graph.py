@@ -22,15 +22,17 @@ set of PyTorch's program order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from jaxmem.schedule import Graph, simulate
 
-__all__ = ["FxGraph", "fx_to_graph", "trace_training_step", "reorder", "pytorch_peak"]
+__all__ = ["FxGraph", "fx_to_graph", "pytorch_peak", "reorder", "trace_training_step"]
 
 
 def _nbytes(val) -> int:
@@ -69,7 +71,7 @@ def fx_to_graph(gm: fx.GraphModule, donate: Sequence[int] = ()) -> FxGraph:
     weights; modelling the old weights as donated to an out-of-place update gives the
     same memory). Other placeholders are persistent. Input nodes are kept first.
     """
-    donate = set(int(i) for i in donate)
+    donate = {int(i) for i in donate}
     n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     for i in donate:
         if not 0 <= i < n_ph:
@@ -152,7 +154,7 @@ def fx_to_graph(gm: fx.GraphModule, donate: Sequence[int] = ()) -> FxGraph:
                    output=(k in out_set) and not is_p)
     # inputs first (a donated buffer exists from the start of the step)
     ins = [n for n in g.nodes if n.startswith("in:")]
-    for a, b in zip(ins, ins[1:]):
+    for a, b in itertools.pairwise(ins):
         g.add_edge(f"ctrl:{a}->{b}", a, [b], 0)
     if ins:
         for name in g.nodes:
@@ -207,7 +209,8 @@ def trace_training_step(
     lr: float = 0.1,
 ) -> tuple[fx.GraphModule, Callable, tuple]:
     """``make_fx`` of one SGD step; returns ``(gm, step, args)`` with
-    ``gm(*args) == step(*args)`` = ``(new_params..., loss)``; ``args = (*params, x, y)``
+    ``gm(*args) == step(*args)`` = ``(new_params..., loss, new_buffers...)``;
+    ``args = (*params, x, y)``
     (pass ``donate=range(len(params))`` to :func:`fx_to_graph` for in-place SGD)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -217,16 +220,19 @@ def trace_training_step(
 
     def loss_of(ps, x, y):
         state = dict(zip(names, ps))
-        state.update(buffers)
+        # buffers (BatchNorm running statistics) are updated in place by the forward:
+        # work on copies inside the transformed function and return them as outputs
+        bufs = {n: b.clone() for n, b in buffers.items()}
+        state.update(bufs)
         out = torch.func.functional_call(model, state, (x,))
-        return loss_fn(out, y)
+        return loss_fn(out, y), list(bufs.values())
 
     def step(*args):
         ps = list(args[: len(names)])
         x, y = args[len(names):]
-        grads, loss = torch.func.grad_and_value(loss_of)(ps, x, y)
+        grads, (loss, bufs) = torch.func.grad_and_value(loss_of, has_aux=True)(ps, x, y)
         new = [p - lr * g for p, g in zip(ps, grads)]
-        return (*new, loss)
+        return (*new, loss, *bufs)
 
     args = (*params, inputs, target)
     gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*args)
