@@ -31,7 +31,8 @@ import platform
 import sys
 import time
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -143,7 +144,7 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
 
-    started = _dt.datetime.now(_dt.timezone.utc)
+    started = _dt.datetime.now(_dt.UTC)
     t_all = time.perf_counter()
     results: list[dict[str, Any]] = []
     sections: dict[str, Any] = {}
@@ -194,17 +195,17 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     total = time.perf_counter() - t_all
     header = [
         f"- command: `{command}`",
-        f"- jaxmem {_version()}, python {platform.python_version()}, "
-        f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
-        f"- started {started:%Y-%m-%d %H:%M UTC}, total {total:.1f} s, quick={args.quick}, "
-        f"models={','.join(models) if models else 'default'}",
+        (f"- jaxmem {_version()}, python {platform.python_version()}, "
+        f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs"),
+        (f"- started {started:%Y-%m-%d %H:%M UTC}, total {total:.1f} s, quick={args.quick}, "
+        f"models={','.join(models) if models else 'default'}"),
     ]
     try:
         import jax
 
         header.append(f"- jax {jax.__version__}, backend {jax.default_backend()}")
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as e:  # noqa: BLE001 - the report is still useful without it
+        header.append(f"- jax unavailable: {type(e).__name__}: {e}")
     report = write_report(out, header, results, sections)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"command": command, "quick": args.quick, "models": models,

@@ -19,11 +19,12 @@ Level 2 (compiled bytes) has no eager-PyTorch counterpart.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["SavedEntry", "SavedReport", "saved_bytes", "peak_memory"]
+__all__ = ["SavedEntry", "SavedReport", "peak_memory", "saved_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class SavedEntry:
 
 @dataclasses.dataclass(frozen=True)
 class SavedReport:
-    entries: tuple[SavedEntry, ...]
+    entries: list[SavedEntry]
 
     @property
     def activation_bytes(self) -> int:
@@ -72,8 +73,8 @@ class SavedReport:
         }
 
     def __str__(self) -> str:
-        lines = [f"saved for backward: activations {self.activation_bytes} B, arguments "
-                 f"{self.argument_bytes} B, total {self.total_bytes} B"]
+        lines = [(f"saved for backward: activations {self.activation_bytes} B, arguments "
+                 f"{self.argument_bytes} B, total {self.total_bytes} B")]
         for e in self.entries:
             times = f" x{e.count}" if e.count > 1 else ""
             lines.append(f"  {e.kind:<10} {e.dtype}{list(e.shape)} {e.nbytes} B{times}  "
@@ -150,7 +151,7 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SavedRepor
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn(*args, **kwargs)
     del out
-    entries = tuple(SavedEntry(**info[p]) for p in order)
+    entries = [SavedEntry(**info[p]) for p in order]
     keep.clear()
     return SavedReport(entries=entries)
 

@@ -97,12 +97,12 @@ def bars(n, rng):
     labels = rng.integers(0, 4, n)
     imgs = np.empty((n, 16, 16, 1), np.float32)
     for i, c in enumerate(labels):
-        ang = c * np.pi / 4 + rng.normal(0, 0.12)
+        ang = c * np.pi / 4 + rng.normal(0, 0.2)
         off = rng.uniform(-4, 4)
         width = rng.uniform(0.8, 2.0)
         d = np.abs(np.cos(ang) * yy - np.sin(ang) * xx - off)
         img = rng.uniform(0.5, 1.5) * np.exp(-(d / width) ** 2)
-        imgs[i, ..., 0] = img + rng.normal(0, 0.35, img.shape)
+        imgs[i, ..., 0] = img + rng.normal(0, 0.7, img.shape)
     return imgs, labels
 
 
@@ -147,8 +147,9 @@ def main() -> None:
         for m in METHODS:
             tr = np.mean(r[str(m)]["train"][-50:])
             ev = r[str(m)]["eval"]
-            lines.append(f"| {task} | {m if m == 'exact' else f'{m}-bit'} | {tr:.4f} | "
-                         f"{100 * (tr / ex_tr - 1):+.2f}% | {ev:.4f} | {100 * (ev / ex_ev - 1):+.2f}% |")
+            label = "exact" if m == "exact" else f"{m}-bit"
+            lines.append(f"| {task} | {label} | {tr:.4f} | {100 * (tr / ex_tr - 1):+.2f}% | "
+                         f"{ev:.4f} | {100 * (ev / ex_ev - 1):+.2f}% |")
     cmd = "`.venv/bin/python benchmarks/fewbit/convergence.py" + (
         f" --steps {steps}`" if steps != 400 else "`")
     lines += ["", f"{steps} Adam steps per run, same seed and batches for every method; "

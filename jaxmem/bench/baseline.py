@@ -30,11 +30,12 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxmem.bench import Section
 
-__all__ = ["MODELS", "QUICK_MODELS", "run", "jax_step", "torch_step"]
+__all__ = ["MODELS", "QUICK_MODELS", "jax_step", "run", "torch_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,14 +302,13 @@ _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "JAX_PLATF
 def _time_main() -> None:
     """Child of :func:`step_time_ratios`: spec JSON on stdin, result line on stdout."""
     import json
-    import sys
-
     import os
+    import sys
 
     # one core for both frameworks (same XLA compile options as the parent, so the shared
     # compilation cache hits; torch with one intra-op thread)
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import jax
     import torch
 
@@ -348,7 +348,7 @@ def step_time_ratios(names: list[str], quick: bool, repeats: int = 5,
     env = dict(os.environ)
     env.update(_SINGLE_THREAD_ENV)
     code = "from jaxmem.bench.baseline import _time_main; _time_main()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                           input=json.dumps({"names": names, "quick": quick,
                                             "repeats": repeats}),
                           timeout=timeout, env=env)
@@ -479,20 +479,20 @@ def run(quick: bool = False, models: list[str] | None = None,
         row["torch_step_s_min"] = t["torch_min_s"]
         row["torch/jax time (median)"] = t["torch_s"] / t["jax_s"]
     notes = [
-        "jax_saved: jaxmem.measure.residual_bytes of the loss w.r.t. all params, activation "
+        ("jax_saved: jaxmem.measure.residual_bytes of the loss w.r.t. all params, activation "
         "residuals only (jaxpr level, before XLA); torch_saved: torch_ref.measure.saved_bytes "
         "(saved-tensor hooks, deduplicated by storage), activations only. Params and the batch "
-        "are excluded from both.",
-        "jax_temp / jax_total: XLA memory_analysis() of the jitted SGD train step; total = temp + "
-        "output + argument - alias (no donation).",
-        "jax_peak / torch_peak: CPU VmHWM delta of one train step after warm-up, each in a "
-        "fresh subprocess (jaxmem.measure.peak_memory); includes gradients and new params.",
-        "torch/jax time: ratio of the fastest of the interleaved train steps of each framework "
+        "are excluded from both."),
+        ("jax_temp / jax_total: XLA memory_analysis() of the jitted SGD train step; total = temp + "
+        "output + argument - alias (no donation)."),
+        ("jax_peak / torch_peak: CPU VmHWM delta of one train step after warm-up, each in a "
+        "fresh subprocess (jaxmem.measure.peak_memory); includes gradients and new params."),
+        ("torch/jax time: ratio of the fastest of the interleaved train steps of each framework "
         "(torch eager, JAX jitted), both in one fresh process pinned to one CPU core; >1 means "
         "torch is slower. Times are noisy; only this ratio is reported (the JSON also has the "
-        "ratio of medians).",
-        "Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss_rdiff = "
-        "|loss_jax - loss_torch| / |loss_torch| is the check.",
+        "ratio of medians)."),
+        ("Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss_rdiff = "
+        "|loss_jax - loss_torch| / |loss_torch| is the check."),
     ]
     meta = {
         "quick": quick,

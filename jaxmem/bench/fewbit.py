@@ -14,7 +14,7 @@ Memory is deterministic; times are ratios measured side by side (interleaved, me
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -171,9 +171,10 @@ def torch_rows(bits: int = 3, reps: int = 5) -> list[dict]:
     def loss(m):
         return torch.nn.functional.cross_entropy(m(tok).flatten(0, 1), tok.flatten())
 
-    rows, base, times = [], None, {}
+    rows, base = [], None
     for label, conv in (("torch default", False), (f"torch_ref.fewbit {bits}-bit", True)):
-        s = {L: saved_bytes(lambda: loss(build(L, conv))).total_bytes for L in (2, 4)}
+        s = {L: saved_bytes(lambda L=L, conv=conv: loss(build(L, conv))).total_bytes
+             for L in (2, 4)}
         per = (s[4] - s[2]) / 2
         base = per if base is None else base
         rows.append({"model": "GPT (torch twin) L=4", "method": label, "residual": s[4],
@@ -234,5 +235,5 @@ def run(quick: bool = False, models: list[str] | None = None,
             "per_layer_vs_default from depths 2 and 4.",
         ],
         meta={"quick": quick, "bits": bits_list, "jax": jax.__version__,
-              "command": "jaxmem bench --only fewbit" + (" --quick" if quick else "")},
+              "command": "jaxmem bench --sections fewbit" + (" --quick" if quick else "")},
     )

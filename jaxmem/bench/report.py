@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from jaxmem.bench import Section
 
-__all__ = ["rich_table", "write_section", "render_plots", "write_report"]
+__all__ = ["render_plots", "rich_table", "write_report", "write_section"]
 
 
 def rich_table(section: Section):

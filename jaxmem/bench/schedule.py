@@ -231,6 +231,24 @@ def torch_row(name, batch, time_limit):
     return row
 
 
+def notes_for(time_limit: float, wall: float) -> list[str]:
+    """The explanatory notes printed under the table."""
+    return [
+        ("program_peak: resident-set peak of the program order (jaxpr / PyTorch eager order), "
+         "batch included, weights/optimizer state donated; opt_peak: OLLA order; "
+         "reduction = 1 - opt/program."),
+        ("lower_bound: max of CP-SAT's proven bound and the structural bound (analysis."
+         "structural_lower_bound); gap = (opt-bound)/opt."),
+        ("arena == opt_peak means zero fragmentation; bestfit_*: online best-fit allocator on the "
+         "program order (fragmentation (MR-RS)/MR at MR's peak, OLLA sec. 5.4)."),
+        "exec_peak: live-buffer peak (jax.live_arrays) while jaxmem.schedule.execute runs the plan.",
+        ("xla_bytes: XLA compiled memory of the whole-step jit (temp+output+argument-alias): "
+         "XLA fuses elementwise ops, so it plans far fewer buffers than the op-level graph."),
+        f"CPU-scaled zoo, optax.sgd / torch SGD, CP-SAT 2 workers, time limit {time_limit} s per stage.",
+        f"section wall time {wall:.1f} s",
+        ]
+
+
 def run(quick: bool = False, models: list[str] | None = None,
         progress: Callable[[str], None] | None = None, batches=None, time_limit=None,
         frameworks=None) -> Section:
@@ -264,20 +282,7 @@ def run(quick: bool = False, models: list[str] | None = None,
                 except Exception as err:  # noqa: BLE001
                     row = {"framework": fw, "model": m, "batch": b, "status": f"error: {err!r}"[:200]}
                 rows.append(row)
-    notes = [
-        ("program_peak: resident-set peak of the program order (jaxpr / PyTorch eager order), "
-         "batch included, weights/optimizer state donated; opt_peak: OLLA order; "
-         "reduction = 1 - opt/program."),
-        ("lower_bound: max of CP-SAT's proven bound and the structural bound (analysis."
-         "structural_lower_bound); gap = (opt-bound)/opt."),
-        ("arena == opt_peak means zero fragmentation; bestfit_*: online best-fit allocator on the "
-         "program order (fragmentation (MR-RS)/MR at MR's peak, OLLA sec. 5.4)."),
-        "exec_peak: live-buffer peak (jax.live_arrays) while jaxmem.schedule.execute runs the plan.",
-        ("xla_bytes: XLA compiled memory of the whole-step jit (temp+output+argument-alias): "
-         "XLA fuses elementwise ops, so it plans far fewer buffers than the op-level graph."),
-        f"CPU-scaled zoo, optax.sgd / torch SGD, CP-SAT 2 workers, time limit {time_limit} s per stage.",
-        f"section wall time {time.perf_counter() - t0:.1f} s",
-    ]
+    notes = notes_for(time_limit, time.perf_counter() - t0)
     return Section(
         name="schedule",
         title="OLLA scheduling: peak memory of program order vs optimised order and arena",

@@ -11,6 +11,7 @@ Flax glue: :mod:`jaxmem.fewbit.flax` (:func:`patch_activations`, :class:`FewBit`
 from .activations import ACTIVATIONS, MASK_ACTIVATIONS
 from .factory import check_elementwise, make_activation
 from .fit import Fit, approximation_error, fit, gaussian_weight, uniform_weight
+from .linen import activation_fn, patch_activations
 from .ops import (
     activation,
     celu,
@@ -34,16 +35,47 @@ from .ops import (
     swish,
     tanh,
 )
-from .linen import activation_fn, patch_activations
 from .pack import codes, pack, packed_shape, unpack
 from .tables import Table, load_table, table_names
 
 __all__ = [
-    "ACTIVATIONS", "MASK_ACTIVATIONS", "Fit", "Table", "activation", "activation_fn",
-    "patch_activations", "approximation_error",
-    "celu", "check_elementwise", "codes", "elu", "fewbit_op", "fit", "gaussian_weight", "gelu",
-    "hard_swish", "hard_tanh", "leaky_relu", "load_table", "log_sigmoid", "make_activation",
-    "mask_op", "mish", "pack", "packed_shape", "relu", "relu6", "selu", "sigmoid", "silu",
-    "soft_sign", "softplus", "softsign", "swish", "table_names", "tanh", "uniform_weight",
+    "ACTIVATIONS",
+    "MASK_ACTIVATIONS",
+    "Fit",
+    "Table",
+    "activation",
+    "activation_fn",
+    "approximation_error",
+    "celu",
+    "check_elementwise",
+    "codes",
+    "elu",
+    "fewbit_op",
+    "fit",
+    "gaussian_weight",
+    "gelu",
+    "hard_swish",
+    "hard_tanh",
+    "leaky_relu",
+    "load_table",
+    "log_sigmoid",
+    "make_activation",
+    "mask_op",
+    "mish",
+    "pack",
+    "packed_shape",
+    "patch_activations",
+    "relu",
+    "relu6",
+    "selu",
+    "sigmoid",
+    "silu",
+    "soft_sign",
+    "softplus",
+    "softsign",
+    "swish",
+    "table_names",
+    "tanh",
+    "uniform_weight",
     "unpack",
 ]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Activation", "ACTIVATIONS", "MASK_ACTIVATIONS", "get_activation"]
+__all__ = ["ACTIVATIONS", "MASK_ACTIVATIONS", "Activation", "get_activation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ def get_activation(name: str) -> Activation:
         ) from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def numpy_derivative(fn: Callable) -> Callable:
     """``f'`` as a vectorised float64 numpy callable, by JAX autodiff under x64."""
     import numpy as np

@@ -7,7 +7,7 @@ it per ``(fn, bits, interval, weight, grid, symmetric)``, and returns the few-bi
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ from .fit import Fit, fit
 from .ops import fewbit_op
 from .pack import _check_bits
 
-__all__ = ["make_activation", "check_elementwise", "fit_function"]
+__all__ = ["check_elementwise", "fit_function", "make_activation"]
 
 
 def check_elementwise(fn: Callable, *, name: str = "fn") -> None:
@@ -32,7 +32,7 @@ def check_elementwise(fn: Callable, *, name: str = "fn") -> None:
     probe = jnp.asarray(np.linspace(-3.7, 4.1, 7), dtype=jnp.float32)
     try:
         out = jax.eval_shape(fn, probe)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ValueError(f"{name} could not be applied to a float32 vector: {e}") from e
     if not hasattr(out, "shape") or out.shape != probe.shape:
         raise ValueError(

@@ -37,11 +37,11 @@ Everything is float64 numpy and deterministic.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["Fit", "fit", "uniform_weight", "gaussian_weight", "approximation_error"]
+__all__ = ["Fit", "approximation_error", "fit", "gaussian_weight", "uniform_weight"]
 
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(8)
 
@@ -300,18 +300,23 @@ def fit(
         raise ValueError(f"interval must be finite (A, B) with A < B, got {interval!r}")
     if not isinstance(grid, (int, np.integer)) or grid < 16:
         raise ValueError(f"grid must be an integer >= 16, got {grid!r}")
-    if weight is None or weight == "uniform":
-        base = uniform_weight(a, b)
-    elif weight == "gaussian":
-        g = gaussian_weight()
-        base = lambda x: g(x) * uniform_weight(a, b)(x)  # noqa: E731
+    box = uniform_weight(a, b)
+    if weight is None or (isinstance(weight, str) and weight == "uniform"):
+        inner = None
+    elif isinstance(weight, str) and weight == "gaussian":
+        inner = gaussian_weight()
     elif callable(weight):
-        user = weight
-        base = lambda x: np.asarray(user(x), dtype=np.float64) * uniform_weight(a, b)(x)  # noqa: E731
+        inner = weight
     else:
         raise ValueError(
             f"weight must be None, 'uniform', 'gaussian' or a callable, got {weight!r}"
         )
+
+    def base(x):
+        if inner is None:
+            return box(x)
+        return np.asarray(inner(x), dtype=np.float64) * box(x)
+
     if symmetric:
         if not np.isclose(a, -b):
             raise ValueError(f"symmetric=True needs a symmetric interval (-B, B), got {interval!r}")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ from . import ops
 from .factory import make_activation
 from .pack import _check_bits
 
-__all__ = ["patch_activations", "activation_fn", "PATCHABLE", "PATCH_MODULES"]
+__all__ = ["PATCHABLE", "PATCH_MODULES", "activation_fn", "patch_activations"]
 
 #: modules whose attributes are patched (those that exist and are importable)
 PATCH_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
@@ -94,7 +94,7 @@ def _replacement(attr: str, bits: int) -> Callable:
     return f
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fixed(orig: Callable, kw: str, value: float) -> Callable:
     """Hashable, cached ``orig(x, kw=value)`` so make_activation fits each variant once."""
     return functools.partial(orig, **{kw: value})

@@ -22,7 +22,7 @@ the same packing with ``code = predicate(x)``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,27 @@ from .pack import _check_bits, pack, unpack
 from .tables import load_table
 
 __all__ = [
-    "fewbit_op",
-    "mask_op",
     "activation",
-    "gelu", "silu", "swish", "sigmoid", "tanh", "selu", "softplus", "elu", "celu", "mish",
-    "softsign", "soft_sign", "log_sigmoid", "hard_swish", "relu", "relu6", "hard_tanh",
+    "celu",
+    "elu",
+    "fewbit_op",
+    "gelu",
+    "hard_swish",
+    "hard_tanh",
     "leaky_relu",
+    "log_sigmoid",
+    "mask_op",
+    "mish",
+    "relu",
+    "relu6",
+    "selu",
+    "sigmoid",
+    "silu",
+    "soft_sign",
+    "softplus",
+    "softsign",
+    "swish",
+    "tanh",
 ]
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
@@ -60,7 +75,7 @@ def _backward(dy, c, levels: np.ndarray):
     return (dy.astype(jnp.float32) * q).astype(dy.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(fn: Callable, name: str, bits: int, borders: tuple, levels: tuple,
            symmetric: bool, predicate: Callable | None) -> Callable:
     """The custom_vjp op for one (f, table); cached so repeated calls share one function."""
@@ -223,7 +238,7 @@ def hard_tanh(x):
     return activation("hard_tanh")(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _leaky(slope: float) -> Callable:
     return mask_op(lambda x: _JAX_LEAKY_RELU(x, slope), lambda x: x >= 0, slope, 1.0,
                    name=f"leaky_relu_{slope}")

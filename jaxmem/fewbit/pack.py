@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["codes", "pack", "unpack", "packed_shape", "GROUP", "GROUP_BYTES"]
+__all__ = ["GROUP", "GROUP_BYTES", "codes", "pack", "packed_shape", "unpack"]
 
 #: codes per group and bytes per group for each bit width
 GROUP = {1: 8, 2: 4, 3: 8, 4: 2}
@@ -97,7 +97,7 @@ def pack(c: jax.Array, bits: int) -> jax.Array:
     if not jnp.issubdtype(c.dtype, jnp.integer):
         raise TypeError(f"codes must be an integer array, got {c.dtype}")
     shape = c.shape
-    g, nb = GROUP[bits], GROUP_BYTES[bits]
+    g = GROUP[bits]
     c = c.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1)
     if _along_last(shape, bits):
         grouped = c.reshape(shape[:-1] + (shape[-1] // g, g))

@@ -18,7 +18,7 @@ from importlib import resources
 
 import numpy as np
 
-__all__ = ["Table", "load_table", "table_names", "table_document"]
+__all__ = ["Table", "load_table", "table_document", "table_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def table_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def table_document(name: str) -> dict:
     """The parsed JSON document of one activation (all bit widths + settings)."""
     root = resources.files("jaxmem.fewbit") / "tables"
@@ -64,7 +64,7 @@ def table_document(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(name: str, bits: int) -> Table:
     """The shipped table of ``name`` at ``bits`` bits per element."""
     bits = _check_bits(bits)

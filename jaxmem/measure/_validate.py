@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -23,12 +23,18 @@ fixed costs and shows whether XLA fusion undid a residual trick.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
-from jaxmem.measure._validate import TraceError, check_array_args, check_callable, fn_name, \
-    normalize_argnums
+from jaxmem.measure._validate import (
+    TraceError,
+    check_array_args,
+    check_callable,
+    fn_name,
+    normalize_argnums,
+)
 
 __all__ = ["CompiledMemory", "compiled_memory"]
 
@@ -105,7 +111,7 @@ def compiled_memory(
     try:
         jitted = jax.jit(fn, static_argnums=static, donate_argnums=donate)
         compiled = jitted.lower(*args).compile()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TraceError(f"{who}: could not trace/compile {name}: {type(e).__name__}: {e}") from e
     m = compiled.memory_analysis()
     if m is None:

@@ -39,7 +39,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["PeakMemory", "peak_memory"]
 
@@ -165,7 +166,7 @@ def peak_memory(
     child_env.update(env or {})
     try:
         proc = subprocess.run(
-            [sys.executable, _CHILD], input=payload, capture_output=True, text=True,
+            [sys.executable, _CHILD], check=False, input=payload, capture_output=True, text=True,
             timeout=timeout, env=child_env,
         )
     except subprocess.TimeoutExpired as e:

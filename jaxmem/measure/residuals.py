@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -94,7 +95,7 @@ class ResidualReport:
 
     fn_name: str
     argnums: tuple[int, ...]
-    entries: tuple[ResidualEntry, ...]
+    entries: list[ResidualEntry]
 
     def _sum(self, kind: str) -> int:
         return sum(e.nbytes for e in self.entries if e.kind == kind)
@@ -137,14 +138,14 @@ class ResidualReport:
 
     def __str__(self) -> str:
         lines = [
-            f"residuals of {self.fn_name} w.r.t. argnums={self.argnums}: "
+            (f"residuals of {self.fn_name} w.r.t. argnums={self.argnums}: "
             f"activations {self.activation_bytes} B, arguments {self.argument_bytes} B, "
-            f"constants {self.constant_bytes} B, total {self.total_bytes} B"
+            f"constants {self.constant_bytes} B, total {self.total_bytes} B")
         ]
         for e in self.entries:
             times = f" x{e.count}" if e.count > 1 else ""
             lines.append(
-                f"  {e.kind:<10} {str(e.dtype)}{list(e.shape)} {e.nbytes} B{times}  {e.source}"
+                f"  {e.kind:<10} {e.dtype!s}{list(e.shape)} {e.nbytes} B{times}  {e.source}"
             )
         return "\n".join(lines)
 
@@ -230,7 +231,7 @@ def residual_bytes(
     # 1) output check (cheap abstract trace).
     try:
         out_shape = jax.eval_shape(primal, *leaves)
-    except Exception as e:  # noqa: BLE001 - re-raised with context
+    except Exception as e:
         raise TraceError(f"{who}: could not trace {name}: {type(e).__name__}: {e}") from e
     for path, o in jax.tree_util.tree_leaves_with_path(out_shape):
         if not jax.numpy.issubdtype(o.dtype, jax.numpy.inexact):
@@ -253,14 +254,14 @@ def residual_bytes(
 
     try:
         closed, shapes = jax.make_jaxpr(linearize, return_shape=True)(*leaves)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TraceError(f"{who}: could not trace the VJP of {name}: {type(e).__name__}: {e}") \
             from e
     jaxpr = closed.jaxpr
     num_res = len(jax.tree_util.tree_leaves(shapes[1]))
     res_outvars = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
     entries = _classify(jaxpr, res_outvars, arg_paths)
-    return ResidualReport(fn_name=name, argnums=diff, entries=tuple(entries))
+    return ResidualReport(fn_name=name, argnums=diff, entries=list(entries))
 
 
 def _classify(jaxpr: Any, res_outvars: Sequence[Any], arg_paths: Sequence[str]) -> list[ResidualEntry]:

@@ -10,7 +10,7 @@ shows whether XLA kept the saving (fusion can silently undo a residual trick).
 from __future__ import annotations
 
 import numbers
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["slope"]
 

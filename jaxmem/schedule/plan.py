@@ -188,7 +188,7 @@ def optimize(
         lower_bound=int(lb), optimal=bool(peak == lb and place_optimal),
         solve_seconds=total, baseline_peak=baseline, greedy_peak=int(g_peak), method=method,
         status=status, order_seconds=order_s, place_seconds=total - order_s,
-        num_vars=num_vars, formulation=formulation if use_ilp else "",
+        num_vars=num_vars, formulation=formulation if num_vars else "",
     )
 
 

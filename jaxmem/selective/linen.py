@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmem.selective import dropout as _drop
+from jaxmem.selective.dropout import dropout as _dropout_fn
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective import patch as _patch
@@ -227,7 +227,7 @@ def _flax_dropout(m, next_fun, args, kwargs):
         return next_fun(*args, **kwargs)
     if rng is None:
         rng = m.make_rng(m.rng_collection)
-    return _drop.dropout(rng, x, m.rate, broadcast_dims=tuple(m.broadcast_dims))
+    return _dropout_fn(rng, x, m.rate, broadcast_dims=tuple(m.broadcast_dims))
 
 
 # ------------------------------------------------------------------------- public API

@@ -112,10 +112,9 @@ def test_nnx_inline_gelu():
 
 def test_restore_on_exception_nested_and_errors():
     orig = jax.nn.gelu
-    with pytest.raises(RuntimeError):
-        with fewbit.patch_activations(bits=3):
-            assert jax.nn.gelu is not orig
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), fewbit.patch_activations(bits=3):
+        assert jax.nn.gelu is not orig
+        raise RuntimeError("boom")
     assert jax.nn.gelu is orig and nn.gelu is orig and nnx.gelu is orig
     with fewbit.patch_activations(bits=3):
         outer = jax.nn.gelu
@@ -126,9 +125,8 @@ def test_restore_on_exception_nested_and_errors():
     with pytest.raises(ValueError, match="cannot patch"):
         with fewbit.patch_activations(activations=["softmax"]):
             pass
-    with pytest.raises(ValueError, match="bits"):
-        with fewbit.patch_activations(bits=9):
-            pass
+    with pytest.raises(ValueError, match="bits"), fewbit.patch_activations(bits=9):
+        pass
 
 
 def test_patched_defaults_and_parameters():

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxmem import fewbit  # noqa: E402
 import torch_ref.fewbit as tfb  # noqa: E402
+from jaxmem import fewbit  # noqa: E402
 from torch_ref.fewbit.ops import FORWARD, MASKS  # noqa: E402
 
 NAMES = sorted(FORWARD) + sorted(MASKS)
@@ -17,7 +17,8 @@ NAMES = sorted(FORWARD) + sorted(MASKS)
 
 def _data(shape, seed):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=shape) * 3).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+    x = (rng.normal(size=shape) * 3).astype(np.float32)
+    return x, rng.normal(size=shape).astype(np.float32)
 
 
 def _jax_grad(name, bits, x, dy):

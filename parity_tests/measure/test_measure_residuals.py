@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+import torch_ref.models as tm
 from jaxmem.measure import TraceError, residual_bytes, slope
 from jaxmem.models import ConvChain
 from torch_ref.measure import saved_bytes
-import torch_ref.models as tm
 
 N, H, W, C, DEPTH = 2, 8, 8, 4, 6
 F32 = 4
@@ -162,7 +162,7 @@ def test_relu_chain_stores_one_conv_input():
 @pytest.mark.parametrize("relu", [False, True])
 def test_residual_bytes_scale_exactly_with_batch(relu):
     ks = kernels()
-    f = lambda ks, x: jnp.sum(lax_chain(ks, x, relu))  # noqa: E731
+    f = lambda ks, x: jnp.sum(lax_chain(ks, x, relu))
     a = residual_bytes(f, ks, rand(3, (N, H, W, C)))
     b = residual_bytes(f, ks, rand(4, (3 * N, H, W, C)))
     assert a.activation_bytes > 0

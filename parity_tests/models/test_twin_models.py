@@ -216,7 +216,7 @@ def test_nnx_convchain_and_mlp_equal_linen_and_torch():
         return nnx.value_and_grad(lambda mm: jnp.sum(mm(a) ** 2))(m)
 
     y_nnx, g_nnx = nnx_value_and_grad(chain, x)
-    y_lin, g_lin = fjit(jax.value_and_grad(
+    y_lin, g_lin = jax.jit(jax.value_and_grad(  # same compile options as nnx.jit: bitwise
         lambda p: jnp.sum(lin.apply({"params": p}, x) ** 2)))(v["params"])
     np.testing.assert_array_equal(y_nnx, y_lin)
     jax.tree_util.tree_map(np.testing.assert_array_equal, nnx.to_pure_dict(g_nnx), g_lin)
@@ -228,8 +228,42 @@ def test_nnx_convchain_and_mlp_equal_linen_and_torch():
     mlp = MLPNNX(6, (8, 3), activation="gelu", rngs=nnx.Rngs(0))
     lm = jm.MLP((8, 3), activation="gelu")
     np.testing.assert_array_equal(nnx.jit(lambda m, a: m(a))(mlp, xm),
-                                  fjit(lm.apply)({"params": params_of(mlp)}, xm))
+                                  jax.jit(lm.apply)({"params": params_of(mlp)}, xm))
     with pytest.raises(ValueError, match="shape mismatch"):
         load_params(MLPNNX(5, (8, 3), rngs=nnx.Rngs(0)), params_of(mlp))
     with pytest.raises(ValueError, match="activation"):
         MLPNNX(6, (3,), activation="swish", rngs=nnx.Rngs(0))
+
+
+# ------------------------------------------------------------ inline activations
+
+@pytest.mark.parametrize("name", ["convchain", "mlp", "vgg_bn", "resnet_basic", "gpt", "vit"])
+def test_activations_are_looked_up_inline(name, monkeypatch):
+    """Models call ``flax.linen.relu`` / ``flax.linen.gelu`` at call time (not a stored
+    reference), so tools that intercept those functions see every activation."""
+    import flax.linen as fnn
+    from twin_parity_utils import TWINS
+
+    twin = TWINS[name]
+    calls = {"relu": 0, "gelu": []}
+    real_relu, real_gelu = fnn.relu, fnn.gelu
+
+    def relu(x):
+        calls["relu"] += 1
+        return real_relu(x)
+
+    def gelu(x, approximate=True):
+        calls["gelu"].append(approximate)
+        return real_gelu(x, approximate=approximate)
+
+    monkeypatch.setattr(fnn, "relu", relu)
+    monkeypatch.setattr(fnn, "gelu", gelu)
+    x = jnp.zeros(twin.input_shape, jnp.int32 if twin.kind == "tokens" else jnp.float32)
+    v = jax.eval_shape(twin.jax_model.init, KEY, x)
+    calls["relu"], calls["gelu"] = 0, []
+    kw = {"train": False} if twin.has_bn else {}
+    jax.eval_shape(lambda vv: twin.jax_model.apply(vv, x, **kw), v)
+    expected = {"convchain": (6, []), "mlp": (2, []), "vgg_bn": (5, []),
+                "resnet_basic": (1 + 2 * 4, []), "gpt": (0, [True, True]),
+                "vit": (0, [False, False])}[name]
+    assert (calls["relu"], calls["gelu"]) == expected

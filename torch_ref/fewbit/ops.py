@@ -9,7 +9,7 @@ Forward: the exact ``torch.nn.functional`` activation.  Saved for backward: only
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,30 @@ from jaxmem.fewbit.tables import load_table
 
 from .pack import _check_bits, codes, pack, unpack
 
-__all__ = ["FewBitFunction", "MaskFunction", "FORWARD", "MASKS", "fewbit", "activation",
-           "gelu", "silu", "sigmoid", "tanh", "selu", "softplus", "elu", "celu", "mish",
-           "softsign", "log_sigmoid", "hard_swish", "relu", "relu6", "hard_tanh", "leaky_relu"]
+__all__ = [
+    "FORWARD",
+    "MASKS",
+    "FewBitFunction",
+    "MaskFunction",
+    "activation",
+    "celu",
+    "elu",
+    "fewbit",
+    "gelu",
+    "hard_swish",
+    "hard_tanh",
+    "leaky_relu",
+    "log_sigmoid",
+    "mish",
+    "relu",
+    "relu6",
+    "selu",
+    "sigmoid",
+    "silu",
+    "softplus",
+    "softsign",
+    "tanh",
+]
 
 #: table name -> exact torch forward
 FORWARD: dict[str, Callable] = {
@@ -95,7 +116,7 @@ class MaskFunction(torch.autograd.Function):
         return _grad(dy, unpack(packed, 1, shape), levels), None, None, None, None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(name: str, bits: int):
     t = load_table(name, bits)
     return (torch.tensor(t.borders_f32), torch.tensor(t.levels_f32), t.symmetric)

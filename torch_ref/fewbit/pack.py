@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["codes", "pack", "unpack", "GROUP", "GROUP_BYTES"]
+__all__ = ["GROUP", "GROUP_BYTES", "codes", "pack", "unpack"]
 
 GROUP = {1: 8, 2: 4, 3: 8, 4: 2}
 GROUP_BYTES = {1: 1, 2: 1, 3: 3, 4: 1}
