@@ -4,7 +4,8 @@ Regenerate (about 15 minutes on 2 CPU cores):
 
     .venv/bin/python benchmarks/schedule/run_zoo.py
 
-Writes benchmarks/results/schedule/zoo.json, zoo.md and zoo.png.
+Writes benchmarks/results/schedule/zoo.json, zoo.md and zoo.png (``--render-only``
+re-renders zoo.md / zoo.png from zoo.json without measuring).
 """
 from __future__ import annotations
 
@@ -68,7 +69,18 @@ def main(argv=None):
     from jaxmem.bench import schedule as S
 
     os.makedirs(OUT, exist_ok=True)
-    sec = S.run(quick=False, progress=lambda m: print(m, flush=True))
+    argv = sys.argv[1:] if argv is None else argv
+    if "--render-only" in argv:  # re-render zoo.md / zoo.png from an existing zoo.json
+        from jaxmem.bench import Section
+
+        with open(os.path.join(OUT, "zoo.json")) as f:
+            d = json.load(f)
+        wall = float(next(n for n in d["notes"] if n.startswith("section wall time")).split()[3])
+        d["notes"] = S.notes_for(d["meta"]["time_limit"], wall)
+        d["plots"] = []
+        sec = Section(**d)
+    else:
+        sec = S.run(quick=False, progress=lambda m: print(m, flush=True))
     summary = summarize(sec.rows)
     sec.meta["summary"] = summary
     sec.meta["command"] = COMMAND

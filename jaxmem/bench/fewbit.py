@@ -151,33 +151,44 @@ def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int) -
     return rows
 
 
-def torch_rows(bits: int = 3, reps: int = 5) -> list[dict]:
-    """PyTorch twin of the GPT: bytes saved for backward, default vs torch_ref.fewbit."""
+def torch_rows(kind: str = "gpt", bits: int = 3, reps: int = 5) -> list[dict]:
+    """PyTorch twin (GPT or ViT): bytes saved for backward, default vs torch_ref.fewbit."""
     import torch
 
     import torch_ref.fewbit as tfb
     from torch_ref.measure import saved_bytes
-    from torch_ref.models import GPT, GPTConfig
+    from torch_ref import models as tm
 
     def build(L, convert):
         torch.manual_seed(0)
-        m = GPT(GPTConfig(vocab=256, ctx=128, d_model=128, n_head=4, n_layer=L))
+        if kind == "gpt":
+            m = tm.GPT(tm.GPTConfig(vocab=256, ctx=128, d_model=128, n_head=4, n_layer=L))
+        else:
+            m = tm.ViT(tm.ViTConfig(image_size=32, patch_size=4, d_model=96, n_head=2,
+                                    n_layer=L, num_classes=10))
         if convert:
             tfb.convert(m, bits=bits)
         return m
 
-    tok = torch.randint(0, 256, (8, 127))
+    if kind == "gpt":
+        tok = torch.randint(0, 256, (8, 127))
 
-    def loss(m):
-        return torch.nn.functional.cross_entropy(m(tok).flatten(0, 1), tok.flatten())
+        def loss(m):
+            return torch.nn.functional.cross_entropy(m(tok).flatten(0, 1), tok.flatten())
+    else:
+        img, lab = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+
+        def loss(m):
+            return torch.nn.functional.cross_entropy(m(img), lab)
 
     rows, base = [], None
+    title = "GPT" if kind == "gpt" else "ViT"
     for label, conv in (("torch default", False), (f"torch_ref.fewbit {bits}-bit", True)):
         s = {L: saved_bytes(lambda L=L, conv=conv: loss(build(L, conv))).total_bytes
              for L in (2, 4)}
         per = (s[4] - s[2]) / 2
         base = per if base is None else base
-        rows.append({"model": "GPT (torch twin) L=4", "method": label, "residual": s[4],
+        rows.append({"model": f"{title} (torch twin) L=4", "method": label, "residual": s[4],
                      "compiled_per_layer": None, "per_layer_vs_default": per / base,
                      "saved_per_layer": per})
     m0, m1 = build(4, False), build(4, True)
@@ -201,7 +212,7 @@ def run(quick: bool = False, models: list[str] | None = None,
     rows: list[dict] = []
     if "mlp" in want:
         say("fewbit: frozen GELU MLP slope")
-        rows += mlp_rows([1, 3] if quick else [1, 2, 3, 4], b=64 if quick else 128,
+        rows += mlp_rows([3] if quick else [1, 2, 3, 4], b=64 if quick else 128,
                          h=256 if quick else 512)
     if "gpt" in want:
         say("fewbit: GPT")
@@ -212,7 +223,7 @@ def run(quick: bool = False, models: list[str] | None = None,
     if "torch" in want:
         say("fewbit: torch twin")
         try:
-            rows += torch_rows()
+            rows += torch_rows("gpt") + torch_rows("vit")
         except ImportError as e:  # torch is optional
             say(f"fewbit: torch rows skipped ({e})")
     return Section(

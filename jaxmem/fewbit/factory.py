@@ -39,13 +39,14 @@ def check_elementwise(fn: Callable, *, name: str = "fn") -> None:
             f"{name} is not elementwise: maps shape {probe.shape} to "
             f"{getattr(out, 'shape', type(out).__name__)}"
         )
-    jac = np.asarray(jax.jacfwd(fn)(probe))
+    jac = np.asarray(jax.jit(jax.jacfwd(fn))(probe))
     off = jac - np.diag(np.diag(jac))
     if not np.all(np.isfinite(jac)) or np.max(np.abs(off)) > 0:
         raise ValueError(f"{name} is not elementwise: its Jacobian has off-diagonal entries")
     perm = np.array([3, 0, 6, 1, 5, 2, 4])
-    a = np.asarray(fn(probe))[perm]
-    b = np.asarray(fn(probe[perm]))
+    fj = jax.jit(fn)
+    a = np.asarray(fj(probe))[perm]
+    b = np.asarray(fj(probe[perm]))
     if not np.allclose(a, b, rtol=1e-6, atol=1e-6, equal_nan=True):
         raise ValueError(f"{name} is not elementwise: output depends on element positions")
 

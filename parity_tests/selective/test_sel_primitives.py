@@ -144,10 +144,11 @@ def test_norm_error_vs_float64_no_worse_than_jax(name):
     ours, ref = NORMS[name]
     x, s, b = rnd(0, (4, 5, 5, 4), 3.0, 2.0), rnd(1, (4,)), rnd(2, (4,))
     ct = rnd(7, x.shape)
-    g32 = [jax.grad(lambda *a: jnp.sum(f(*a) * ct), (0, 1))(x, s, b) for f in (ours, ref)]
+    g32 = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), (0, 1)))(x, s, b)
+           for f in (ours, ref)]
     with jax.enable_x64():
         a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, s, b, ct)]
-        g64 = jax.grad(lambda *a: jnp.sum(ref(*a) * a64[3]), (0, 1))(*a64[:3])
+        g64 = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * a64[3]), (0, 1)))(*a64[:3])
     for i in range(2):
         e_ours = float(np.max(np.abs(np.asarray(g32[0][i], np.float64) - np.asarray(g64[i]))))
         e_jax = float(np.max(np.abs(np.asarray(g32[1][i], np.float64) - np.asarray(g64[i]))))
@@ -274,7 +275,8 @@ def test_vmap_of_grad():
     xs = jnp.stack([args[0], args[0] * 2])
     f = lambda x: jax.grad(lambda w: jnp.sum(_net(x, w, *args[2:])))(args[1])
     r = lambda x: jax.grad(lambda w: jnp.sum(_ref_net(x, w, *args[2:])))(args[1])
-    np.testing.assert_allclose(jax.vmap(f)(xs), jax.vmap(r)(xs), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f))(xs), jax.jit(jax.vmap(r))(xs), rtol=2e-5,
+                               atol=2e-5)
 
 
 @pytest.mark.parametrize("carry_weights", [False, True])
@@ -306,8 +308,8 @@ def test_checkpoint_and_names():
     policy = jax.checkpoint_policies.save_only_these_names(
         "jaxmem.selective.relu.mask", "jaxmem.selective.conv.input")
     f = jax.checkpoint(lambda *a: jnp.sum(jnp.sin(_net(*a))), policy=policy)
-    g = jax.grad(f, (0, 1))(*args)
-    r = jax.grad(lambda *a: jnp.sum(jnp.sin(_ref_net(*a))), (0, 1))(*args)
+    g = jax.jit(jax.grad(f, (0, 1)))(*args)
+    r = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(_ref_net(*a))), (0, 1)))(*args)
     for a, b in zip(g, r):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
     from jax._src.ad_checkpoint import saved_residuals
@@ -322,7 +324,7 @@ def test_half_precision(dtype):
     f = lambda x, w: jnp.sum(S.relu(S.layer_norm(S.conv(x, w), s)).astype(jnp.float32))
     r = lambda x, w: jnp.sum(jax.nn.relu(nn.LayerNorm(use_bias=False).apply(
         {"params": {"scale": s}}, _lax_conv(x, w))).astype(jnp.float32))
-    ga, gb = jax.grad(f, (0, 1))(x, w), jax.grad(r, (0, 1))(x, w)
+    ga, gb = jax.jit(jax.grad(f, (0, 1)))(x, w), jax.jit(jax.grad(r, (0, 1)))(x, w)
     for a, b in zip(ga, gb):
         assert a.dtype == dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),

@@ -30,10 +30,10 @@ def codes(x: torch.Tensor, borders: torch.Tensor, symmetric: bool = False) -> to
     xf = x.detach().to(torch.float32)
     if symmetric:
         xf = xf.abs()
-    c = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for v in borders.to(device=x.device, dtype=torch.float32):
-        c += (xf >= v).to(torch.uint8)
-    return c
+    b = borders.to(device=x.device, dtype=torch.float32).contiguous()
+    # bucketize(right=True) = #{i : b_i <= x} = compare-and-sum; NaN compares false -> 0
+    c = torch.bucketize(xf, b, right=True).to(torch.uint8)
+    return c.masked_fill_(torch.isnan(xf), 0)
 
 
 def pack(c: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,0 +1,336 @@
+"""`jaxmem bench` section for jaxmem.selective.
+
+Two tables in one Section:
+
+* the paper's Figure 1: a linear chain of ``depth`` size-preserving 3x3 convolutions
+  (``jaxmem.models.ConvChain(relu=False)``), cases all / none / layer 4 / layers 4+
+  differentiable. For JAX default (grad w.r.t. the differentiable kernels only) and jaxmem
+  (the converted model, same gradient request): residual activation bytes and compiled
+  bytes (temp + output), with PyTorch default and ``torch_ref.memsave`` saved bytes next to
+  them when torch is installed;
+* the paper's cases All / Input / Conv / Norm (+ BN-eval = Input case in eval mode,
+  surgical first/last quarter) on ResNet-18 (and, non-quick, ResNet-50 and VGG-11-BN) at a
+  CPU-sized batch: compiled bytes of JAX default vs jaxmem, torch saved bytes, and the
+  step-time ratio jaxmem / JAX default (interleaved repeats, median).
+
+Memory figures are deterministic; time is a ratio measured side by side.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem.bench import Section
+
+CASES = ("all", "input", "conv", "norm", "bn_eval", "first_quarter", "last_quarter")
+
+
+# ------------------------------------------------------------------------ case filters
+def _layer_paths(params) -> list[str]:
+    from jaxmem.selective.subset import path_str
+    out = []
+    for p, _ in jax.tree_util.tree_leaves_with_path(params):
+        s = path_str(p).rsplit("/", 1)[0]
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def case_filter(case: str, params):
+    """``trainable`` filter (for ``jaxmem.selective.subset``) of a paper case; ``None`` for
+    the Input case (only the network input is differentiated)."""
+    from jaxmem.selective.subset import path_str
+    if case in ("input", "bn_eval"):
+        return None
+    if case == "all":
+        return True
+    if case == "conv":
+        return lambda p, _: "conv" in path_str(p).rsplit("/", 1)[0].rsplit("/", 1)[-1]
+    if case == "norm":
+        return lambda p, _: "bn" in path_str(p).rsplit("/", 1)[0].rsplit("/", 1)[-1]
+    layers = _layer_paths(params)
+    q = max(1, len(layers) // 4)
+    chosen = set(layers[:q] if case == "first_quarter" else layers[-q:])
+    return lambda p, _: path_str(p).rsplit("/", 1)[0] in chosen
+
+def torch_requires_grad(case: str, torch_model, jax_params) -> None:
+    """Set ``requires_grad`` on the torch twin's parameters for a case (same names)."""
+    from jaxmem.selective.subset import path_str, trainable_mask
+    flt = case_filter(case, jax_params)
+    mask = {} if flt is None else {
+        path_str(p): m for p, m in jax.tree_util.tree_leaves_with_path(
+            trainable_mask(jax_params, flt))}
+    torch_names = {}
+    for name, prm in torch_model.named_parameters():
+        torch_names[name] = prm
+    for name, prm in torch_names.items():
+        key = _torch_to_jax_name(name, set(mask))
+        prm.requires_grad_(bool(mask.get(key, False)))
+
+
+def _torch_to_jax_name(name: str, jax_names: set[str]) -> str:
+    parts = name.split(".")
+    leaf = {"weight": ("kernel", "scale"), "bias": ("bias",)}.get(parts[-1], (parts[-1],))
+    base = "/".join(parts[:-1])
+    for cand in leaf:
+        full = f"{base}/{cand}" if base else cand
+        if full in jax_names:
+            return full
+    # fall back: join module path with underscores (e.g. layer1.0 -> layer1_0)
+    base2 = "_".join(parts[:-1])
+    for cand in leaf:
+        for b in (base2, base.replace("/", "_")):
+            if f"{b}/{cand}" in jax_names:
+                return f"{b}/{cand}"
+    return name
+
+
+# ------------------------------------------------------------------------- JAX steps
+def make_step(model, variables, case: str, *, train_bn: bool = True):
+    """``f(params, x) -> grads`` for a case. ``model`` is a Linen model or a
+    ``jaxmem.selective.linen.SelectiveModel``; only the case's leaves are differentiated."""
+    from jaxmem.selective.subset import grad as sgrad
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    train = train_bn and case != "bn_eval"
+
+    def loss(params, x):
+        v = {"params": params, **rest}
+        if "batch_stats" in rest:
+            out = model.apply(v, x, train=train, mutable=["batch_stats"] if train else False)
+            y = out[0] if train else out
+        else:
+            y = model.apply(v, x)
+        return jnp.mean(jnp.square(y))
+
+    flt = case_filter(case, variables["params"])
+    if flt is None:
+        return lambda params, x: jax.grad(loss, argnums=1)(params, x)
+    return lambda params, x: sgrad(loss, trainable=flt)(params, x)
+
+
+def jax_bytes(step: Callable, params, x) -> dict:
+    """Residual activation bytes and compiled temp+output bytes of ``step``."""
+    from jaxmem.measure import compiled_memory
+    c = compiled_memory(step, params, x)
+    return {"compiled": int(c.temp_bytes + c.output_bytes)}
+
+
+def residual_activation_bytes(model, variables, case, x) -> int:
+    """Residual bytes (activations only) of the forward w.r.t. what the case differentiates."""
+    from jaxmem.measure import residual_bytes
+    from jaxmem.selective.subset import partition, combine
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    train = case != "bn_eval"
+
+    def fwd(params, x):
+        v = {"params": params, **rest}
+        if "batch_stats" in rest:
+            out = model.apply(v, x, train=train, mutable=["batch_stats"] if train else False)
+            y = out[0] if train else out
+        else:
+            y = model.apply(v, x)
+        return jnp.mean(jnp.square(y))
+
+    flt = case_filter(case, variables["params"])
+    if flt is None:
+        return residual_bytes(fwd, variables["params"], x, argnums=1).activation_bytes
+    t, f = partition(variables["params"], flt)
+    return residual_bytes(lambda t_, x: fwd(combine(t_, f), x), t, x,
+                          argnums=0).activation_bytes
+
+
+def time_ratio(fa: Callable, fb: Callable, args, repeats: int = 5) -> float:
+    """median(time fb) / median(time fa), interleaved, after one warm-up each."""
+    ja, jb = jax.jit(fa), jax.jit(fb)
+    jax.block_until_ready(ja(*args))
+    jax.block_until_ready(jb(*args))
+    ta, tb = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); jax.block_until_ready(ja(*args)); ta.append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); jax.block_until_ready(jb(*args)); tb.append(time.perf_counter() - t0)
+    return statistics.median(tb) / statistics.median(ta)
+
+
+# ------------------------------------------------------------------------ torch side
+def torch_saved_bytes(torch_model, case: str, x_nchw, *, memsave: bool,
+                      jax_params) -> int | None:
+    try:
+        import torch
+        from torch_ref.measure import saved_bytes
+        from torch_ref import memsave as ms
+    except ImportError:  # pragma: no cover
+        return None
+    m = ms.convert(torch_model) if memsave else torch_model
+    m.train(case != "bn_eval")
+    torch_requires_grad(case, m, jax_params)
+    xt = torch.as_tensor(x_nchw).clone().requires_grad_(case in ("input", "bn_eval"))
+
+    def fwd(inp):
+        return (m(inp) ** 2).mean()
+
+    rep = saved_bytes(fwd, xt)
+    return int(rep.activation_bytes)
+
+
+# ------------------------------------------------------------------------ figure 1
+FIG1_CASES = {
+    "all": lambda d: set(range(d)),
+    "none": lambda d: set(),
+    "layer4": lambda d: {3},
+    "layers4+": lambda d: set(range(3, d)),
+}
+
+
+def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True):
+    """Rows for the Figure-1 chain (linear convs, input differentiated, as the paper)."""
+    from jaxmem import models
+    from jaxmem.measure import compiled_memory, residual_bytes
+    from jaxmem.selective import linen as SL
+    from jaxmem.selective.subset import combine, partition, path_str
+    rows = []
+    x = jax.random.normal(jax.random.key(0), (batch, size, size, channels))
+    act = batch * size * size * channels * 4
+    for depth in depths:
+        model = models.ConvChain(depth=depth, channels=channels, relu=False)
+        params = model.init(jax.random.key(1), x)["params"]
+        tm = None
+        if torch_too:
+            try:
+                import torch
+                from torch_ref import convert as tconv, models as tmodels
+                tm = tmodels.ConvChain(depth, channels, relu=False)
+                tconv.jax_to_torch({"params": params}, tm)
+            except ImportError:  # pragma: no cover
+                tm = None
+        for case, which in FIG1_CASES.items():
+            layers = which(depth)
+            flt = lambda p, _, L=layers: int(path_str(p).split("/")[0].split("_")[1]) in L
+            row = {"table": "figure1", "depth": depth, "case": case,
+                   "layer_input_bytes": act}
+            for impl, m in (("jax", model), ("jaxmem", SL.convert(model))):
+                t, f = partition(params, flt)
+                fwd = lambda t_, x, m=m, f=f: jnp.sum(m.apply({"params": combine(t_, f)}, x))
+                # the paper differentiates the input too (it has requires_grad upstream)
+                an = (0, 1) if jax.tree_util.tree_leaves(t) else (1,)
+                rb = residual_bytes(fwd, t, x, argnums=an).activation_bytes
+                step = lambda t_, x, fwd=fwd: jax.grad(fwd, (0, 1))(t_, x)
+                cb = compiled_memory(step, t, x)
+                row[f"{impl}_residual"] = int(rb)
+                row[f"{impl}_compiled"] = int(cb.temp_bytes + cb.output_bytes)
+            if tm is not None:
+                import torch
+                from torch_ref.measure import saved_bytes
+                from torch_ref import memsave as ms
+                xt = torch.as_tensor(np.array(x)).permute(0, 3, 1, 2).contiguous()
+                for impl, m in (("torch", tm), ("memsave", ms.convert(tm))):
+                    for i, (name, prm) in enumerate(m.named_parameters()):
+                        prm.requires_grad_(int(name.split(".")[0].split("_")[1]) in layers)
+                    xi = xt.clone().requires_grad_(True)
+                    row[f"{impl}_saved"] = int(
+                        saved_bytes(lambda inp, m=m: m(inp).sum(), xi).activation_bytes)
+            rows.append(row)
+    return rows
+
+
+# -------------------------------------------------------------------------- CNN cases
+def cnn_models(quick: bool):
+    from jaxmem import models
+    out = {"resnet18": (lambda: models.resnet18(width=0.25, num_classes=10),
+                        "resnet18", dict(width=0.25, num_classes=10))}
+    if not quick:
+        out["resnet50"] = (lambda: models.resnet50(width=0.25, num_classes=10), "resnet50",
+                           dict(width=0.25, num_classes=10))
+        out["vgg11_bn"] = (lambda: models.vgg11(width=0.25, batch_norm=True, num_classes=10),
+                           "vgg11", dict(width=0.25, batch_norm=True, num_classes=10))
+    return out
+
+
+def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_too=True,
+             timing=True, cases=CASES):
+    from jaxmem.selective import linen as SL
+    rows = []
+    specs = cnn_models(quick)
+    if models_:
+        specs = {k: v for k, v in specs.items() if k in models_}
+    x = jax.random.normal(jax.random.key(0), (batch, size, size, 3))
+    for name, (ctor, tname, tkw) in specs.items():
+        model = ctor()
+        variables = model.init(jax.random.key(1), x, train=False)
+        tm = None
+        if torch_too:
+            try:
+                import torch_ref.models as tmodels
+                from torch_ref import convert as tconv
+                tm = getattr(tmodels, tname)(**tkw)
+                tconv.jax_to_torch(variables, tm)
+            except ImportError:  # pragma: no cover
+                tm = None
+        for case in cases:
+            if progress:
+                progress(f"selective: {name} {case}")
+            sj = make_step(model, variables, case)
+            ss = make_step(SL.convert(model), variables, case)
+            bj = jax_bytes(sj, variables["params"], x)["compiled"]
+            bs = jax_bytes(ss, variables["params"], x)["compiled"]
+            row = {"table": "cnn", "model": name, "case": case, "batch": f"{batch}x{size}x{size}",
+                   "jax_compiled": bj, "jaxmem_compiled": bs, "ratio": bs / bj,
+                   "jax_residual": residual_activation_bytes(model, variables, case, x),
+                   "jaxmem_residual": residual_activation_bytes(SL.convert(model), variables,
+                                                                case, x)}
+            if tm is not None:
+                xn = jax.device_get(x).transpose(0, 3, 1, 2).copy()
+                row["torch_saved"] = torch_saved_bytes(tm, case, xn, memsave=False,
+                                                       jax_params=variables["params"])
+                row["memsave_saved"] = torch_saved_bytes(tm, case, xn, memsave=True,
+                                                         jax_params=variables["params"])
+            if timing:
+                row["time_ratio"] = time_ratio(sj, ss, (variables["params"], x),
+                                               repeats=3 if quick else 5)
+            rows.append(row)
+    return rows
+
+
+def run(quick: bool = False, models=None, progress=None) -> Section:
+    """Figure-1 chain + CNN cases. ``quick``: depth 3 & 6 chain (all / layer 4), ResNet-18
+    (width 0.25) Input case at 4x32x32, JAX only, no timing. Default: depth 5 & 10 chain
+    with torch, ResNet-18 / ResNet-50 / VGG-11-BN (width 0.25) at 8x64x64, all cases."""
+    if quick:
+        fig = figure1_rows(depths=(3, 6), batch=2, size=16, torch_too=False)
+        fig = [r for r in fig if r["case"] in ("all", "layer4")]
+        cnn = cnn_rows(True, models, progress, batch=4, size=32, timing=False,
+                       torch_too=False, cases=("input",))
+    else:
+        fig = figure1_rows(depths=(5, 10), batch=4, size=32)
+        cnn = cnn_rows(False, models, progress)
+    columns = ["table", "model", "depth", "case", "jax_residual", "jaxmem_residual",
+               "jax_compiled", "jaxmem_compiled", "ratio", "torch_saved", "memsave_saved",
+               "time_ratio", "layer_input_bytes"]
+    units = {c: "B" for c in columns if c.endswith(("_residual", "_compiled", "_saved",
+                                                      "_bytes"))}
+    units.update(ratio="x", time_ratio="x")
+    for r in fig:
+        r["torch_saved"] = r.pop("torch_saved", None)
+        r["memsave_saved"] = r.pop("memsave_saved", None)
+        r["ratio"] = r["jaxmem_compiled"] / r["jax_compiled"]
+    return Section(
+        name="selective",
+        title="jaxmem.selective: memory of selective differentiation (paper cases)",
+        columns=columns,
+        rows=fig + cnn,
+        units=units,
+        notes=[
+            "residual = activation bytes autodiff keeps (jaxmem.measure.residual_bytes); "
+            "compiled = XLA temp+output bytes of the jitted gradient step; torch_saved / "
+            "memsave_saved = bytes saved for backward (saved-tensor hooks, dedup by storage).",
+            "JAX default differentiates only the case's leaves (the best plain JAX does); "
+            "jaxmem = same request through jaxmem.selective.linen.convert(model).",
+            "figure1: linear ConvChain (relu=False), input differentiated as in the paper.",
+            "time_ratio = median jaxmem step time / median JAX step time, interleaved.",
+        ],
+        meta={"quick": quick, "command": "jaxmem bench selective" + (" --quick" if quick else "")},
+    )
