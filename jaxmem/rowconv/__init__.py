@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from .halo import HaloReport, halos
 from .layers import (Act, Affine, BatchNorm, Checkpoint, Conv, Dropout, Pool, Residual,
                      apply_layers, init_layers, output_shape)
-from .tiled import MODES, apply, split_segments
+from .tiled import MODES, apply, segment_rows, split_segments
+from . import trunks
 
 __all__ = [
     "Act", "Affine", "BatchNorm", "Checkpoint", "Conv", "Dropout", "Pool", "Residual",

@@ -271,14 +271,15 @@ def receptive_field(geoms) -> int:
 def max_rows(geoms, mode: str = "overlap") -> int:
     """Largest row count whose input tile is at least as tall as its halo."""
     h_out = geoms[-1].out_shape[1]
-    best = 1
-    for n in range(1, h_out + 1):
+    lo, hi = 1, h_out  # the check is monotone in n: bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
         try:
-            check_rows(geoms, n, mode)
+            check_rows(geoms, mid, mode)
+            lo = mid
         except ValueError:
-            break
-        best = n
-    return best
+            hi = mid - 1
+    return lo
 
 
 def check_rows(geoms, rows: int, mode: str):

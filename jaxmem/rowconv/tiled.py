@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from . import halo as H
 from .layers import (BatchNorm, Checkpoint, Dropout, Pool, Residual, apply_layers,
@@ -45,6 +46,39 @@ def _mask_rows(x, row0, n_rows, value):
 
 def _rows(x, start, length):
     return lax.slice_in_dim(x, start, start + length, axis=1)
+
+
+def _read_window(x, start, L, top, bot):
+    """Rows [start, start+L) of ``x`` (rows outside the map read as 0), without padding
+    the whole map: clamp the slice into range, pad the *tile*, shift back."""
+    c = jnp.clip(start, 0, x.shape[1] - L)
+    w = lax.dynamic_slice_in_dim(x, c, L, axis=1)
+    if top or bot:
+        w = jnp.pad(w, ((0, 0), (top, bot), (0, 0), (0, 0)))
+        w = lax.dynamic_slice_in_dim(w, start - c + top, L, axis=1)
+    return w
+
+
+def _add_window(dx, dw, start, top, bot):
+    """``dx[rows start..start+L) += dw``, dropping rows outside ``dx``."""
+    L = dw.shape[1]
+    c = jnp.clip(start, 0, dx.shape[1] - L)
+    if top or bot:
+        dw = jnp.pad(dw, ((0, 0), (bot, top), (0, 0), (0, 0)))
+        dw = lax.dynamic_slice_in_dim(dw, c - start + bot, L, axis=1)
+    acc = lax.dynamic_slice_in_dim(dx, c, L, axis=1) + dw.astype(dx.dtype)
+    return lax.dynamic_update_slice_in_dim(dx, acc, c, axis=1)
+
+
+def _grow(x, L):
+    """Pad ``x`` at the bottom to at least L rows (tiny maps only)."""
+    if x.shape[1] >= L:
+        return x
+    return jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _is_zero(g):
+    return isinstance(g, SymbolicZero)
 
 
 def _layer_rows(g: H.Geom, p, x, row0, rng):
@@ -90,64 +124,79 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
     T_b, st_b = H.overlap_starts(Hout, rows_bp)
     nodes_f, iv_f = H.overlap_plan(geoms, T_f)
     nodes_b, iv_b = H.overlap_plan(geoms, T_b)
-    # pad the input once so every tile window is an in-bounds dynamic slice
+    # rows of x above/below the image a window may read (they are zero padding)
+    L = max(iv_f.L, iv_b.L)
     top = max(0, -iv_f.c, -iv_b.c)
     bot = max(0, iv_f.at(st_f[-1]) + iv_f.L - Hin, iv_b.at(st_b[-1]) + iv_b.L - Hin)
     out_shape = geoms[-1].out_shape
 
-    def pad(x):
-        return jnp.pad(x, ((0, 0), (top, bot), (0, 0), (0, 0)))
-
     def forward(params, x, rng):
-        xp = pad(x)
+        xg = _grow(x, L)
         out = jnp.zeros(out_shape[:1] + (Hout,) + out_shape[2:], x.dtype)
 
         def body(out, o):
-            xw = lax.dynamic_slice_in_dim(xp, iv_f.at(o) + top, iv_f.L, axis=1)
+            xw = _read_window(xg, iv_f.at(o), iv_f.L, top, bot)
             y = _ov_seq(nodes_f, params, xw, o, rng)
             return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), o, axis=1), None
 
         out, _ = lax.scan(body, out, jnp.asarray(st_f, jnp.int32), unroll=unroll)
         return out
 
-    def backward(params, x, rng, g):
-        xp = pad(x)
-        dxp = jnp.zeros_like(xp)
+    def backward(params, x, rng, extra, g, want_dx):
+        xg = _grow(x, L)
         dp0 = jax.tree.map(jnp.zeros_like, params)
         own0 = jnp.asarray([i * T_b for i in range(len(st_b))], jnp.int32)
 
         def body(carry, io):
-            dp, dxp = carry
+            dp, dxg = carry
             o, own = io
-            start = iv_b.at(o) + top
-            xw = lax.dynamic_slice_in_dim(xp, start, iv_b.L, axis=1)
+            start = iv_b.at(o)
+            xw = _read_window(xg, start, iv_b.L, top, bot)
             gy = lax.dynamic_slice_in_dim(g, o, T_b, axis=1)
             # the shifted last tile owns only the rows no earlier tile produced
-            gy = _mask_rows(gy, o - own, T_b, 0.0)
-            _, vjp = jax.vjp(lambda p, xw: _ov_seq(nodes_b, p, xw, o, rng), params, xw)
-            dpi, dxw = vjp(gy.astype(x.dtype))
+            gy = _mask_rows(gy, o - own, T_b, 0.0).astype(x.dtype)
+            if want_dx:
+                _, vjp = jax.vjp(lambda p, xw: _ov_seq(nodes_b, p, xw, o, rng), params, xw)
+                dpi, dxw = vjp(gy)
+                dxg = _add_window(dxg, dxw, start, top, bot)
+            else:
+                _, vjp = jax.vjp(lambda p: _ov_seq(nodes_b, p, xw, o, rng), params)
+                (dpi,) = vjp(gy)
             dp = jax.tree.map(jnp.add, dp, dpi)
-            acc = lax.dynamic_slice_in_dim(dxp, start, iv_b.L, axis=1) + dxw
-            dxp = lax.dynamic_update_slice_in_dim(dxp, acc, start, axis=1)
-            return (dp, dxp), None
+            return (dp, dxg), None
 
-        (dp, dxp), _ = lax.scan(body, (dp0, dxp), (jnp.asarray(st_b, jnp.int32), own0),
+        dxg = jnp.zeros_like(xg) if want_dx else None
+        (dp, dxg), _ = lax.scan(body, (dp0, dxg), (jnp.asarray(st_b, jnp.int32), own0),
                                 unroll=unroll)
-        return dp, _rows(dxp, top, Hin)
+        return dp, (None if dxg is None else _rows(dxg, 0, Hin))
+
+    return _wrap(forward, lambda p, x, r: (forward(p, x, r), None), backward, params, x, rng)
+
+
+def _wrap(forward, forward_res, backward, params, x, rng):
+    """custom_vjp around (forward, backward); the input cotangent is computed only when
+    ``x`` is perturbed (``symbolic_zeros``); residuals are (params, x, rng) either way."""
+    flags = {}
 
     @jax.custom_vjp
     def seg(params, x, rng):
         return forward(params, x, rng)
 
     def seg_fwd(params, x, rng):
-        return forward(params, x, rng), (params, x, rng)
+        flags["dx"] = bool(x.perturbed)
+        params, x, rng = jax.tree.map(lambda t: t.value, (params, x, rng),
+                                      is_leaf=lambda t: isinstance(t, CustomVJPPrimal))
+        y, extra = forward_res(params, x, rng)
+        return y, (params, x, rng, extra)
 
     def seg_bwd(res, g):
-        params, x, rng = res
-        dp, dx = backward(params, x, rng, g)
+        params, x, rng, extra = res
+        if _is_zero(g):
+            return jax.tree.map(lambda _: None, params), None, None
+        dp, dx = backward(params, x, rng, extra, g, flags.get("dx", True))
         return dp, dx, None
 
-    seg.defvjp(seg_fwd, seg_bwd)
+    seg.defvjp(seg_fwd, seg_bwd, symbolic_zeros=True)
     return seg(params, x, rng)
 
 
@@ -200,12 +249,6 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
     def carries0(slots, dtype):
         return [jnp.zeros((s[0], h) + s[2:], dtype) for _, s, h in slots]
 
-    def prep(x, plan):
-        _, _, T, n, e_out, T_in = plan
-        need = n * T_in
-        return jnp.pad(x, ((0, 0), (0, need - Hin), (0, 0), (0, 0))) if need >= Hin \
-            else _rows(x, 0, need)
-
     def tile(nodes, params, carries, xn, i, rng):
         new = list(carries)
         y = _sh_seq(nodes, params, xn, i, carries, new, rng)
@@ -213,67 +256,60 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
 
     def run(params, x, rng, plan, keep):
         nodes, slots, T, n, e_out, T_in = plan
-        xp = prep(x, plan)
-        out = jnp.zeros(out_shape[:1] + (n * T,) + out_shape[2:], x.dtype)
+        bot = max(0, n * T_in - Hin)
+        xg = _grow(x, T_in)
+        out = jnp.zeros(out_shape, x.dtype)
 
         def body(c, i):
             carries, out = c
-            xn = lax.dynamic_slice_in_dim(xp, i * T_in, T_in, axis=1)
+            xn = _read_window(xg, i * T_in, T_in, 0, bot)
             y, new = tile(nodes, params, carries, xn, i, rng)
-            out = lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * T, axis=1)
+            # each output row is written once: adding into zeros == writing, rows of the
+            # first/last tile outside [0, H_out) are dropped
+            out = _add_window(out, y, i * T + e_out, -e_out, T)
             return (new, out), (carries if keep else None)
 
         (_, out), saved = lax.scan(body, (carries0(slots, x.dtype), out),
                                    jnp.arange(n, dtype=jnp.int32), unroll=unroll)
-        return _rows(out, -e_out, Hout), saved
+        return out, saved
 
-    def backward(params, x, rng, saved, g):
+    def forward_res(params, x, rng):
+        if plan_b is plan_f:
+            return run(params, x, rng, plan_f, True)
+        return run(params, x, rng, plan_f, False)[0], None
+
+    def backward(params, x, rng, saved, g, want_dx):
+        if saved is None:  # N_bp != N_fp: one more forward to collect the boundary rows
+            saved = run(params, x, rng, plan_b, True)[1]
         nodes, slots, T, n, e_out, T_in = plan_b
-        xp = prep(x, plan_b)
-        gp = jnp.pad(g, ((0, 0), (-e_out, n * T + e_out - Hout), (0, 0), (0, 0)))
+        bot = max(0, n * T_in - Hin)
+        xg = _grow(x, T_in)
         dp0 = jax.tree.map(jnp.zeros_like, params)
 
         def body(c, inp):
-            dp, dcar, dxp = c
+            dp, dcar, dxg = c
             i, carries = inp
-            xn = lax.dynamic_slice_in_dim(xp, i * T_in, T_in, axis=1)
-            gy = lax.dynamic_slice_in_dim(gp, i * T, T, axis=1).astype(x.dtype)
-            _, vjp = jax.vjp(lambda p, cs, xn: tile(nodes, p, cs, xn, i, rng),
-                             params, carries, xn)
-            dpi, dcs, dxn = vjp((gy, dcar))
+            xn = _read_window(xg, i * T_in, T_in, 0, bot)
+            gy = _read_window(g, i * T + e_out, T, -e_out, T).astype(x.dtype)
+            if want_dx:
+                _, vjp = jax.vjp(lambda p, cs, xn: tile(nodes, p, cs, xn, i, rng),
+                                 params, carries, xn)
+                dpi, dcs, dxn = vjp((gy, dcar))
+                dxg = _add_window(dxg, dxn, i * T_in, 0, bot)
+            else:
+                _, vjp = jax.vjp(lambda p, cs: tile(nodes, p, cs, xn, i, rng), params, carries)
+                dpi, dcs = vjp((gy, dcar))
             dp = jax.tree.map(jnp.add, dp, dpi)
-            dxp = lax.dynamic_update_slice_in_dim(dxp, dxn, i * T_in, axis=1)
-            return (dp, dcs, dxp), None
+            return (dp, dcs, dxg), None
 
-        (dp, _, dxp), _ = lax.scan(
-            body, (dp0, carries0(slots, x.dtype), jnp.zeros_like(xp)),
+        dxg = jnp.zeros_like(xg) if want_dx else None
+        (dp, _, dxg), _ = lax.scan(
+            body, (dp0, carries0(slots, x.dtype), dxg),
             (jnp.arange(n, dtype=jnp.int32), saved), reverse=True, unroll=unroll)
-        if dxp.shape[1] >= Hin:
-            dx = _rows(dxp, 0, Hin)
-        else:
-            dx = jnp.pad(dxp, ((0, 0), (0, Hin - dxp.shape[1]), (0, 0), (0, 0)))
-        return dp, dx
+        return dp, (None if dxg is None else _rows(dxg, 0, Hin))
 
-    @jax.custom_vjp
-    def seg(params, x, rng):
-        return run(params, x, rng, plan_f, False)[0]
-
-    def seg_fwd(params, x, rng):
-        if plan_b is plan_f:
-            y, saved = run(params, x, rng, plan_f, True)
-        else:
-            y, saved = run(params, x, rng, plan_f, False)[0], None
-        return y, (params, x, rng, saved)
-
-    def seg_bwd(res, g):
-        params, x, rng, saved = res
-        if saved is None:  # N_bp != N_fp: one more forward to collect the boundary rows
-            saved = run(params, x, rng, plan_b, True)[1]
-        dp, dx = backward(params, x, rng, saved, g)
-        return dp, dx, None
-
-    seg.defvjp(seg_fwd, seg_bwd)
-    return seg(params, x, rng)
+    return _wrap(lambda p, x, r: run(p, x, r, plan_f, False)[0], forward_res, backward,
+                 params, x, rng)
 
 
 # ----------------------------------------------------------------------------- public
@@ -366,3 +402,16 @@ def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
         fn = _overlap_segment if mode == "overlap" else _share_segment
         x = fn(geoms, seg_params, x, rng, nf, nb, unroll)
     return x
+
+
+def segment_rows(layers, input_shape, rows: int, mode: str = "overlap"):
+    """Per-segment row counts: ``rows`` clipped to what each segment allows (its output
+    rows and its halo, see ``halo.max_rows``); segments are cut by Checkpoint markers."""
+    layers = list(layers)
+    shape = tuple(input_shape)
+    out = []
+    for a, b in split_segments(layers):
+        geoms = H.geometry(layers[a:b], shape, start=a)
+        out.append(max(1, min(rows, H.max_rows(geoms, mode))))
+        shape = geoms[-1].out_shape
+    return out

@@ -1,0 +1,77 @@
+"""Ready-made rowconv layer stacks: the VGG and ResNet-50 conv trunks (CPU-scalable width).
+
+``vgg_layers`` mirrors ``jaxmem.models.VGGFeatures`` (3x3 convs, padding 1, bias, ReLU,
+2x2/2 max pools) and ``vgg_params_from_flax`` maps its Flax parameters ``conv_i`` onto the
+rowconv parameter list unchanged. ``resnet50_layers`` is a bottleneck ResNet-50 trunk with
+*frozen* BatchNorm (eval statistics, the only kind that can be row-tiled exactly).
+"""
+from __future__ import annotations
+
+import jax
+
+from .layers import Act, BatchNorm, Checkpoint, Conv, Pool, Residual
+
+VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
+         512, 512, 512, "M")
+
+
+def _scaled(c, width):
+    return max(1, int(round(c * width)))
+
+
+def vgg_layers(cfg=VGG16, width: float = 1.0, checkpoints_at_pools: bool = False):
+    """rowconv layers of a VGG trunk; optional Checkpoint after each pool (hybrid -H)."""
+    layers = []
+    for item in cfg:
+        if item == "M":
+            layers.append(Pool("max", 2, 2))
+            if checkpoints_at_pools:
+                layers.append(Checkpoint())
+        else:
+            layers += [Conv(_scaled(item, width), 3, padding=((1, 1), (1, 1))),
+                       Act(jax.nn.relu)]
+    if checkpoints_at_pools and isinstance(layers[-1], Checkpoint):
+        layers.pop()
+    return layers
+
+
+def vgg_params_from_flax(layers, features_params):
+    """Map ``VGGFeatures`` params ({'conv_0': {'kernel','bias'}, ...}) onto ``layers``."""
+    out, i = [], 0
+    for layer in layers:
+        if isinstance(layer, Conv):
+            p = features_params[f"conv_{i}"]
+            out.append({"kernel": p["kernel"], "bias": p["bias"]})
+            i += 1
+        else:
+            out.append({})
+    return out
+
+
+def _bottleneck(width_out, mid, stride, project):
+    branch = [Conv(mid, 1, use_bias=False), BatchNorm(mid), Act(jax.nn.relu),
+              Conv(mid, 3, strides=stride, padding=((1, 1), (1, 1)), use_bias=False),
+              BatchNorm(mid), Act(jax.nn.relu),
+              Conv(width_out, 1, use_bias=False), BatchNorm(width_out)]
+    shortcut = [Conv(width_out, 1, strides=stride, use_bias=False),
+                BatchNorm(width_out)] if project else None
+    return [Residual(branch, shortcut), Act(jax.nn.relu)]
+
+
+def resnet50_layers(width: float = 1.0, stages=(3, 4, 6, 3), checkpoints_at_stages=False,
+                    stem=True):
+    """ResNet-50 trunk (frozen BN): stem 7x7/2 + maxpool 3x3/2, then bottleneck stages."""
+    layers = []
+    c = _scaled(64, width)
+    if stem:
+        layers += [Conv(c, 7, strides=2, padding=((3, 3), (3, 3)), use_bias=False),
+                   BatchNorm(c), Act(jax.nn.relu), Pool("max", 3, 2, ((1, 1), (1, 1)))]
+    for s, n in enumerate(stages):
+        mid = _scaled(64 * 2 ** s, width)
+        out = 4 * mid
+        for b in range(n):
+            stride = 2 if (b == 0 and s > 0) else 1
+            layers += _bottleneck(out, mid, stride, project=(b == 0))
+        if checkpoints_at_stages and s < len(stages) - 1:
+            layers.append(Checkpoint())
+    return layers

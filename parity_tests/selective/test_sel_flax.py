@@ -1,0 +1,176 @@
+"""Flax glue (Linen convert/scope, NNX convert) on the zoo models and trainable subsets."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxmem.selective as S
+from jaxmem import models
+from jaxmem.selective import linen as SL
+from jaxmem.selective import nnx as SN
+
+X = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+# BatchNorm needs several values per channel in the last stage (n=2 makes the normalised
+# output +-1 and its input gradient pure rounding noise).
+X4 = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
+
+
+def _close_trees(a, b, rtol=2e-5, atol=2e-5):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+
+
+def _close_trees_rel(a, b, tol):
+    """Per leaf ||a - b|| <= tol * ||b||: deep BN nets accumulate f32 rounding differences
+    of a few 1e-5 relative per leaf between two exact-in-math implementations."""
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        assert np.linalg.norm(u - v) <= tol * np.linalg.norm(v) + 1e-5 * np.sqrt(v.size), (
+            np.linalg.norm(u - v) / np.linalg.norm(v))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "convchain", "mlp"])
+def test_linen_convert_zoo_same_outputs_and_grads(name):
+    model, x = {
+        "resnet18": (models.resnet18(width=0.125, num_classes=5), X4),
+        "vgg11_bn": (models.vgg11(width=0.125, batch_norm=True, num_classes=5), X4),
+        "convchain": (models.ConvChain(depth=3, channels=3), X),
+        "mlp": (models.MLP(features=(16, 8)), X.reshape(2, -1)),
+    }[name]
+    has_bn = name in ("resnet18", "vgg11_bn")
+    v = model.init(jax.random.key(1), x, **({"train": False} if has_bn else {}))
+    sm = SL.convert(model)
+
+    def loss(m, params, x):
+        rest = {k: t for k, t in v.items() if k != "params"}
+        if has_bn:
+            y, upd = m.apply({"params": params, **rest}, x, train=True, mutable=["batch_stats"])
+        else:
+            y, upd = m.apply({"params": params}, x), {}
+        return jnp.sum(jnp.sin(y)), upd
+
+    def grads(m):
+        return jax.jit(lambda p, x: (jax.grad(lambda p: loss(m, p, x), has_aux=True)(p),
+                                     jax.grad(lambda x: loss(m, p, x)[0])(x)))(v["params"], x)
+
+    (gp0, u0), gx0 = grads(model)
+    (gp1, u1), gx1 = grads(sm)
+    _close_trees_rel(gp0, gp1, 1e-4)
+    _close_trees_rel(gx0, gx1, 1e-4)
+    _close_trees(u0, u1, rtol=1e-6, atol=1e-6)  # running statistics updated identically
+    assert jax.tree.structure(sm.init(jax.random.key(1), x, **(
+        {"train": False} if has_bn else {}))) == jax.tree.structure(v)
+
+
+def test_linen_convert_flax_builtin_norms_and_dropout():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            x = nn.Conv(8, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            x = nn.relu(x)
+            x = nn.GroupNorm(num_groups=4)(x)
+            x = nn.max_pool(x, (2, 2), (2, 2))
+            x = nn.LayerNorm()(x)
+            x = nn.RMSNorm()(x)
+            x = nn.Dropout(0.2, deterministic=not train)(x)
+            return nn.Dense(4)(x.reshape(x.shape[0], -1))
+
+    net = Net()
+    v = net.init(jax.random.key(0), X, False)
+    rngs = {"dropout": jax.random.key(3)}
+
+    def loss(m, p):
+        y, upd = m.apply({"params": p, "batch_stats": v["batch_stats"]}, X, True,
+                         mutable=["batch_stats"], rngs=rngs)
+        return jnp.sum(y ** 2), upd
+    g0 = jax.jit(jax.grad(lambda p: loss(net, p), has_aux=True))(v["params"])
+    g1 = jax.jit(jax.grad(lambda p: loss(SL.convert(net), p), has_aux=True))(v["params"])
+    _close_trees(g0, g1, rtol=1e-4, atol=1e-5)
+
+
+def test_scope_is_restored_and_reentrant():
+    before = (jax.nn.relu, nn.relu, nn.max_pool)
+    with SL.scope():
+        with SL.scope():
+            assert jax.nn.relu is S.relu
+        assert nn.relu is S.relu
+    assert (jax.nn.relu, nn.relu, nn.max_pool) == before
+
+
+def test_converters_reject_wrong_models():
+    with pytest.raises(TypeError, match="flax.linen.Module"):
+        SL.convert(object())
+    with pytest.raises(TypeError, match="nnx.Module"):
+        SN.convert(models.ConvChain(depth=1, channels=3))
+
+
+def test_nnx_convert_shares_variables_and_matches():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.c = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.ln = nnx.LayerNorm(8, rngs=rngs)
+            self.l = nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            h = nnx.relu(self.bn(self.c(x), use_running_average=False))
+            return self.l(self.ln(h))
+
+    a = Net(nnx.Rngs(0))
+    b = nnx.clone(a)
+    kernel = b.c.kernel
+    SN.convert(b)
+    assert b.c.kernel is kernel
+    f = lambda m: jnp.sum(jnp.sin(m(X)))
+    ga = nnx.grad(f)(a)
+    with SN.scope():
+        gb = nnx.grad(f)(b)
+    _close_trees_rel(nnx.state(ga), nnx.state(gb), 1e-4)
+    np.testing.assert_allclose(a.bn.mean[...], b.bn.mean[...], rtol=1e-6)
+    vg = S.nnx_value_and_grad(f, nnx.All(nnx.Param, nnx.PathContains("l")))
+    with SN.scope():
+        _, g = vg(b)
+    assert set(nnx.to_pure_dict(nnx.state(g))) == {"l"}
+
+
+# --------------------------------------------------------------------- trainable subsets
+def test_partition_combine_and_filters():
+    p = {"a": {"kernel": jnp.ones(2), "bias": jnp.zeros(2)}, "b": {"kernel": jnp.ones(3)}}
+    t, f = S.partition(p, "a/kernel|b")
+    assert t["a"]["bias"] is None and f["a"]["kernel"] is None
+    assert jax.tree.structure(S.combine(t, f)) == jax.tree.structure(p)
+    m = S.trainable_mask(p, {"a": False, "b": True})
+    assert m == {"a": {"kernel": False, "bias": False}, "b": {"kernel": True}}
+    with pytest.raises(TypeError, match="bool"):
+        S.trainable_mask(p, lambda path, leaf: 1)
+    with pytest.raises(ValueError, match="trainable"):
+        S.trainable_mask(p, {"a": True})
+
+
+def test_value_and_grad_and_train_step_match_optax_masked():
+    model = models.MLP(features=(16, 16, 4))
+    x = X.reshape(2, -1)
+    params = model.init(jax.random.key(1), x)["params"]
+    loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+    flt = lambda path, leaf: S.path_str(path).startswith("dense_2")
+    val, g = S.value_and_grad(loss, trainable=flt)(params, x)
+    ref_val, ref_g = jax.value_and_grad(loss)(params, x)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-6)
+    np.testing.assert_allclose(g["dense_2"]["kernel"], ref_g["dense_2"]["kernel"], rtol=1e-6)
+    assert g["dense_0"]["kernel"] is None
+    # one optimiser step equals optax.masked freezing
+    opt = optax.adam(1e-2)
+    ts = S.train_step(loss, opt, flt)
+    p1, _, _ = ts.step(params, ts.init(params), x)
+    mask = S.trainable_mask(params, flt)
+    ref = optax.multi_transform({True: opt, False: optax.set_to_zero()}, mask)
+    st = ref.init(params)
+    upd, _ = ref.update(jax.grad(loss)(params, x), st, params)
+    p2 = optax.apply_updates(params, upd)
+    _close_trees(p1, p2, rtol=1e-6, atol=1e-7)
