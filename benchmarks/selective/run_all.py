@@ -6,7 +6,6 @@ Writes selective.json, selective.md, figure1.png, cases.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +123,7 @@ def jax_bytes(step: Callable, params, x) -> dict:
 def residual_activation_bytes(model, variables, case, x) -> int:
     """Residual bytes (activations only) of the forward w.r.t. what the case differentiates."""
     from jaxmem.measure import residual_bytes
-    from jaxmem.selective.subset import partition, combine
+    from jaxmem.selective.subset import combine, partition
     rest = {k: v for k, v in variables.items() if k != "params"}
     train = case != "bn_eval"
 
@@ -161,8 +161,9 @@ def torch_saved_bytes(torch_model, case: str, x_nchw, *, memsave: bool,
                       jax_params) -> int | None:
     try:
         import torch
-        from torch_ref.measure import saved_bytes
+
         from torch_ref import memsave as ms
+        from torch_ref.measure import saved_bytes
     except ImportError:  # pragma: no cover
         return None
     m = ms.convert(torch_model) if memsave else torch_model
@@ -202,7 +203,9 @@ def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True):
         if torch_too:
             try:
                 import torch
-                from torch_ref import convert as tconv, models as tmodels
+
+                from torch_ref import convert as tconv
+                from torch_ref import models as tmodels
                 tm = tmodels.ConvChain(depth, channels, relu=False)
                 tconv.jax_to_torch({"params": params}, tm)
             except ImportError:  # pragma: no cover
@@ -224,8 +227,9 @@ def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True):
                 row[f"{impl}_compiled"] = int(cb.temp_bytes + cb.output_bytes)
             if tm is not None:
                 import torch
-                from torch_ref.measure import saved_bytes
+
                 from torch_ref import memsave as ms
+                from torch_ref.measure import saved_bytes
                 xt = torch.as_tensor(np.array(x)).permute(0, 3, 1, 2).contiguous()
                 for impl, m in (("torch", tm), ("memsave", ms.convert(tm))):
                     for i, (name, prm) in enumerate(m.named_parameters()):
@@ -296,11 +300,11 @@ def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_t
 
 
 def run(quick: bool = False, models=None, progress=None) -> Section:
-    """Figure-1 chain + CNN cases. ``quick``: depth 3 & 6 chain (all / layer 4), ResNet-18
+    """Figure-1 chain + CNN cases. ``quick``: depth 4 & 8 chain (all / layer 4), ResNet-18
     (width 0.25) Input case at 4x32x32, JAX only, no timing. Default: depth 5 & 10 chain
     with torch, ResNet-18 / ResNet-50 / VGG-11-BN (width 0.25) at 8x64x64, all cases."""
     if quick:
-        fig = figure1_rows(depths=(3, 6), batch=2, size=16, torch_too=False)
+        fig = figure1_rows(depths=(4, 8), batch=2, size=16, torch_too=False)
         fig = [r for r in fig if r["case"] in ("all", "layer4")]
         cnn = cnn_rows(True, models, progress, batch=4, size=32, timing=False,
                        torch_too=False, cases=("input",))

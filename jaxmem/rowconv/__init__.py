@@ -16,6 +16,7 @@ from .layers import (Act, Affine, BatchNorm, Checkpoint, Conv, Dropout, Pool, Re
                      apply_layers, init_layers, output_shape)
 from .tiled import MODES, apply, segment_rows, split_segments
 from . import trunks
+from .planner import Plan, estimate, plan
 
 __all__ = [
     "Act", "Affine", "BatchNorm", "Checkpoint", "Conv", "Dropout", "Pool", "Residual",
@@ -29,10 +30,3 @@ def init(layers, key, input_shape, dtype=jnp.float32):
     if len(tuple(input_shape)) != 4:
         raise ValueError(f"input_shape must be NHWC (4 dims), got {tuple(input_shape)}")
     return init_layers(list(layers), key, tuple(input_shape), dtype)[0]
-
-
-def __getattr__(name):
-    if name in ("plan", "Plan"):
-        from . import plan as _plan
-        return getattr(_plan, name)
-    raise AttributeError(name)

@@ -94,7 +94,7 @@ def _layer_rows(g: H.Geom, p, x, row0, rng):
             # rows above/below the map can be all -inf: make them finite garbage.
             y = _mask_rows(y, (row0 + rm.lo) // rm.stride, g.out_shape[1], 0.0)
         return y
-    return layer.apply_window(p, x, None, None)
+    return layer.apply_window(p, x, (0, 0), g.pad_w)
 
 
 # ----------------------------------------------------------------------------- overlap tile

@@ -20,19 +20,10 @@ Flax glue: :mod:`jaxmem.selective.linen` (``convert(model)``, ``scope()``) and
 :mod:`jaxmem.selective.nnx` (``convert(module)``). Bit packing: :mod:`jaxmem.selective.bits`.
 Every residual is tagged ``checkpoint_name(..., "jaxmem.selective.<op>.<what>")``.
 """
+from jaxmem.selective._core import NAME_PREFIX
 from jaxmem.selective.activation import hard_tanh, leaky_relu, relu, relu6
 from jaxmem.selective.bits import pack_bits, unpack_bits
 from jaxmem.selective.dropout import dropout
-from jaxmem.selective.subset import (
-    combine,
-    grad,
-    nnx_value_and_grad,
-    partition,
-    path_str,
-    train_step,
-    trainable_mask,
-    value_and_grad,
-)
 from jaxmem.selective.linear import (
     bilinear,
     conv,
@@ -43,7 +34,16 @@ from jaxmem.selective.linear import (
 )
 from jaxmem.selective.norm import batch_norm, group_norm, layer_norm, normalize, rms_norm
 from jaxmem.selective.pool import max_pool
-from jaxmem.selective._core import NAME_PREFIX
+from jaxmem.selective.subset import (
+    combine,
+    grad,
+    nnx_value_and_grad,
+    partition,
+    path_str,
+    train_step,
+    trainable_mask,
+    value_and_grad,
+)
 
 __all__ = [
     "NAME_PREFIX", "batch_norm", "bilinear", "combine", "conv", "conv_general_dilated",

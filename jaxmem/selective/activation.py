@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxmem.selective._core import check_float, is_zero, tag
 from jaxmem.selective.bits import pack_bits, unpack_bits
 
-__all__ = ["relu", "leaky_relu", "relu6", "hard_tanh"]
+__all__ = ["hard_tanh", "leaky_relu", "relu", "relu6"]
 
 # The originals, bound at import: the Flax glue patches jax.nn.relu & co. inside its scope.
 _jnn_relu, _jnn_relu6, _jnn_hard_tanh = jax.nn.relu, jax.nn.relu6, jax.nn.hard_tanh

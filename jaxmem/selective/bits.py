@@ -17,12 +17,12 @@ codes per byte, code ``j`` of a byte in bits ``[j*nbits, (j+1)*nbits)``.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["pack_bits", "unpack_bits", "pack_codes", "unpack_codes", "packed_size"]
+__all__ = ["pack_bits", "pack_codes", "packed_size", "unpack_bits", "unpack_codes"]
 
 _ALLOWED_NBITS = (1, 2, 4, 8)
 

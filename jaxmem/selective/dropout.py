@@ -8,7 +8,7 @@ bytes) instead of keeping a mask or the scaled input.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

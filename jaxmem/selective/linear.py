@@ -20,21 +20,22 @@ namesakes, so they can be handed to ``flax.linen.Dense(dot_general=...)`` /
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import check_float, is_zero, perturbed, struct, tag, value
+from jaxmem.selective._core import check_float, is_zero, struct, tag
 
 __all__ = [
     "bilinear",
-    "dot_general",
-    "conv_general_dilated",
-    "dense",
     "conv",
+    "conv_general_dilated",
     "conv_transpose",
+    "dense",
+    "dot_general",
 ]
 
 

@@ -28,15 +28,14 @@ from __future__ import annotations
 import contextlib
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from jaxmem.selective.dropout import dropout as _dropout_fn
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective import patch as _patch
+from jaxmem.selective.dropout import dropout as _dropout_fn
 
-__all__ = ["scope", "convert", "SelectiveModel", "wrap"]
+__all__ = ["SelectiveModel", "convert", "scope", "wrap"]
 
 # ------------------------------------------------------------------- method interceptor
 @contextlib.contextmanager

@@ -20,6 +20,8 @@ Residuals: ``x`` (tagged ``jaxmem.selective.norm.input``) plus the per-group ``m
 backward pass. That is one input-sized tensor (4 B/element in f32) where JAX's autodiff keeps
 8-12 B/element, and nothing input-sized when only ``bias`` is trained. Storing ``x`` rather
 than ``xhat`` lets XLA share the buffer with any other residual that is the same array.
+The recomputation carries a ``0 * g[0]`` data dependency (``_core.zero_after``) so XLA cannot
+hoist it into the forward pass (measured: otherwise XLA keeps ``x`` and ``xhat``, 8 B/element).
 
 Evaluation-mode batch norm (``_affine``) normalises with given running statistics and is
 affine in ``x``: ``dL/dx = g * rstd * scale`` needs only per-channel numbers; ``x`` is
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from jax import lax
 
 from jaxmem.selective._core import check_float, is_zero, perturbed, tag, value, zero_after
 
-__all__ = ["batch_norm", "layer_norm", "group_norm", "rms_norm", "normalize"]
+__all__ = ["batch_norm", "group_norm", "layer_norm", "normalize", "rms_norm"]
 
 
 def _stat_dtype(x):

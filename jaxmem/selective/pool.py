@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -20,19 +20,20 @@ bools with the structure of the parameters (a prefix is allowed).
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 
 __all__ = [
-    "path_str",
-    "trainable_mask",
-    "partition",
     "combine",
-    "value_and_grad",
     "grad",
-    "train_step",
     "nnx_value_and_grad",
+    "partition",
+    "path_str",
+    "train_step",
+    "trainable_mask",
+    "value_and_grad",
 ]
 
 

@@ -142,7 +142,7 @@ def test_nnx_convert_shares_variables_and_matches():
 # --------------------------------------------------------------------- trainable subsets
 def test_partition_combine_and_filters():
     p = {"a": {"kernel": jnp.ones(2), "bias": jnp.zeros(2)}, "b": {"kernel": jnp.ones(3)}}
-    t, f = S.partition(p, "a/kernel|b")
+    t, f = S.partition(p, r"^(a/kernel|b/)")
     assert t["a"]["bias"] is None and f["a"]["kernel"] is None
     assert jax.tree.structure(S.combine(t, f)) == jax.tree.structure(p)
     m = S.trainable_mask(p, {"a": False, "b": True})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest

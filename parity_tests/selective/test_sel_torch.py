@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.nn as tnn  # noqa: E402
+import torch.nn as tnn
 
-from torch_ref import memsave as ms  # noqa: E402
-from torch_ref.measure import saved_bytes  # noqa: E402
+from torch_ref import memsave as ms
+from torch_ref.measure import saved_bytes
 
 LAYERS = [
     (lambda: tnn.Linear(6, 5), (4, 6)),
@@ -118,11 +118,11 @@ def test_convert_errors():
 def test_jaxmem_matches_torch_ref_on_transferred_resnet(case):
     """Same weights in both frameworks; jaxmem (converted Linen model) and torch_ref.memsave
     (converted torch model) give the same gradients for the paper's cases."""
+    import torch_ref.models as tm
     from jaxmem import models
     from jaxmem.bench.selective import case_filter, torch_requires_grad
     from jaxmem.selective import linen as SL
     from jaxmem.selective.subset import grad as sgrad
-    import torch_ref.models as tm
     from torch_ref.convert import grads_to_jax, jax_to_torch
 
     jm = models.resnet18(width=0.125, num_classes=4)

@@ -2,7 +2,17 @@
 layers that store for backward only what ``ctx.needs_input_grad`` says is needed, and
 ``convert(model)`` that swaps them into an existing model."""
 from torch_ref.memsave import functional
-from torch_ref.memsave.layers import *  # noqa: F401,F403
-from torch_ref.memsave.layers import __all__ as _layers_all
+from torch_ref.memsave.layers import (
+    SUPPORTED, MemSaveBatchNorm1d, MemSaveBatchNorm2d, MemSaveBatchNorm3d, MemSaveConv1d,
+    MemSaveConv2d, MemSaveConv3d, MemSaveConvTranspose1d, MemSaveConvTranspose2d,
+    MemSaveConvTranspose3d, MemSaveDropout, MemSaveGroupNorm, MemSaveLayerNorm, MemSaveLinear,
+    MemSaveMaxPool1d, MemSaveMaxPool2d, MemSaveMaxPool3d, MemSaveReLU, convert,
+)
 
-__all__ = ["functional", *_layers_all]
+__all__ = [
+    "SUPPORTED", "MemSaveBatchNorm1d", "MemSaveBatchNorm2d", "MemSaveBatchNorm3d",
+    "MemSaveConv1d", "MemSaveConv2d", "MemSaveConv3d", "MemSaveConvTranspose1d",
+    "MemSaveConvTranspose2d", "MemSaveConvTranspose3d", "MemSaveDropout", "MemSaveGroupNorm",
+    "MemSaveLayerNorm", "MemSaveLinear", "MemSaveMaxPool1d", "MemSaveMaxPool2d",
+    "MemSaveMaxPool3d", "MemSaveReLU", "convert", "functional",
+]

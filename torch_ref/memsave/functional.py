@@ -22,8 +22,16 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "linear", "conv", "batch_norm", "layer_norm", "group_norm", "relu", "max_pool",
-    "dropout", "pack_bits", "unpack_bits",
+    "batch_norm",
+    "conv",
+    "dropout",
+    "group_norm",
+    "layer_norm",
+    "linear",
+    "max_pool",
+    "pack_bits",
+    "relu",
+    "unpack_bits",
 ]
 
 

@@ -8,18 +8,31 @@ from __future__ import annotations
 
 import copy
 
-import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from torch_ref.memsave import functional as MF
 
 __all__ = [
-    "MemSaveLinear", "MemSaveConv1d", "MemSaveConv2d", "MemSaveConv3d",
-    "MemSaveConvTranspose1d", "MemSaveConvTranspose2d", "MemSaveConvTranspose3d",
-    "MemSaveBatchNorm1d", "MemSaveBatchNorm2d", "MemSaveBatchNorm3d", "MemSaveLayerNorm",
-    "MemSaveGroupNorm", "MemSaveReLU", "MemSaveMaxPool1d", "MemSaveMaxPool2d",
-    "MemSaveMaxPool3d", "MemSaveDropout", "convert", "SUPPORTED",
+    "SUPPORTED",
+    "MemSaveBatchNorm1d",
+    "MemSaveBatchNorm2d",
+    "MemSaveBatchNorm3d",
+    "MemSaveConv1d",
+    "MemSaveConv2d",
+    "MemSaveConv3d",
+    "MemSaveConvTranspose1d",
+    "MemSaveConvTranspose2d",
+    "MemSaveConvTranspose3d",
+    "MemSaveDropout",
+    "MemSaveGroupNorm",
+    "MemSaveLayerNorm",
+    "MemSaveLinear",
+    "MemSaveMaxPool1d",
+    "MemSaveMaxPool2d",
+    "MemSaveMaxPool3d",
+    "MemSaveReLU",
+    "convert",
 ]
 
 

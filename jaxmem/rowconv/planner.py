@@ -1,0 +1,148 @@
+"""Budget-driven choice of mode and row counts (the paper's Sec. III-C / IV analysis).
+
+Space model per tiled segment (bytes, f32 activations), following the paper's Eqs. (6)-(10):
+
+* fixed: the segment's input and output maps (kept whole: they are the checkpoints),
+  plus parameters and their gradients;
+* per tile, backward (the larger phase, Eq. 8): every layer's input window is kept for
+  the tile's vjp, ``sum_l B * L_in(l) * W_l * C_l * itemsize``;
+* share (2PS) adds the carried boundary rows of every tile, ``n * sum_l carry_l * ...``
+  (the paper's *sharing data*).
+
+The estimate picks candidates; with ``verify=True`` (default) each pick is compiled and
+its real compiled bytes (``jaxmem.measure.compiled_memory``) decide. Among configurations
+that fit, the one with the fewest rows wins (least coordination), then the least
+recomputed rows (overlap halos), then overlap before share.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import halo as H
+from .tiled import MODES, split_segments
+
+
+@dataclasses.dataclass
+class Plan:
+    mode: str
+    rows: list  # N_fp per segment
+    rows_bp: list  # N_bp per segment
+    estimated_bytes: int
+    compiled_bytes: int | None
+    recompute_fraction: float  # extra rows computed / rows of the untiled stack
+    fits: bool
+
+
+def _walk(nodes):
+    for nd in nodes:
+        yield nd
+        if nd.branch is not None:
+            yield from _walk(nd.branch)
+            if nd.shortcut:
+                yield from _walk(nd.shortcut)
+
+
+def _row_bytes(shape, itemsize):
+    return shape[0] * shape[2] * shape[3] * itemsize
+
+
+def estimate(layers, input_shape, mode, rows, itemsize=4):
+    """(estimated bytes, recompute fraction) of a train step for per-segment ``rows``."""
+    layers = list(layers)
+    shape = tuple(input_shape)
+    total_fixed = math.prod(shape) * itemsize
+    peak_tile, extra, base = 0, 0, 0
+    for s, (a, b) in enumerate(split_segments(layers)):
+        geoms = H.geometry(layers[a:b], shape, start=a)
+        out = geoms[-1].out_shape
+        total_fixed += math.prod(out) * itemsize
+        n = rows[s]
+        full = sum(math.prod(nd.in_shape) * itemsize for nd in _walk_geoms(geoms))
+        base += sum(g.in_shape[1] for g in _walk_geoms(geoms))
+        if n == 1:
+            peak_tile = max(peak_tile, full)
+        elif mode == "overlap":
+            T, starts = H.overlap_starts(out[1], n)
+            nodes, _ = H.overlap_plan(geoms, T)
+            tile = sum(nd.iv_in.L * _row_bytes(nd.geom.in_shape, itemsize) for nd in _walk(nodes))
+            peak_tile = max(peak_tile, tile)
+            extra += sum(len(starts) * nd.iv_in.L - nd.geom.in_shape[1] for nd in _walk(nodes))
+        else:
+            nodes, slots, T, nt, e_out, T_in = H.share_plan(geoms, n)
+            tile = sum((nd.win or nd.T_in) * _row_bytes(nd.geom.in_shape, itemsize)
+                       for nd in _walk(nodes))
+            carry = sum(h * _row_bytes(sh, itemsize) for _, sh, h in slots) * nt
+            peak_tile = max(peak_tile, tile + carry)
+            extra += sum(nt * nd.T_in - nd.geom.in_shape[1] for nd in _walk(nodes))
+        shape = out
+    return total_fixed + peak_tile, extra / max(1, base)
+
+
+def _walk_geoms(geoms):
+    for g in geoms:
+        yield g
+        if g.branch is not None:
+            yield from _walk_geoms(g.branch)
+            if g.shortcut:
+                yield from _walk_geoms(g.shortcut)
+
+
+def plan(layers, input_shape, budget_bytes: int, modes=MODES, max_rows: int = 64,
+         verify: bool = True, params_bytes: int | None = None) -> Plan:
+    """Pick mode and rows (per segment) whose train step fits ``budget_bytes``.
+
+    Raises ValueError (naming the smallest reachable size) if nothing fits.
+    """
+    from .tiled import segment_rows
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"modes must be drawn from {MODES}, got {m!r}")
+    layers = list(layers)
+    cands = []
+    seen = set()
+    n = 1
+    while n <= max_rows:
+        for m in modes:
+            rows = segment_rows(layers, input_shape, n, m) if n > 1 else \
+                [1] * len(split_segments(layers))
+            key = (m, tuple(rows))
+            if key in seen:
+                continue
+            seen.add(key)
+            est, rec = estimate(layers, input_shape, m, rows)
+            cands.append((max(rows), rec, MODES.index(m), m, rows, est))
+        n *= 2
+    cands.sort(key=lambda c: (c[0], c[1], c[2]))
+    best_est = None
+    for _, rec, _, m, rows, est in cands:
+        best_est = est if best_est is None else min(best_est, est)
+        if est > budget_bytes * (1.5 if verify else 1.0):
+            continue
+        cb = _compiled(layers, input_shape, m, rows) if verify else None
+        size = cb if cb is not None else est
+        if size <= budget_bytes:
+            return Plan(m, rows, rows, est, cb, rec, True)
+    raise ValueError(
+        f"no mode/rows up to max_rows={max_rows} fits budget_bytes={budget_bytes} "
+        f"(smallest estimate {best_est} bytes); add rowconv.Checkpoint() markers, raise "
+        "max_rows, or reduce the batch/image size")
+
+
+def _compiled(layers, input_shape, mode, rows):
+    from jaxmem.measure import compiled_memory
+
+    from . import apply, init
+    params = jax.eval_shape(lambda: init(layers, jax.random.PRNGKey(0), input_shape))
+    x = jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
+
+    def step(p, x):
+        return jax.grad(lambda p: jnp.mean(jnp.square(apply(layers, p, x, rows=rows,
+                                                              mode=mode))))(p)
+
+    return compiled_memory(step, params, x).total_bytes
