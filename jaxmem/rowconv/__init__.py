@@ -11,17 +11,46 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .halo import HaloReport, halos
-from .layers import (Act, Affine, BatchNorm, Checkpoint, Conv, Dropout, Pool, Residual,
-                     apply_layers, init_layers, output_shape)
-from .tiled import MODES, apply, segment_rows, split_segments
 from . import trunks
+from .halo import HaloReport, halos
+from .layers import (
+    Act,
+    Affine,
+    BatchNorm,
+    Checkpoint,
+    Conv,
+    Dropout,
+    Pool,
+    Residual,
+    apply_layers,
+    init_layers,
+    output_shape,
+)
 from .planner import Plan, estimate, plan
+from .tiled import MODES, apply, segment_rows, split_segments
 
 __all__ = [
-    "Act", "Affine", "BatchNorm", "Checkpoint", "Conv", "Dropout", "Pool", "Residual",
-    "init", "apply", "apply_layers", "halos", "HaloReport", "output_shape", "MODES",
-    "split_segments", "plan", "Plan",
+    "MODES",
+    "estimate",
+    "segment_rows",
+    "trunks",
+    "Act",
+    "Affine",
+    "BatchNorm",
+    "Checkpoint",
+    "Conv",
+    "Dropout",
+    "HaloReport",
+    "Plan",
+    "Pool",
+    "Residual",
+    "apply",
+    "apply_layers",
+    "halos",
+    "init",
+    "output_shape",
+    "plan",
+    "split_segments",
 ]
 
 

@@ -32,8 +32,7 @@ import dataclasses
 import math
 from typing import Any
 
-from .layers import Checkpoint, Dropout, Pool, Residual, RowMap, check_layer
-
+from .layers import Checkpoint, Residual, RowMap, check_layer
 
 # ----------------------------------------------------------------------------- static geometry
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,11 @@ class Pool:
 
     def init(self, key, in_shape, dtype=jnp.float32):
         return {}
+
+    def __call__(self, x):
+        """Untiled pooling (so a Pool also works inside ``nn.Sequential``)."""
+        rm, pad_w, _ = self.geometry(x.shape)
+        return self.apply_window({}, x, (rm.lo, rm.hi), pad_w)
 
     def apply_window(self, p, x, pad_h, pad_w):
         wh, ww = _pair(self.window, "Pool.window")

@@ -79,7 +79,9 @@ def estimate(layers, input_shape, mode, rows, itemsize=4):
             peak_tile = max(peak_tile, tile + carry)
             extra += sum(nt * nd.T_in - nd.geom.in_shape[1] for nd in _walk(nodes))
         shape = out
-    return total_fixed + peak_tile, extra / max(1, base)
+    # x2.5: the kept layer inputs plus activation residuals and live cotangents, a factor
+    # calibrated on the VGG trunk against compiled bytes (plan() verifies by compiling)
+    return int(total_fixed + 2.5 * peak_tile), extra / max(1, base)
 
 
 def _walk_geoms(geoms):

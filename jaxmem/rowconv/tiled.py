@@ -20,7 +20,8 @@ together (an unrolled Python loop gets re-scheduled back to full-size memory).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,16 @@ from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from . import halo as H
-from .layers import (BatchNorm, Checkpoint, Dropout, Pool, Residual, apply_layers,
-                     check_layer, layer_key)
+from .layers import (
+    BatchNorm,
+    Checkpoint,
+    Dropout,
+    Pool,
+    Residual,
+    apply_layers,
+    check_layer,
+    layer_key,
+)
 
 MODES = ("overlap", "share")
 
@@ -241,7 +250,6 @@ def _delay(y, carries, new, slot, d):
 
 def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
     Hin = geoms[0].in_shape[1]
-    Hout = geoms[-1].out_shape[1]
     out_shape = geoms[-1].out_shape
     plan_f = H.share_plan(geoms, rows_fp)
     plan_b = plan_f if rows_bp == rows_fp else H.share_plan(geoms, rows_bp)

@@ -16,7 +16,7 @@ def random_params(layers, shape, seed=0, dtype=jnp.float32):
     new = []
     for k, p in zip(keys, leaves):
         r = 0.2 * jax.random.normal(k, p.shape, p.dtype)
-        new.append(jnp.abs(p) + 0.5 + r if p.ndim == 1 and False else p + r)
+        new.append(p + r)
     params = jax.tree.unflatten(tree, new)
     return _fix_bn(layers, params)
 

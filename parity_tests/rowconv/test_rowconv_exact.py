@@ -4,13 +4,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from _rc_util import assert_tree_close, random_params, value_and_grads
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-
 from jaxmem import rowconv as rc
-
-from _rc_util import assert_tree_close, random_params, value_and_grads
 
 MIXED = [rc.Conv(4, 3), rc.Act(jnp.tanh),
          rc.Conv(5, 3, strides=2), rc.Act(jax.nn.relu),
@@ -100,7 +98,7 @@ def stack_st(draw):
     return layers, (1, H, W, 2)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(stack_st(), st.sampled_from(rc.MODES), st.integers(2, 6), st.data())
 def test_random_stacks_exact(stack, mode, rows, data):
     layers, shape = stack

@@ -1,0 +1,152 @@
+"""rowconv: bad input errors, compiled bytes falling with N, halos, plan, transforms, dtypes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _rc_util import assert_tree_close, random_params
+
+from jaxmem import rowconv as rc
+from jaxmem.measure import compiled_memory
+
+STACK = [rc.Conv(4, 3), rc.Act(jax.nn.relu), rc.Conv(4, 3), rc.Act(jax.nn.relu),
+         rc.Pool("max", 2), rc.Conv(4, 3), rc.Act(jax.nn.relu)]
+
+
+def _x(shape, seed=1, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+
+
+def test_rows_more_than_output_rows():
+    shape = (1, 20, 8, 2)
+    p = rc.init(STACK, jax.random.PRNGKey(0), shape)
+    with pytest.raises(ValueError, match=r"rows=11 is more than the 10 output rows"):
+        rc.apply(STACK, p, _x(shape), rows=11)
+
+
+def test_tile_smaller_than_halo():
+    shape = (1, 40, 8, 2)
+    p = rc.init(STACK, jax.random.PRNGKey(0), shape)
+    with pytest.raises(ValueError, match="smaller than its halo.*fewer rows"):
+        rc.apply(STACK, p, _x(shape), rows=10, mode="overlap")
+    with pytest.raises(ValueError, match="smaller than its halo"):
+        rc.apply([rc.Conv(2, 7)], rc.init([rc.Conv(2, 7)], jax.random.PRNGKey(0), shape),
+                 _x(shape), rows=40, mode="share")
+
+
+def test_unsupported_layer_and_args():
+    shape = (1, 16, 8, 2)
+    with pytest.raises(TypeError, match="unsupported layer.*Dense"):
+        rc.init([rc.Conv(2, 3), "dense"], jax.random.PRNGKey(0), shape)
+    p = rc.init(STACK, jax.random.PRNGKey(0), shape)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rc.apply(STACK, p, _x(shape), rows=2, mode="diagonal")
+    with pytest.raises(ValueError, match="NHWC"):
+        rc.apply(STACK, p, jnp.ones((16, 8, 2)), rows=2)
+    with pytest.raises(ValueError, match="padding.*allowed"):
+        rc.init([rc.Conv(2, 3, padding="CIRCULAR")], jax.random.PRNGKey(0), shape)
+    with pytest.raises(ValueError, match="rows has 3 entries but the stack has 2 segments"):
+        ls = STACK[:2] + [rc.Checkpoint()] + STACK[2:]
+        rc.apply(ls, rc.init(ls, jax.random.PRNGKey(0), shape), _x(shape), rows=[2, 2, 2])
+    with pytest.raises(ValueError, match="needs apply\\(..., rng=key\\)"):
+        ls = [rc.Conv(2, 3), rc.Dropout(0.5)]
+        rc.apply(ls, rc.init(ls, jax.random.PRNGKey(0), shape), _x(shape), rows=2)
+
+
+def test_train_mode_batchnorm_rejected():
+    shape = (1, 32, 8, 2)
+    ls = [rc.Conv(3, 3), rc.BatchNorm(3, use_running_average=False), rc.Act(jax.nn.relu)]
+    p = rc.init(ls, jax.random.PRNGKey(0), shape)
+    rc.apply(ls, p, _x(shape), rows=1)  # untiled: whole-batch statistics, fine
+    for mode in rc.MODES:
+        with pytest.raises(ValueError, match="train-mode BatchNorm.*use_running_average=True"):
+            rc.apply(ls, p, _x(shape), rows=2, mode=mode)
+
+
+def test_compiled_bytes_fall_with_rows():
+    shape = (1, 128, 64, 8)
+    ls = [rc.Conv(8, 3), rc.Act(jax.nn.relu)] * 4
+    p = rc.init(ls, jax.random.PRNGKey(0), shape)
+    x = _x(shape)
+
+    def step(rows, mode):
+        return lambda p, x: jax.grad(
+            lambda p: jnp.mean(rc.apply(ls, p, x, rows=rows, mode=mode) ** 2))(p)
+
+    for mode in rc.MODES:
+        b = [compiled_memory(step(n, mode), p, x).temp_bytes for n in (1, 2, 8)]
+        assert b[0] > b[1] > b[2], (mode, b)
+        assert b[0] > 2.5 * b[2], (mode, b)
+
+
+def test_halos_report():
+    shape = (1, 64, 8, 2)
+    rep = rc.halos(STACK, shape, 4, "overlap")
+    assert rep.tile_rows == 8 and len(rep.input_rows) == 4
+    # first tile reads from the top border, last tile ends at the bottom border
+    assert rep.input_rows[0][0] == 0 and rep.input_rows[-1][1] == 64
+    # receptive field of 3x3, 3x3, pool2, 3x3 along H: 1 + 2 + 2 + 1 + 2*2 = 10
+    assert rep.receptive_field == 10
+    rep = rc.halos(STACK, shape, 4, "share")
+    assert sum(b - a for a, b in rep.input_rows) == 64  # every input row read once
+    assert all(h >= 0 for h in rep.halo_rows)
+
+
+def test_plan_fits_budget():
+    shape = (1, 128, 64, 3)
+    ls = rc.trunks.vgg_layers(cfg=(8, 8, "M", 16, "M"), checkpoints_at_pools=True)
+    untiled = rc.plan(ls, shape, 2**40)
+    assert untiled.rows == [1, 1, 1] or max(untiled.rows) == 1
+    budget = untiled.compiled_bytes // 2
+    pl = rc.plan(ls, shape, budget)
+    assert pl.fits and pl.compiled_bytes <= budget and max(pl.rows) > 1
+    with pytest.raises(ValueError, match="fits budget_bytes"):
+        rc.plan(ls, shape, 1000)
+
+
+def test_under_jit_vmap_scan_checkpoint_and_dtypes():
+    shape = (1, 48, 8, 2)
+    ls = STACK
+    p = random_params(ls, shape)
+    x = _x((3,) + shape[1:])
+    ref = rc.apply(ls, p, x, rows=1)
+    f = jax.jit(lambda p, x: rc.apply(ls, p, x, rows=3, mode="share"))
+    np.testing.assert_allclose(f(p, x), ref, rtol=1e-5, atol=1e-5)
+    v = jax.vmap(lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x)
+    np.testing.assert_allclose(v, ref, rtol=1e-5, atol=1e-5)
+    gv = jax.grad(lambda p: jnp.sum(jax.vmap(
+        lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x) ** 2))(p)
+    g1 = jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1) ** 2))(p)
+    assert_tree_close(gv, g1, 1e-4, 1e-4)
+
+    def scan_loss(p):
+        def body(c, xi):
+            return c + jnp.sum(jax.checkpoint(
+                lambda p, xi: rc.apply(ls, p, xi[None], rows=2, mode="share"))(p, xi)), None
+        return jax.lax.scan(body, 0.0, x)[0]
+
+    gs = jax.grad(scan_loss)(p)
+    g1 = jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1)))(p)
+    assert_tree_close(gs, g1, 1e-4, 1e-4)
+    for dt in (jnp.bfloat16, jnp.float16):
+        pd = jax.tree.map(lambda a: a.astype(dt), p)
+        yt = rc.apply(ls, pd, x.astype(dt), rows=3)
+        yr = rc.apply(ls, pd, x.astype(dt), rows=1)
+        assert yt.dtype == dt
+        np.testing.assert_allclose(np.asarray(yt, np.float32), np.asarray(yr, np.float32),
+                                   rtol=5e-2, atol=5e-2)
+        g = jax.grad(lambda pd: jnp.sum(rc.apply(ls, pd, x.astype(dt), rows=3)
+                                        .astype(jnp.float32)))(pd)
+        assert all(l.dtype == dt for l in jax.tree.leaves(g))
+
+
+def test_grad_wrt_params_only_matches():
+    # the input cotangent is skipped when x is not differentiated (symbolic zeros)
+    shape = (1, 40, 8, 2)
+    p = random_params(STACK, shape)
+    x = _x(shape)
+    for mode in rc.MODES:
+        g = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=3, mode=mode))))(p)
+        g1 = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=1))))(p)
+        assert_tree_close(g, g1, 1e-4, 1e-5)

@@ -1,0 +1,133 @@
+"""Flax Linen/NNX wrappers keep parameters and match; torch_ref == torch.nn; jaxmem == torch_ref."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _rc_util import assert_tree_close
+from flax import nnx
+
+from jaxmem import rowconv as rc
+from jaxmem.rowconv.flax import NNXRowSequential, RowSequential, RowVGGFeatures
+
+X = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 16, 3))
+
+
+def test_linen_row_sequential_same_params_and_grads():
+    mods = [nn.Conv(4, (3, 3)), nn.relu, rc.Pool("max", 2),
+            nn.Conv(5, (3, 3), strides=2, padding=((1, 0), (1, 1))), nn.tanh]
+    seq = nn.Sequential(mods)
+    v = seq.init(jax.random.PRNGKey(0), X)
+    for mode in rc.MODES:
+        r = RowSequential(mods, rows=4, mode=mode)
+        vr = r.init(jax.random.PRNGKey(0), X)
+        assert jax.tree.map(jnp.shape, vr) == jax.tree.map(jnp.shape, v)
+        np.testing.assert_allclose(r.apply(v, X), seq.apply(v, X), rtol=1e-5, atol=1e-5)
+        g1 = jax.grad(lambda v: jnp.sum(seq.apply(v, X) ** 2))(v)
+        g2 = jax.grad(lambda v: jnp.sum(r.apply(v, X) ** 2))(v)
+        assert_tree_close(g2, g1, 1e-4, 1e-4)
+
+
+def test_linen_rejects_non_elementwise_callable():
+    mods = [nn.Conv(4, (3, 3)), lambda x: nn.max_pool(x, (2, 2), (2, 2))]
+    with pytest.raises(TypeError, match="only elementwise"):
+        RowSequential(mods, rows=2).init(jax.random.PRNGKey(0), X)
+
+
+def test_vgg_features_twin():
+    from jaxmem.models.vgg import VGGFeatures
+    cfg = (4, 4, "M", 8, "M")
+    f = VGGFeatures(cfg=cfg)
+    v = f.init(jax.random.PRNGKey(0), X)
+    r = RowVGGFeatures(cfg=cfg, rows=4, mode="share")
+    assert jax.tree.map(jnp.shape, r.init(jax.random.PRNGKey(0), X)) == \
+        jax.tree.map(jnp.shape, v)
+    np.testing.assert_allclose(r.apply(v, X), f.apply(v, X), rtol=1e-5, atol=1e-5)
+    g1 = jax.grad(lambda v: jnp.sum(f.apply(v, X) ** 2))(v)
+    g2 = jax.grad(lambda v: jnp.sum(r.apply(v, X) ** 2))(v)
+    assert_tree_close(g2, g1, 1e-4, 1e-4)
+
+
+def test_nnx_wrapper():
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.c1 = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+            self.c2 = nnx.Conv(4, 2, (5, 5), rngs=rngs)
+
+        def __call__(self, x):
+            return self.c2(nnx.relu(self.c1(x)))
+
+    m = M(nnx.Rngs(0))
+    w = NNXRowSequential(m.c1, nnx.relu, m.c2, rows=4, mode="share")
+    np.testing.assert_allclose(w(X), m(X), rtol=1e-5, atol=1e-5)
+    ga = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(m)
+    gb = nnx.grad(lambda w: jnp.sum(w(X) ** 2))(w)
+    np.testing.assert_allclose(gb.layers[0].kernel[...], ga.c1.kernel[...], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gb.layers[2].bias[...], ga.c2.bias[...], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- torch
+
+torch = pytest.importorskip("torch")
+from torch_ref.rowconv import RowSequential as TorchRowSequential
+
+
+def _torch_stack():
+    tnn = torch.nn
+    torch.manual_seed(0)
+    return tnn.Sequential(
+        tnn.Conv2d(3, 4, 3, padding=1), tnn.ReLU(), tnn.MaxPool2d(2),
+        tnn.Conv2d(4, 6, 5, stride=2, padding=2, groups=2), tnn.Tanh(),
+        tnn.AvgPool2d(3, 1, 1), tnn.Conv2d(6, 2, 3, padding=(0, 1), dilation=2)).double()
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+def test_torch_ref_equals_torch_nn(torch_device, rows):
+    seq = _torch_stack().to(torch_device)
+    x = torch.randn(2, 3, 97, 11, dtype=torch.double, device=torch_device, requires_grad=True)
+    y0 = seq(x)
+    g = torch.randn_like(y0)
+    ref = torch.autograd.grad(y0, [x] + list(seq.parameters()), g)
+    y = TorchRowSequential(seq, rows)(x)
+    got = torch.autograd.grad(y, [x] + list(seq.parameters()), g)
+    torch.testing.assert_close(y, y0, rtol=1e-10, atol=1e-10)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_torch_ref_rejects_train_bn():
+    seq = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.BatchNorm2d(3))
+    with pytest.raises(ValueError, match="eval mode"):
+        TorchRowSequential(seq.train(), 2)(torch.randn(1, 3, 16, 8))
+
+
+def test_jaxmem_equals_torch_ref_on_transferred_weights():
+    seq = _torch_stack()
+    layers = [rc.Conv(4, 3, padding=1), rc.Act(jax.nn.relu), rc.Pool("max", 2),
+              rc.Conv(6, 5, strides=2, padding=2, feature_group_count=2), rc.Act(jnp.tanh),
+              rc.Pool("avg", 3, 1, 1), rc.Conv(2, 3, kernel_dilation=2, padding=((0, 0), (1, 1)))]
+    params = []
+    for layer, m in zip(layers, seq):
+        if isinstance(layer, rc.Conv):
+            params.append({"kernel": jnp.asarray(m.weight.detach().numpy().transpose(2, 3, 1, 0)),
+                           "bias": jnp.asarray(m.bias.detach().numpy())})
+        else:
+            params.append({})
+    xt = torch.randn(2, 3, 131, 11, dtype=torch.double, requires_grad=True)
+    yt = TorchRowSequential(seq, 3)(xt)
+    gt = torch.autograd.grad(yt.square().sum(), [xt, seq[0].weight])
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+        xj = jnp.asarray(xt.detach().numpy().transpose(0, 2, 3, 1))
+        for mode in rc.MODES:
+            yj = rc.apply(layers, p64, xj, rows=3, mode=mode)
+            np.testing.assert_allclose(np.asarray(yj).transpose(0, 3, 1, 2),
+                                       yt.detach().numpy(), rtol=1e-10, atol=1e-10)
+            gx, gp = jax.grad(lambda x, p: jnp.sum(jnp.square(
+                rc.apply(layers, p, x, rows=3, mode=mode))), (0, 1))(xj, p64)
+            np.testing.assert_allclose(np.asarray(gx).transpose(0, 3, 1, 2), gt[0].numpy(),
+                                       rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(np.asarray(gp[0]["kernel"]).transpose(3, 2, 0, 1),
+                                       gt[1].numpy(), rtol=1e-9, atol=1e-9)
