@@ -251,6 +251,7 @@ def _delay(y, carries, new, slot, d):
 def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
     Hin = geoms[0].in_shape[1]
     out_shape = geoms[-1].out_shape
+    Hout = out_shape[1]
     plan_f = H.share_plan(geoms, rows_fp)
     plan_b = plan_f if rows_bp == rows_fp else H.share_plan(geoms, rows_bp)
 
@@ -266,7 +267,10 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
         nodes, slots, T, n, e_out, T_in = plan
         bot = max(0, n * T_in - Hin)
         xg = _grow(x, T_in)
-        out = jnp.zeros(out_shape, x.dtype)
+        # the output stream lags by -e_out rows, so a tile (T rows) can be taller than the
+        # whole output map (e.g. rows=2 behind a wide dilated VALID conv): write into a
+        # buffer of at least T rows and drop the rows below H_out at the end.
+        out = jnp.zeros(out_shape[:1] + (max(Hout, T),) + out_shape[2:], x.dtype)
 
         def body(c, i):
             carries, out = c
@@ -279,7 +283,7 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
 
         (_, out), saved = lax.scan(body, (carries0(slots, x.dtype), out),
                                    jnp.arange(n, dtype=jnp.int32), unroll=unroll)
-        return out, saved
+        return _rows(out, 0, Hout), saved
 
     def forward_res(params, x, rng):
         if plan_b is plan_f:
@@ -292,6 +296,7 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
         nodes, slots, T, n, e_out, T_in = plan_b
         bot = max(0, n * T_in - Hin)
         xg = _grow(x, T_in)
+        g = _grow(g, T)  # a tile can be taller than the output map (see run)
         dp0 = jax.tree.map(jnp.zeros_like, params)
 
         def body(c, inp):
