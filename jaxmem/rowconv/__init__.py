@@ -1,7 +1,7 @@
 """Row-centric convolution training (LR-CNN: OverL and 2PS), exact gradients.
 
 A conv stack is run tile by tile along the image height, so only one tile's activations
-live at a time; the backward pass recomputes each tile. See ``docs/rowconv.md``.
+live at a time; the backward pass recomputes each tile. See ``README.md (rowconv section)``.
 
     layers = [rowconv.Conv(16, 3), rowconv.Act(jax.nn.relu), rowconv.Pool("max", 2)]
     params = rowconv.init(layers, key, (2, 256, 256, 3))

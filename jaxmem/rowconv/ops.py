@@ -4,7 +4,7 @@ Why: XLA:CPU runs a convolution fast (Eigen) only in its canonical form
 ``b01f_01io->b01f``. Outside loops a canonicalisation pass rewrites the transposed
 convolutions autodiff emits; inside a ``while`` body (our tile loops) it does not, and the
 backward convolutions fall back to a naive kernel: measured 15-60x slower per tile
-(see docs/rowconv.md). So the VJP is spelled out here, per spatial dim with stride ``s``,
+(see README.md (rowconv section)). So the VJP is spelled out here, per spatial dim with stride ``s``,
 dilation ``d``, kernel ``k``, padding ``(lo, hi)``, input size ``n`` and output size ``m``:
 
     y[j]  = sum_t x[j*s - lo + t*d] . K[t]

@@ -5,7 +5,7 @@ a hint. :func:`as_function` rebuilds the step from a node order and can insert
 ``lax.optimization_barrier`` fences: the order is cut into ``chunks`` consecutive
 pieces and, at each cut, every value still needed later passes through one barrier, so
 nothing after the cut can be hoisted above it and nothing before it sunk below. This is
-the experiment behind "can the plan lower XLA's compiled bytes?" (see docs/schedule.md
+the experiment behind "can the plan lower XLA's compiled bytes?" (see README.md (schedule section)
 and ``benchmarks/schedule/xla_barriers.py``).
 """
 from __future__ import annotations
