@@ -91,12 +91,10 @@ def _torch_to_jax_name(name: str, jax_names: set[str]) -> str:
 
 
 # ------------------------------------------------------------------------- JAX steps
-def make_step(model, variables, case: str, *, train_bn: bool = True):
-    """``f(params, x) -> grads`` for a case. ``model`` is a Linen model or a
-    ``jaxmem.selective.linen.SelectiveModel``; only the case's leaves are differentiated."""
-    from jaxmem.selective.subset import grad as sgrad
+def _case_loss(model, variables, train: bool) -> Callable:
+    """``loss(params, x) = mean(model(x)**2)`` with the non-param collections held fixed
+    (BatchNorm in train mode when ``train``; its updated statistics are discarded)."""
     rest = {k: v for k, v in variables.items() if k != "params"}
-    train = train_bn and case != "bn_eval"
 
     def loss(params, x):
         v = {"params": params, **rest}
@@ -106,6 +104,15 @@ def make_step(model, variables, case: str, *, train_bn: bool = True):
         else:
             y = model.apply(v, x)
         return jnp.mean(jnp.square(y))
+
+    return loss
+
+
+def make_step(model, variables, case: str, *, train_bn: bool = True):
+    """``f(params, x) -> grads`` for a case. ``model`` is a Linen model or a
+    ``jaxmem.selective.linen.SelectiveModel``; only the case's leaves are differentiated."""
+    from jaxmem.selective.subset import grad as sgrad
+    loss = _case_loss(model, variables, train=train_bn and case != "bn_eval")
 
     flt = case_filter(case, variables["params"])
     if flt is None:
@@ -124,17 +131,7 @@ def residual_activation_bytes(model, variables, case, x) -> int:
     """Residual bytes (activations only) of the forward w.r.t. what the case differentiates."""
     from jaxmem.measure import residual_bytes
     from jaxmem.selective.subset import combine, partition
-    rest = {k: v for k, v in variables.items() if k != "params"}
-    train = case != "bn_eval"
-
-    def fwd(params, x):
-        v = {"params": params, **rest}
-        if "batch_stats" in rest:
-            out = model.apply(v, x, train=train, mutable=["batch_stats"] if train else False)
-            y = out[0] if train else out
-        else:
-            y = model.apply(v, x)
-        return jnp.mean(jnp.square(y))
+    fwd = _case_loss(model, variables, train=case != "bn_eval")
 
     flt = case_filter(case, variables["params"])
     if flt is None:

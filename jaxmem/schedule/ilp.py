@@ -72,10 +72,7 @@ def solve_order(
 
     # scale sizes by their gcd (bytes of f32 tensors are multiples of 4 at least)
     sizes = [e.size for e in graph.edges.values() if not e.persistent and e.size > 0]
-    g = 0
-    for s in sizes:
-        g = math.gcd(g, s)
-    g = g or 1
+    g = math.gcd(*sizes) or 1  # solver byte unit (f32 sizes are multiples of 4)
 
     m = cp_model.CpModel()
     C: dict[str, dict[int, object]] = {}
@@ -288,10 +285,7 @@ def solve_order_cumulative(
     n = len(graph.nodes)
     persistent = graph.persistent_bytes()
     sizes = [e.size for e in graph.edges.values() if not e.persistent and e.size > 0]
-    g = 0
-    for s in sizes:
-        g = math.gcd(g, s)
-    g = g or 1
+    g = math.gcd(*sizes) or 1  # solver byte unit (f32 sizes are multiples of 4)
     m = cp_model.CpModel()
     tv = {}
     for v in graph.nodes:
