@@ -1,7 +1,12 @@
 """Regenerate benchmarks/results/selective/: the paper's Figure 1 and CNN cases.
 
 Command: .venv/bin/python benchmarks/selective/run_all.py [--models resnet18,resnet50,vgg11_bn]
-Writes selective.json, selective.md, figure1.png, cases.png.
+    [--part main|per_image|all]
+``main`` (default ``all`` runs both) writes selective.json, selective.md, figure1.png,
+cases.png (publishes step-time ratios: run it under the shared CPU lock). ``per_image``
+writes per_image.json / per_image.md: compiled / residual / saved bytes and the measured
+process peak at batch 8 and 32 for the Input and All cases of ResNet-18 / ResNet-50, and the
+slope in bytes per image (one fresh subprocess per measured peak).
 """
 from __future__ import annotations
 
@@ -17,13 +22,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--part", choices=("main", "per_image", "all"), default="all")
     a = ap.parse_args()
     from jaxmem.bench import selective as B
-    t0 = time.time()
     models = a.models.split(",") if a.models else None
-    sec = B.run(quick=a.quick, models=models, progress=lambda m: print(m, flush=True))
-    os.makedirs(OUT, exist_ok=True)
     cmd = "python benchmarks/selective/run_all.py " + " ".join(sys.argv[1:])
+    os.makedirs(OUT, exist_ok=True)
+    if a.part in ("per_image", "all"):
+        t0 = time.time()
+        rows = B.slope_rows(models_=tuple(models or ("resnet18", "resnet50")),
+                            progress=lambda m: print(m, flush=True))
+        sec = B.slope_section(rows, meta={"command": cmd.strip(),
+                                          "seconds": round(time.time() - t0, 1)})
+        with open(os.path.join(OUT, "per_image.json"), "w") as f:
+            f.write(sec.to_json())
+        with open(os.path.join(OUT, "per_image.md"), "w") as f:
+            f.write(f"Regenerate with `{cmd.strip()}` (CPU, jax "
+                    f"{__import__('jax').__version__}).\n\n")
+            f.write(sec.to_markdown())
+        print(sec.to_markdown())
+    if a.part == "per_image":
+        return
+    t0 = time.time()
+    sec = B.run(quick=a.quick, models=models, progress=lambda m: print(m, flush=True))
     sec.meta["command"] = cmd.strip()
     sec.meta["seconds"] = round(time.time() - t0, 1)
     plots = _plots(sec)

@@ -6,13 +6,16 @@ Measures, for the default activations and the few-bit ones (1-4 bits):
   depths, gradient w.r.t. the input only) — target ``<= bits/8 B * 1.05``;
 * GPT-2-style decoder (``jaxmem.models.GPT``, inline ``nn.gelu`` switched with
   :func:`jaxmem.fewbit.patch_activations`) and a tiny ViT (full training gradient w.r.t. all
-  parameters): compiled bytes total and per layer, residual bytes, step-time ratio;
+  parameters): compiled bytes total and per layer, residual bytes, step-time ratio -- for the
+  few-bit GELU alone, with the exact :func:`jaxmem.fewbit.attention` (``patch_attention``;
+  "fewbit only") and additionally with ``jaxmem.selective.linen.convert`` ("combined");
 * (full mode) PyTorch twins: bytes saved for backward, default vs ``torch_ref.fewbit``.
 
 Memory is deterministic; times are ratios measured side by side (interleaved, median).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -59,14 +62,20 @@ def mlp_rows(bits_list, b=128, h=512, depth=2) -> list[dict]:
 
 
 def _time_ratio(fns: dict[str, Callable], args, reps: int) -> dict[str, float]:
-    """Median over interleaved repetitions of t(fn) / t(first fn)."""
-    for f in fns.values():
-        jax.block_until_ready(f(*args))
+    """Median over interleaved repetitions of t(fn) / t(first fn).
+
+    ``args``: one argument tuple for all, or a dict ``name -> tuple``.
+    """
+    def a(k):
+        return args[k] if isinstance(args, dict) else args
+
+    for k, f in fns.items():
+        jax.block_until_ready(f(*a(k)))
     times = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
             t = time.perf_counter()
-            jax.block_until_ready(f(*args))
+            jax.block_until_ready(f(*a(k)))
             times[k].append(time.perf_counter() - t)
     first = next(iter(fns))
     ratios = {}
@@ -76,7 +85,7 @@ def _time_ratio(fns: dict[str, Callable], args, reps: int) -> dict[str, float]:
     return ratios
 
 
-def _gpt(n_layer, quick):
+def _gpt(n_layer, quick, selective=False):
     from jaxmem.models import GPT, GPTConfig
     if quick:
         cfg = GPTConfig(vocab=128, ctx=64, d_model=64, n_head=2, n_layer=n_layer)
@@ -85,6 +94,9 @@ def _gpt(n_layer, quick):
         cfg = GPTConfig(vocab=256, ctx=128, d_model=128, n_head=4, n_layer=n_layer)
         batch = 8
     model = GPT(cfg)
+    if selective:
+        from jaxmem.selective import linen as sel_linen
+        model = sel_linen.convert(model)
     tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (batch, cfg.ctx)))
     params = model.init(jax.random.PRNGKey(0), tok)
 
@@ -97,11 +109,14 @@ def _gpt(n_layer, quick):
     return loss, params, tok, hidden
 
 
-def _vit(n_layer, quick):
+def _vit(n_layer, quick, selective=False):
     from jaxmem.models import ViT, ViTConfig
     cfg = ViTConfig(image_size=32, patch_size=4, d_model=64 if quick else 96, n_head=2,
                     n_layer=n_layer, num_classes=10)
     model = ViT(cfg)
+    if selective:
+        from jaxmem.selective import linen as sel_linen
+        model = sel_linen.convert(model)
     batch = 4 if quick else 16
     x = jnp.asarray(np.random.default_rng(0).normal(size=(batch, 32, 32, 3)), jnp.float32)
     y = jnp.asarray(np.random.default_rng(1).integers(0, 10, (batch,)))
@@ -116,27 +131,51 @@ def _vit(n_layer, quick):
     return loss, params, (x, y), hidden
 
 
+#: (label, GELU bits or None, exact fewbit.attention, jaxmem.selective.linen.convert)
+def methods(bits_list, quick: bool = False) -> list[tuple[str, int | None, bool, bool]]:
+    out = [("jax default", None, False, False)]
+    out += [(f"fewbit {b}-bit GELU", b, False, False) for b in bits_list]
+    if not quick:
+        out += [("jax default + fewbit.attention", None, True, False)]
+    out += [("fewbit only: 3-bit GELU + fewbit.attention", 3, True, False),
+            ("combined: 3-bit GELU + fewbit.attention + selective.convert", 3, True, True)]
+    return out
+
+
+@contextlib.contextmanager
+def _patched(bits, attn):
+    with contextlib.ExitStack() as st:
+        if bits is not None:
+            st.enter_context(fewbit.patch_activations(bits=bits, activations=["gelu"]))
+        if attn:
+            st.enter_context(fewbit.patch_attention())
+        yield
+
+
+def _total_bytes(compiled) -> int:
+    """temp + output + argument - alias of a compiled function (as ``compiled_memory``)."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes + m.argument_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
 def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int) -> list[dict]:
     """Full training gradient (all parameters) of a transformer with inline nn.gelu."""
-    rows, fns = [], {}
-    methods = [("jax default", None)] + [(f"fewbit {b}-bit", b) for b in bits_list]
+    rows, fns, args = [], {}, {}
     base = None
-    for label, bits in methods:
+    for label, bits, attn, sel in methods(bits_list, quick):
         meas = {}
         for L in (depth, 2 * depth):
-            loss, params, data, hidden = make(L, quick)
+            loss, params, data, hidden = make(L, quick, selective=sel)
             grad = jax.grad(loss)
-            if bits is None:
-                meas[L] = (compiled_memory(grad, params, data).total_bytes,
-                           residual_bytes(loss, params, data).activation_bytes)
-                if L == 2 * depth:
+            with _patched(bits, attn):
+                if L == 2 * depth:  # one compile serves the memory figure and the timing
                     fns[label] = jax.jit(grad).lower(params, data).compile()
-            else:
-                with fewbit.patch_activations(bits=bits, activations=["gelu"]):
-                    meas[L] = (compiled_memory(grad, params, data).total_bytes,
-                               residual_bytes(loss, params, data).activation_bytes)
-                    if L == 2 * depth:
-                        fns[label] = jax.jit(grad).lower(params, data).compile()
+                    args[label] = (params, data)
+                    total = _total_bytes(fns[label])
+                else:
+                    total = compiled_memory(grad, params, data).total_bytes
+                meas[L] = (total, residual_bytes(loss, params, data).activation_bytes)
         per = (meas[2 * depth][0] - meas[depth][0]) / depth
         base = per if base is None else base
         rows.append({"model": f"{name} L={2 * depth}", "method": label,
@@ -144,14 +183,13 @@ def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int) -
                      "per_layer_vs_default": per / base,
                      "per_elem_per_layer": per / hidden,
                      "residual": meas[2 * depth][1]})
-        last_args = (params, data)
-    ratios = _time_ratio(fns, last_args, reps)
+    ratios = _time_ratio(fns, args, reps)
     for r in rows:
         r["step_time_ratio"] = ratios[r["method"]]
     return rows
 
 
-def torch_rows(kind: str = "gpt", bits: int = 3, reps: int = 5) -> list[dict]:
+def torch_rows(kind: str = "gpt", bits: int = 3, reps: int = 15) -> list[dict]:
     """PyTorch twin (GPT or ViT): bytes saved for backward, default vs torch_ref.fewbit."""
     import torch
 
@@ -241,6 +279,10 @@ def run(quick: bool = False, models: list[str] | None = None,
             "GPT/ViT: gradient w.r.t. all parameters; inline nn.gelu switched by "
             "fewbit.patch_activations(activations=['gelu']); residual = activation residual "
             "bytes (jaxmem.measure.residual_bytes) at depth L.",
+            "fewbit.attention (via fewbit.patch_attention): exact attention, flash-style "
+            "backward (stores q, k, v and a log-sum-exp, recomputes the probabilities); "
+            "selective.convert: jaxmem.selective's Linen drop-in (LayerNorm keeps its input "
+            "+ statistics). Only the GELU derivative is approximate in every row.",
             "step_time_ratio: median of interleaved per-step ratios vs the default, CPU.",
             "torch rows: bytes saved for backward (torch_ref.measure.saved_bytes); "
             "per_layer_vs_default from depths 2 and 4.",

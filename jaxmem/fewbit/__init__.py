@@ -6,9 +6,13 @@ optimal piecewise-constant approximation of ``f'`` on the code's bin.
 
 Functional core:  :func:`fit` (DP + refinement), :func:`pack` / :func:`unpack`,
 named ops (:func:`gelu`, :func:`silu`, ...), :func:`make_activation` (any elementwise fn).
-Flax glue: :mod:`jaxmem.fewbit.flax` (:func:`patch_activations`, :class:`FewBit`).
+Exact companions for transformer blocks (:mod:`jaxmem.fewbit.attention`): :func:`attention`
+(flash-style backward, no ``T x T`` residual) and :func:`softmax` (stores its output once).
+Flax glue: :mod:`jaxmem.fewbit.linen` (:func:`patch_activations`, :func:`activation_fn`),
+:func:`patch_softmax`, :func:`patch_attention`.
 """
 from .activations import ACTIVATIONS, MASK_ACTIVATIONS
+from .attention import attention, patch_attention, patch_softmax, softmax
 from .factory import check_elementwise, make_activation
 from .fit import Fit, approximation_error, fit, gaussian_weight, uniform_weight
 from .linen import activation_fn, patch_activations
@@ -46,6 +50,7 @@ __all__ = [
     "activation",
     "activation_fn",
     "approximation_error",
+    "attention",
     "celu",
     "check_elementwise",
     "codes",
@@ -65,12 +70,15 @@ __all__ = [
     "pack",
     "packed_shape",
     "patch_activations",
+    "patch_attention",
+    "patch_softmax",
     "relu",
     "relu6",
     "selu",
     "sigmoid",
     "silu",
     "soft_sign",
+    "softmax",
     "softplus",
     "softsign",
     "swish",

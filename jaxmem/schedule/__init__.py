@@ -13,8 +13,9 @@ JAX front end (imported lazily): :func:`trace` (jaxpr -> Graph), :func:`execute`
 """
 from __future__ import annotations
 
+from .analysis import cut_lower_bound, expand_order, inplace_update_graph, structural_lower_bound
 from .graph import Edge, Graph, GraphError, Node
-from .order import best_greedy_order, greedy_order
+from .order import best_greedy_order, greedy_order, improve_order
 from .place import best_fit_online, check_placement, peak_of_spans, place
 from .plan import Plan, fragmentation_best_fit, node_lower_bound, optimize, validate_plan
 from .simulate import lifetimes, memory_profile, simulate
@@ -36,8 +37,12 @@ __all__ = [
     "best_fit_online",
     "best_greedy_order",
     "check_placement",
+    "cut_lower_bound",
+    "expand_order",
     "fragmentation_best_fit",
     "greedy_order",
+    "improve_order",
+    "inplace_update_graph",
     "lifetimes",
     "memory_profile",
     "node_lower_bound",
@@ -45,6 +50,7 @@ __all__ = [
     "peak_of_spans",
     "place",
     "simulate",
+    "structural_lower_bound",
     "validate_plan",
 ]
 

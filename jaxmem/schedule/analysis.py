@@ -12,14 +12,19 @@
   used for precedence pruning of placement pairs (section 4.2).
 * :func:`add_early_update_edges` — control edges that force weight updates to run early
   (section 4.3, Functions 3 and 4).
+* :func:`structural_lower_bound`, :func:`cut_lower_bound` — lower bounds of the optimal
+  peak (tensors forced resident at a node; one minimum cut per node).
+* :func:`inplace_update_graph` — the step with in-place weight updates (PyTorch's SGD).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from .graph import Graph
 
-__all__ = ["Reach", "add_early_update_edges", "edge_ranges", "levels", "spans"]
+__all__ = ["Reach", "add_early_update_edges", "cut_lower_bound", "edge_ranges", "expand_order",
+           "inplace_update_graph", "levels", "spans", "structural_lower_bound"]
 
 
 class Reach:
@@ -216,3 +221,207 @@ def structural_lower_bound(graph: Graph, reach: Reach | None = None) -> int:
         neither = exists & ~forced[d.name] & ~forced[o.name]
         total += neither * min(d.size, o.size)
     return int(total.max()) + graph.persistent_bytes()
+
+
+def cut_lower_bound(graph: Graph, reach: Reach | None = None,
+                    time_budget: float | None = None) -> int:
+    """A lower bound of the peak of every topological order by one minimum cut per node.
+
+    At the step of node ``v`` in any order, the set ``S`` of nodes already run (``v``
+    included) is closed under predecessors, contains ``v``'s ancestors and none of its
+    descendants. Resident then are ``v``'s inputs and outputs, the persistent tensors,
+    the step outputs produced in ``S``, and every tensor produced in ``S`` with a reader
+    outside ``S``. The cheapest such ``S`` is a minimum s-t cut (a closure problem with
+    one auxiliary vertex per tensor for its several readers):
+
+    * ``u -> p`` (infinite) for every predecessor ``p`` of ``u`` (closure);
+    * ``src(e) -> w_e`` with capacity ``S_e`` and ``w_e -> r`` (infinite) for every
+      reader ``r``: ``S_e`` is paid when ``src(e)`` is in ``S`` and a reader is not;
+    * ``src(e) -> sink`` with capacity ``S_e`` for step outputs;
+    * ``source -> v`` and ``s -> sink`` for the successors ``s`` of ``v`` (infinite).
+
+    ``max_v`` of (cut + the constant part) bounds the optimal peak from below. It is never
+    weaker than :func:`structural_lower_bound`'s forced part (a forced tensor crosses
+    every such cut) and is exact on the paper's examples where the peak sits at a
+    single node. ``time_budget`` (seconds) stops early with the best bound so far.
+    """
+    import time as _time
+
+    import numpy as np
+    from scipy.sparse import csr_array
+    from scipy.sparse.csgraph import maximum_flow
+
+    t0 = _time.perf_counter()
+    reach = reach or Reach(graph)
+    order = reach.order
+    n = len(order)
+    persistent = graph.persistent_bytes()
+    if n == 0:
+        return persistent
+    idx = reach.index
+    tensors = [e for e in graph.edges.values() if not e.persistent and e.size > 0]
+    if not tensors:
+        return persistent
+    g = 0
+    for e in tensors:
+        g = math.gcd(g, e.size)
+    total = sum(e.size for e in tensors) // g
+    unit = g
+    if total > 2**30:  # int32 capacities: round sizes down (still a lower bound)
+        unit = g * (-(-total // 2**30))
+    cap = {e.name: e.size // unit for e in tensors}
+    big = sum(cap.values()) + 1
+    src_n, snk_n = n + len(tensors), n + len(tensors) + 1
+    N = snk_n + 1
+    rows, cols, caps = [], [], []
+    for u in order:
+        for p in graph.preds(u):
+            rows.append(idx[u]); cols.append(idx[p]); caps.append(big)
+    ecap_pos = {}
+    for k, e in enumerate(tensors):
+        w = n + k
+        s = idx[e.src]
+        if e.output:
+            ecap_pos[e.name] = len(caps)
+            rows.append(s); cols.append(snk_n); caps.append(cap[e.name])
+            continue
+        if not e.sinks:
+            continue
+        ecap_pos[e.name] = len(caps)
+        rows.append(s); cols.append(w); caps.append(cap[e.name])
+        for r in e.sinks:
+            rows.append(w); cols.append(idx[r]); caps.append(big)
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = np.asarray(cols, dtype=np.int64)
+    base_caps = np.asarray(caps, dtype=np.int64)
+    # candidate order: nodes with the largest optimistic value first; prune the rest
+    anc = [_bits_to_bool(reach.anc[i], n) for i in range(n)] if n <= 4000 else None
+    sizes = np.array([e.size for e in tensors], dtype=np.int64)
+    src_i = np.array([idx[e.src] for e in tensors])
+    best = structural_lower_bound(graph, reach)
+    # optimistic value per node: every tensor not produced by a descendant and not
+    # consumed entirely by ancestors could be resident
+    desc_masks = [_bits_to_bool(reach.desc[i], n) for i in range(n)] if anc is not None else None
+    opt = np.zeros(n, dtype=np.int64)
+    if anc is not None:
+        A = np.stack(anc)
+        D = np.stack(desc_masks)
+        for k, e in enumerate(tensors):
+            s = src_i[k]
+            maybe = ~D[:, s]
+            if not e.output:
+                if not e.sinks:
+                    maybe[:] = False
+                else:
+                    rd = [idx[r] for r in e.sinks]
+                    maybe &= ~A[:, rd].all(axis=1)
+            maybe[s] = True
+            opt += maybe * sizes[k]
+    else:
+        opt[:] = sum(sizes)
+    opt += persistent
+    cand = np.argsort(-opt, kind="stable")
+    fanin = {v: set(graph.fanin(v)) for v in order}
+    fanout = {v: set(graph.fanout(v)) for v in order}
+    for i in cand:
+        if opt[i] <= best:
+            break
+        if time_budget is not None and _time.perf_counter() - t0 > time_budget:
+            break
+        v = order[i]
+        local = fanin[v] | fanout[v]
+        const = persistent + sum(graph.edges[e].size for e in local
+                                 if not graph.edges[e].persistent)
+        c = base_caps.copy()
+        for e in local:
+            p = ecap_pos.get(e)
+            if p is not None:
+                c[p] = 0
+        extra_r = [src_n] + [idx[s] for s in graph.succs(v)]
+        extra_c = [i] + [snk_n] * (len(extra_r) - 1)
+        R = np.concatenate([rows, np.asarray(extra_r, dtype=np.int64)])
+        Cc = np.concatenate([cols, np.asarray(extra_c, dtype=np.int64)])
+        V = np.concatenate([c, np.full(len(extra_r), big, dtype=np.int64)])
+        keep = V > 0
+        M = csr_array((V[keep], (R[keep], Cc[keep])), shape=(N, N))
+        M.sum_duplicates()
+        M.data = np.minimum(M.data, 2**31 - 1).astype(np.int32)
+        flow = maximum_flow(M, src_n, snk_n).flow_value
+        best = max(best, const + int(flow) * unit)
+    return int(best)
+
+
+def inplace_update_graph(graph: Graph) -> tuple[Graph, dict[str, list[str]]]:
+    """The same step with *in-place* weight updates (PyTorch's ``optimizer.step()``, or
+    XLA writing a fused ``p - lr * g`` into the donated buffer of ``p``).
+
+    A traced out-of-place update ``o = p + (-lr * g)`` allocates a new parameter ``o``
+    (and a temporary ``-lr * g``) while the old ``p`` is still alive. For every step
+    output ``o`` whose producer ``u`` reads exactly one donated (non-persistent) input
+    ``p`` of the same size, the returned graph
+
+    * makes ``p`` persistent (the weight buffer lives all step, as in PyTorch) and ``o``
+      a size-0 output (it is written into ``p``'s storage);
+    * merges into ``u`` the producer ``m`` of a same-sized temporary read only by ``u``
+      (the ``-lr * g`` of SGD): ``u`` then reads ``g`` directly, and frees it;
+    * adds control edges ``r -> u`` from every other reader ``r`` of ``p`` (the old
+      value must be read before it is overwritten).
+
+    Returns ``(graph, groups)``: ``groups[u] = [m, u]`` lists the original nodes a merged
+    node stands for (in execution order); :func:`expand_order` maps an order back.
+    """
+    merge: dict[str, str] = {}
+    persist: set[str] = set()
+    zero: set[str] = set()
+    war: list[tuple[str, str]] = []
+    for o in graph.edges.values():
+        if not o.output or o.persistent or o.size == 0:
+            continue
+        u = o.src
+        if len(graph.fanout(u)) != 1:
+            continue
+        fi = [graph.edges[e] for e in graph.fanin(u)]
+        ps = [e for e in fi if graph.nodes[e.src].kind == "input" and not e.persistent
+              and e.size == o.size and e.name not in persist]
+        if len(ps) != 1:
+            continue
+        p = ps[0]
+        ts = [e for e in fi if e.size == o.size and e is not p and e.sinks == (u,)
+              and graph.nodes[e.src].kind not in ("input", "const")
+              and len(graph.fanout(e.src)) == 1 and e.src not in merge]
+        if len(ts) == 1:
+            merge[ts[0].src] = u
+        persist.add(p.name)
+        zero.add(o.name)
+        war += [(r, u) for r in p.sinks if r != u]
+    h = Graph()
+    groups: dict[str, list[str]] = {}
+    for m, u in merge.items():
+        groups[u] = [m, u]
+    for v, node in graph.nodes.items():
+        if v not in merge:
+            h.add_node(v, node.kind, node.meta)
+    for e in graph.edges.values():
+        if e.src in merge:  # the merged temporary lives inside the update node
+            continue
+        sinks = [s for s in dict.fromkeys(merge.get(s, s) for s in e.sinks) if s != e.src]
+        if e.name in persist:
+            h.add_edge(e.name, e.src, sinks, e.size, persistent=True)
+        elif e.name in zero:
+            h.add_edge(e.name, e.src, sinks, 0)
+        else:
+            h.add_edge(e.name, e.src, sinks, e.size, persistent=e.persistent, output=e.output)
+    for k, (r, u) in enumerate(war):
+        r = merge.get(r, r)
+        if r != u:
+            h.add_edge(f"__war_{k}_{r}->{u}", r, [u], 0)
+    h.validate()
+    return h, groups
+
+
+def expand_order(order: Iterable[str], groups: dict[str, list[str]]) -> list[str]:
+    """Map an order of :func:`inplace_update_graph`'s graph to the original nodes."""
+    out: list[str] = []
+    for v in order:
+        out.extend(groups.get(v, [v]))
+    return out

@@ -59,6 +59,7 @@ def solve_order(
     upper_bound: int | None = None,
     log: bool = False,
     lower_bound: int | None = None,
+    relative_gap_limit: float = 0.0,
 ) -> OrderResult:
     """Solve eq. 14 for ``graph``; ``hint`` is a topological order used as warm start."""
     from ortools.sat.python import cp_model
@@ -216,6 +217,7 @@ def solve_order(
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = int(num_workers)
     solver.parameters.log_search_progress = bool(log)
+    solver.parameters.relative_gap_limit = float(relative_gap_limit)
     # big time-indexed models: CP-SAT's probing/symmetry presolve costs seconds per round
     # and does not pay off here; search from the warm start instead
     if num_vars_est > 5000:
@@ -236,9 +238,13 @@ def solve_order(
         topo_idx = reach.index
         order = sorted(graph.nodes, key=lambda v: (steps[v], topo_idx[v]))
         obj = round(solver.ObjectiveValue()) * g + persistent
-        bound = math.ceil(solver.BestObjectiveBound() - 1e-6) * g + persistent
-        if status == cp_model.OPTIMAL:
+        # with a relative gap limit CP-SAT reports OPTIMAL when the gap is reached: keep
+        # its proven bound, not the objective
+        bound = min(obj, math.ceil(solver.BestObjectiveBound() - 1e-6) * g + persistent)
+        if status == cp_model.OPTIMAL and relative_gap_limit == 0:
             bound = obj
+        if bound < obj and name == "OPTIMAL":
+            name = "WITHIN_GAP"
         return OrderResult(order, obj, bound, name, time.perf_counter() - t0, num_vars)
     bound = persistent
     if status == cp_model.INFEASIBLE and upper_bound is not None:
@@ -269,6 +275,7 @@ def solve_order_cumulative(
     upper_bound: int | None = None,
     log: bool = False,
     lower_bound: int | None = None,
+    relative_gap_limit: float = 0.0,
 ) -> OrderResult:
     """The same problem as :func:`solve_order` in a compact scheduling form that scales
     to thousands of nodes: one integer step ``t_v in SPAN(v)`` per node,
@@ -345,6 +352,7 @@ def solve_order_cumulative(
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = int(num_workers)
     solver.parameters.log_search_progress = bool(log)
+    solver.parameters.relative_gap_limit = float(relative_gap_limit)
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit) - (time.perf_counter() - t0))
     # the presolve rediscovers the permutation and fully encodes every step variable
     # (|V| x span Booleans): keep the compact model
@@ -355,9 +363,13 @@ def solve_order_cumulative(
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         order = sorted(graph.nodes, key=lambda v: (solver.Value(tv[v]), reach.index[v]))
         obj = round(solver.ObjectiveValue()) * g + persistent
-        bound = math.ceil(solver.BestObjectiveBound() - 1e-6) * g + persistent
-        if status == cp_model.OPTIMAL:
+        # with a relative gap limit CP-SAT reports OPTIMAL when the gap is reached: keep
+        # its proven bound, not the objective
+        bound = min(obj, math.ceil(solver.BestObjectiveBound() - 1e-6) * g + persistent)
+        if status == cp_model.OPTIMAL and relative_gap_limit == 0:
             bound = obj
+        if bound < obj and name == "OPTIMAL":
+            name = "WITHIN_GAP"
         return OrderResult(order, obj, bound, name, time.perf_counter() - t0, num_vars)
     bound = persistent
     if status == cp_model.INFEASIBLE and upper_bound is not None:

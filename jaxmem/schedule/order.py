@@ -109,3 +109,171 @@ def best_greedy_order(graph: Graph) -> tuple[list[str], int, str]:
         if best is None or peak < best[1]:
             best = (order, peak, rule)
     return best
+
+
+class _Profile:
+    """Vectorised resident-set profile of node orders of one graph (for local search)."""
+
+    def __init__(self, graph: Graph, names: list[str]) -> None:
+        import numpy as np
+
+        self.n = len(names)
+        idx = {v: i for i, v in enumerate(names)}
+        src, size, out, flat, starts, has = [], [], [], [], [], []
+        for e in graph.edges.values():
+            if e.persistent or e.size == 0:
+                continue
+            src.append(idx[e.src])
+            size.append(e.size)
+            out.append(e.output)
+            starts.append(len(flat))
+            has.append(bool(e.sinks))
+            flat.extend(idx[s] for s in e.sinks)
+            if not e.sinks:
+                flat.append(idx[e.src])
+        self.src = np.asarray(src, dtype=np.int64)
+        self.size = np.asarray(size, dtype=np.int64)
+        self.out = np.asarray(out, dtype=bool)
+        self.flat = np.asarray(flat, dtype=np.int64)
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.persistent = graph.persistent_bytes()
+
+    def profile(self, pos):
+        import numpy as np
+
+        if len(self.src) == 0:
+            return np.full(self.n, self.persistent, dtype=np.int64)
+        a = pos[self.src]
+        b = np.maximum.reduceat(pos[self.flat], self.starts)
+        b = np.maximum(a, b)
+        b[self.out] = self.n - 1
+        diff = np.bincount(a, weights=self.size, minlength=self.n + 1)
+        diff -= np.bincount(b + 1, weights=self.size, minlength=self.n + 1)
+        return np.cumsum(diff[:-1]).astype(np.int64) + self.persistent
+
+
+def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
+                  target: int | None = None) -> tuple[list[str], int]:
+    """Local search on a topological ``order``: repeatedly move one node that touches the
+    peak step — a producer of a tensor resident there to just before its first reader, or
+    a reader that frees one to just after its last producer — or a block (that reader with
+    its ancestors scheduled after the peak step, moved before it; that producer with its
+    descendants scheduled before the peak step, moved after it), and keep the move when
+    ``(peak, steps at the peak, total resident area)`` does not get worse and one of
+    them improves. Stops at ``target`` (a lower bound), when no move helps, or after
+    ``time_budget`` seconds. Returns ``(order, peak)``; the order stays topological."""
+    import time as _time
+
+    import numpy as np
+
+    t0 = _time.perf_counter()
+    names = list(graph.nodes)
+    idx = {v: i for i, v in enumerate(names)}
+    prof = _Profile(graph, names)
+    preds = [[idx[p] for p in graph.preds(v)] for v in names]
+    succs = [[idx[s] for s in graph.succs(v)] for v in names]
+    readers: list[list[int]] = []
+    for k in range(len(prof.src)):
+        lo = prof.starts[k]
+        hi = prof.starts[k + 1] if k + 1 < len(prof.starts) else len(prof.flat)
+        readers.append([int(x) for x in prof.flat[lo:hi]])
+    from .analysis import Reach
+
+    reach = Reach(graph)
+    ridx = [reach.index[v] for v in names]
+    anc = [reach.anc[ridx[i]] for i in range(len(names))]
+    desc = [reach.desc[ridx[i]] for i in range(len(names))]
+    seq = [idx[v] for v in order]
+    pos = np.empty(len(seq), dtype=np.int64)
+    pos[seq] = np.arange(len(seq))
+
+    def block_move(kind: str, u: int, t_star: int):
+        # pull: u and its ancestors between the peak step and u go just before the peak
+        # step; push: u and its descendants between u and the peak step go just after it
+        s_node = seq[t_star]
+        if kind == "pull":
+            if anc[u] >> ridx[s_node] & 1:
+                return None
+            window = seq[t_star + 1:int(pos[u])]
+            blk = [x for x in window if anc[u] >> ridx[x] & 1] + [u]
+            bs = set(blk)
+            return seq[:t_star] + blk + [x for x in seq[t_star:] if x not in bs]
+        if desc[u] >> ridx[s_node] & 1:
+            return None
+        window = seq[int(pos[u]) + 1:t_star]
+        blk = [u] + [x for x in window if desc[u] >> ridx[x] & 1]
+        bs = set(blk)
+        return [x for x in seq[:t_star + 1] if x not in bs] + blk + seq[t_star + 1:]
+
+    def score(p):
+        pk = int(p.max())
+        return (pk, int((p == pk).sum()), int(p.sum()))
+
+    cur = score(prof.profile(pos))
+    tabu: set = set()
+    while _time.perf_counter() - t0 < time_budget:
+        if target is not None and cur[0] <= target:
+            break
+        p = prof.profile(pos)
+        pk = int(p.max())
+        peak_steps = np.flatnonzero(p == pk)
+        t_star = int(peak_steps[len(peak_steps) // 2])
+        a = pos[prof.src]
+        b = np.maximum.reduceat(pos[prof.flat], prof.starts)
+        b[prof.out] = prof.n - 1
+        live = np.flatnonzero((a < t_star) & (b > t_star))
+        moves = []
+        for k in live[np.argsort(-prof.size[live])]:
+            u = int(prof.src[k])
+            moves.append((u, "late"))
+            for r in readers[k]:
+                if pos[r] > t_star:
+                    moves.append((r, "early"))
+        for k in live[np.argsort(-prof.size[live])]:
+            moves.append((int(prof.src[k]), "push"))
+            moves += [(r, "pull") for r in readers[k] if pos[r] > t_star]
+        improved = False
+        for u, kind in dict.fromkeys(moves):
+            if (u, kind, cur) in tabu:
+                continue
+            tabu.add((u, kind, cur))
+            if _time.perf_counter() - t0 > time_budget:
+                break
+            if kind in ("push", "pull"):
+                s2 = block_move(kind, u, t_star)
+                if s2 is None:
+                    continue
+                pos2 = np.empty(len(s2), dtype=np.int64)
+                pos2[s2] = np.arange(len(s2))
+                sc = score(prof.profile(pos2))
+                if sc < cur:
+                    seq, pos, cur = s2, pos2, sc
+                    improved = True
+                    break
+                continue
+            old = int(pos[u])
+            if kind == "late":
+                far = min((int(pos[s]) for s in succs[u]), default=prof.n) - 1
+                targets = [far, t_star] if far > t_star else [far]
+            else:
+                far = max((int(pos[q]) for q in preds[u]), default=-1) + 1
+                targets = [far, t_star] if far < t_star else [far]
+            for new in targets:
+                if (kind == "late" and new <= old) or (kind == "early" and new >= old):
+                    continue
+                s2 = seq[:old] + seq[old + 1:]
+                s2.insert(new, u)
+                pos2 = pos.copy()
+                lo, hi = min(old, new), max(old, new)
+                pos2[s2[lo:hi + 1]] = np.arange(lo, hi + 1)
+                sc = score(prof.profile(pos2))
+                if sc < cur:
+                    seq, pos, cur = s2, pos2, sc
+                    improved = True
+                    break
+            if improved:
+                break
+        if not improved:
+            break
+    out = [names[i] for i in seq]
+    return out, cur[0]

@@ -80,6 +80,19 @@ def peak_of_spans(spans: Sequence[Span]) -> int:
     return int(np.cumsum(diff).max())
 
 
+def _peak_step(spans: Sequence[Span]) -> int:
+    """A step where the resident bytes are maximal."""
+    if not spans:
+        return 0
+    lo = min(a for _, a, _ in spans)
+    hi = max(b for _, _, b in spans)
+    diff = np.zeros(hi - lo + 2, dtype=np.int64)
+    for s, a, b in spans:
+        diff[a - lo] += s
+        diff[b - lo + 1] -= s
+    return int(np.argmax(np.cumsum(diff))) + lo
+
+
 def _overlap(x: Span, y: Span) -> bool:
     return x[1] <= y[2] and y[1] <= x[2]
 
@@ -106,6 +119,30 @@ def _greedy_by_size(spans: list[Span], order: list[int], fixed: dict[int, int] |
                     best, best_gap = cur, gap
             cur = max(cur, hi)
         addr[i] = best if best is not None else cur
+        placed.append(i)
+    arena = max((addr[i] + spans[i][0] for i in range(len(spans))), default=0)
+    return [addr[i] for i in range(len(spans))], arena
+
+
+def _first_fit(spans: list[Span], order: list[int]):
+    """Place tensors in ``order`` at the lowest offset where they fit among the
+    already-placed tensors live at the same time (first fit; candidate offsets are 0 and
+    the tops of the overlapping tensors)."""
+    addr: dict[int, int] = {}
+    placed: list[int] = []
+    for i in order:
+        size = spans[i][0]
+        if size == 0:
+            addr[i] = 0
+            continue
+        busy = sorted((addr[j], addr[j] + spans[j][0]) for j in placed
+                      if _overlap(spans[i], spans[j]))
+        cur = 0
+        for lo, hi in busy:
+            if lo - cur >= size:
+                break
+            cur = max(cur, hi)
+        addr[i] = cur
         placed.append(i)
     arena = max((addr[i] + spans[i][0] for i in range(len(spans))), default=0)
     return [addr[i] for i in range(len(spans))], arena
@@ -194,7 +231,38 @@ def place(
     cands.append(("greedy_by_area",) + _greedy_by_size(sp, by_area))
     pyr = _pyramid(sp)
     cands.append(("pyramid+greedy",) + _greedy_by_size(sp, by_size, fixed=pyr))
+    # tensors live at the peak step must tile [0, peak) exactly: place them first, bottom
+    # up by start (long-lived at the bottom, like the pyramid), then the rest
+    peak_t = _peak_step(sp)
+    at_peak = [i for i in range(n) if sp[i][1] <= peak_t <= sp[i][2]]
+    rest_set = set(at_peak)
+    rest = [i for i in by_size if i not in rest_set]
+    anchored = [
+        ("peak_by_start", sorted(at_peak, key=lambda i: (sp[i][1], -sp[i][2]))),
+        ("peak_by_end", sorted(at_peak, key=lambda i: (-sp[i][2], sp[i][1]))),
+    ]
+    rest_dur = [i for i in by_dur if i not in rest_set]
+    for name, order in (("size", by_size), ("duration", by_dur), ("start", by_start),
+                        ("area", by_area)) + tuple((a, o + rest) for a, o in anchored) + \
+            tuple((a + "_dur", o + rest_dur) for a, o in anchored):
+        cands.append((f"first_fit_by_{name}",) + _first_fit(sp, order))
+        if name.startswith("peak"):
+            cands.append((f"best_fit_by_{name}",) + _greedy_by_size(sp, order))
     method, addrs, arena = min(cands, key=lambda c: c[2])
+    # randomised restarts: perturb the size order (ties and near-ties) while time allows
+    import random
+
+    rng = random.Random(0)
+    budget = min(0.2 * time_limit, 2.0)
+    while arena > lb and time.perf_counter() - t0 < budget and n > 1:
+        noisy = sorted(range(n), key=lambda i: -sp[i][0] * rng.uniform(0.7, 1.3)
+                       * (sp[i][2] - sp[i][1] + 1) ** rng.uniform(0, 0.5))
+        if rng.random() < 0.5:  # keep the peak step's tensors first, perturb the rest
+            noisy = anchored[rng.randrange(2)][1] + [i for i in noisy if i not in rest_set]
+        for fn in (_first_fit, _greedy_by_size):
+            a2, ar2 = fn(sp, noisy)
+            if ar2 < arena:
+                method, addrs, arena = "random_restart", a2, ar2
     optimal = arena == lb
     if not optimal:
         res = _cpsat_place(sp, addrs, arena, lb, time_limit - (time.perf_counter() - t0),
@@ -216,7 +284,6 @@ def place(
 
 
 def _cpsat_place(sp, hint_addrs, hint_arena, lb, time_limit, num_workers, fixed):
-    from ortools.sat.python import cp_model
 
     if time_limit <= 0.01:
         return None
@@ -224,9 +291,29 @@ def _cpsat_place(sp, hint_addrs, hint_arena, lb, time_limit, num_workers, fixed)
     for s, _, _ in sp:
         g = math.gcd(g, s)
     g = g or 1
+    if lb % g == 0 and time_limit > 0.1:
+        # arena upper-bounded at the peak: a pure feasibility problem propagates far
+        # better than the minimisation; fall back to minimising with what is left
+        t_start = time.perf_counter()
+        # (no hint: the heuristic's addresses lie outside the tighter domain and CP-SAT
+        # then loses seconds repairing them)
+        res = _cpsat_model(sp, None, lb // g, lb // g, g, 0.6 * time_limit,
+                           num_workers, None)
+        if res is not None:
+            return res
+        time_limit -= time.perf_counter() - t_start
+        if time_limit <= 0.01:
+            return None
+    lo = lb // g if lb % g == 0 else lb // g + 1
+    return _cpsat_model(sp, hint_addrs, lo, hint_arena // g, g, time_limit, num_workers,
+                        fixed, lb)
+
+
+def _cpsat_model(sp, hint_addrs, lo, ub, g, time_limit, num_workers, fixed, lb=None):
+    from ortools.sat.python import cp_model
+
     m = cp_model.CpModel()
-    ub = hint_arena // g
-    arena = m.NewIntVar(lb // g if lb % g == 0 else lb // g + 1, ub, "arena")
+    arena = m.NewIntVar(lo, ub, "arena")
     xs, ys, A = [], [], []
     for i, (s, a, b) in enumerate(sp):
         if s == 0:
@@ -243,7 +330,8 @@ def _cpsat_place(sp, hint_addrs, hint_arena, lb, time_limit, num_workers, fixed)
         xs.append(m.NewFixedSizeIntervalVar(a, b - a + 1, f"T{i}"))
         ys.append(m.NewFixedSizeIntervalVar(av, sz, f"Y{i}"))
         m.Add(av + sz <= arena)
-        m.AddHint(av, hint_addrs[i] // g) if hint_addrs[i] % g == 0 else None
+        if hint_addrs is not None and hint_addrs[i] % g == 0:
+            m.AddHint(av, hint_addrs[i] // g)
     m.AddNoOverlap2D(xs, ys)
     m.Minimize(arena)
     solver = cp_model.CpSolver()
@@ -253,9 +341,9 @@ def _cpsat_place(sp, hint_addrs, hint_arena, lb, time_limit, num_workers, fixed)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     addrs = [0 if isinstance(a, int) else solver.Value(a) * g for a in A]
-    ar = solver.Value(arena) * g
     ar = max((addrs[i] + sp[i][0] for i in range(len(sp))), default=0)
-    return addrs, ar, st == cp_model.OPTIMAL and fixed is None or ar == lb
+    lb = lo * g if lb is None else lb
+    return addrs, ar, (st == cp_model.OPTIMAL and fixed is None) or ar == lb
 
 
 def best_fit_online(spans: Sequence[Span]) -> tuple[int, int, float]:

@@ -20,10 +20,10 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from .analysis import add_early_update_edges, structural_lower_bound
+from .analysis import add_early_update_edges, cut_lower_bound, structural_lower_bound
 from .graph import Graph
 from .ilp import estimate_time_indexed_vars, solve_order, solve_order_cumulative
-from .order import best_greedy_order
+from .order import best_greedy_order, improve_order
 from .place import best_fit_online, check_placement, place
 from .simulate import lifetimes, simulate
 
@@ -106,13 +106,17 @@ def optimize(
     use_ilp: bool = True,
     formulation: str = "auto",
     num_workers: int = 2,
+    gap_limit: float = 0.01,
+    local_search: bool = True,
     log: bool = False,
 ) -> Plan:
     """Find a low-peak node order (and arena placement) for ``graph``.
 
     Args:
-      time_limit: seconds for the ordering ILP (> 0). The solver is anytime: when it
-        runs out of time the best order found so far is returned with ``optimal=False``.
+      time_limit: seconds for the whole ordering stage (> 0): lower bound (min cuts,
+        at most 40% of it), local search, then the ILP with what is left. The solver is
+        anytime: when it runs out of time the best order found so far is returned with
+        ``optimal=False``.
       placement: also compute arena addresses (eq. 15); otherwise ``addresses`` is empty
         and ``arena_size == peak`` is what a fragmentation-free allocator would need.
       place_time_limit: seconds for the placement solver (default ``time_limit``).
@@ -120,6 +124,11 @@ def optimize(
         nodes of kind ``"update"`` before solving (faster, but restricts the search; the
         reported lower bound then falls back to :func:`node_lower_bound`).
       use_ilp: False returns the greedy plan without calling the solver.
+      gap_limit: stop as soon as ``(peak - lower_bound) / peak <= gap_limit`` (default
+        1%, the paper's "within 1% of optimal"; 0 searches until proven optimal or out of
+        time). ``optimal`` is only True when the gap is 0.
+      local_search: improve the greedy warm start with
+        :func:`jaxmem.schedule.order.improve_order` before the ILP.
       formulation: ``"olla"`` (the paper's time-indexed C/P model, eq. 14),
         ``"cumulative"`` (the same problem as integer steps + a cumulative constraint,
         compact for big graphs) or ``"auto"`` (olla up to 20 000 C/P variables).
@@ -130,6 +139,9 @@ def optimize(
     if not isinstance(graph, Graph):
         raise TypeError(f"graph: expected a jaxmem.schedule.Graph, got {type(graph).__name__}")
     time_limit = _check_time("time_limit", time_limit)
+    if (isinstance(gap_limit, bool) or not isinstance(gap_limit, (int, float))
+            or not 0 <= gap_limit < 1):
+        raise ValueError(f"gap_limit: must be a number in [0, 1), got {gap_limit!r}")
     place_time_limit = _check_time(
         "place_time_limit", time_limit if place_time_limit is None else place_time_limit
     )
@@ -141,15 +153,31 @@ def optimize(
         baseline = None
     work = add_early_update_edges(graph) if early_updates else graph
     g_order, g_peak, g_rule = best_greedy_order(work)
+    greedy_peak = g_peak
     order, peak, method, status, num_vars = g_order, g_peak, g_rule, "skipped", 0
+    # lower bounds hold for every order of the *original* graph, hence also for the
+    # early-update-restricted one
     lb = max(node_lower_bound(graph), structural_lower_bound(graph))
-    if use_ilp and len(graph.nodes) > 1 and g_peak > lb:
+
+    def within(p: int, b: int) -> bool:
+        return p <= b or (p - b) <= gap_limit * p
+
+    if use_ilp and not within(g_peak, lb):
+        lb = max(lb, cut_lower_bound(graph, time_budget=0.4 * time_limit))
+    if use_ilp and local_search and not within(g_peak, lb):
+        ls_budget = min(0.25 * time_limit, max(0.0, time_limit - (time.perf_counter() - t0)) / 2)
+        l_order, l_peak = improve_order(work, g_order, time_budget=ls_budget, target=lb)
+        if l_peak < g_peak:
+            g_order, g_peak, g_rule = l_order, l_peak, g_rule + "+local"
+            order, peak, method = g_order, g_peak, g_rule
+    left = time_limit - (time.perf_counter() - t0)
+    if use_ilp and len(graph.nodes) > 1 and not within(g_peak, lb) and left > 0.05:
         if formulation == "auto":
             formulation = "olla" if estimate_time_indexed_vars(work) <= 20000 else "cumulative"
         solver_fn = solve_order if formulation == "olla" else solve_order_cumulative
-        res = solver_fn(work, hint=g_order, time_limit=time_limit, num_workers=num_workers,
-                        upper_bound=g_peak, lower_bound=lb if not early_updates else None,
-                        log=log)
+        res = solver_fn(work, hint=g_order, time_limit=left, num_workers=num_workers,
+                        upper_bound=g_peak, lower_bound=lb, log=log,
+                        relative_gap_limit=gap_limit)
         status, num_vars = res.status, res.num_vars
         if res.order:
             p = simulate(graph, res.order)
@@ -160,7 +188,9 @@ def optimize(
             if res.status == "INFEASIBLE":
                 lb = max(lb, g_peak)
     elif use_ilp and g_peak <= lb:
-        status = "OPTIMAL"  # the greedy order meets the structural bound: nothing to solve
+        status = "OPTIMAL"  # the greedy order meets the lower bound: nothing to solve
+    elif use_ilp and within(g_peak, lb):
+        status = "WITHIN_GAP"  # within gap_limit of the lower bound: not worth solving
     lb = min(lb, peak)
     order_s = time.perf_counter() - t0
     addresses: dict[str, int] = {}
@@ -186,7 +216,7 @@ def optimize(
     return Plan(
         order=list(order), peak=int(peak), addresses=addresses, arena_size=int(arena),
         lower_bound=int(lb), optimal=bool(peak == lb and place_optimal),
-        solve_seconds=total, baseline_peak=baseline, greedy_peak=int(g_peak), method=method,
+        solve_seconds=total, baseline_peak=baseline, greedy_peak=int(greedy_peak), method=method,
         status=status, order_seconds=order_s, place_seconds=total - order_s,
         num_vars=num_vars, formulation=formulation if num_vars else "",
     )

@@ -17,7 +17,10 @@ saves residuals according to which inputs are perturbed):
 Trainable subsets: :func:`value_and_grad`, :func:`grad`, :func:`partition`,
 :func:`combine`, :func:`train_step`, :func:`nnx_value_and_grad`.
 Flax glue: :mod:`jaxmem.selective.linen` (``convert(model)``, ``scope()``) and
-:mod:`jaxmem.selective.nnx` (``convert(module)``). Bit packing: :mod:`jaxmem.selective.bits`.
+:mod:`jaxmem.selective.nnx` (``convert(module)``); configurations they cannot convert run
+Flax's own code with a ``jaxmem.selective.linen.SelectiveFallbackWarning``. Forward-mode
+``jax.jvp`` through selective primitives raises JAX's custom_vjp TypeError (reverse mode,
+also grad-of-grad, works). Bit packing: :mod:`jaxmem.selective.bits`.
 Every residual is tagged ``checkpoint_name(..., "jaxmem.selective.<op>.<what>")``.
 """
 from jaxmem.selective._core import NAME_PREFIX

@@ -51,7 +51,12 @@ def zero_after(g, dtype):
     recomputation in the forward pass and keep its full-size result alive until the backward
     pass next to the residual it came from -- measured on CPU for batch norm after a conv:
     8 B/element instead of 4. ``lax.optimization_barrier`` does not survive the CPU pipeline;
-    ``0 * g[0]`` does (XLA does not fold ``0 * x`` for floats). Adding ``+0.0`` is exact.
+    a float product with zero does (XLA does not fold ``0 * x`` for floats). The zero is
+    ``float(g0 != g0) * 0`` -- ``0 * g0`` would be NaN for an infinite ``g0`` and spread it
+    over a whole gradient. Adding ``+0.0`` is exact. The selective convolutions use the same
+    tie for their weight (see ``linear._after``).
     """
     first = jax.lax.reshape(g, (g.size,))[:1] if g.ndim else g.reshape(1)
-    return (first[0] * 0).astype(dtype)
+    # ``(g0 != g0)`` is a bool, 0 or 1 even when ``g0`` is inf/NaN, so the product is an
+    # exact 0 that cannot turn a non-finite cotangent entry into a NaN elsewhere.
+    return (first[0] != first[0]).astype(dtype) * jnp.zeros((), dtype)

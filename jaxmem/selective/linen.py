@@ -4,16 +4,18 @@
 :func:`scope`; parameters and their tree are untouched, ``init`` is passed through. Inside
 ``scope()``:
 
-* ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` / ``nn.ConvTranspose``-free convs get the
-  selective ``dot_general`` / ``conv_general_dilated`` (their ``dot_general`` /
-  ``conv_general_dilated`` fields, set for the duration of the call; modules that already
-  set a custom one are left alone);
+* ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` get the selective ``dot_general`` /
+  ``conv_general_dilated`` (their ``dot_general`` / ``conv_general_dilated`` fields, set for
+  the duration of the call; modules that already set a custom one are left alone);
+  ``nn.ConvTranspose`` gets the selective ``conv_transpose`` (its module's ``lax`` is
+  rebound for the duration of the call: every padding mode, ``transpose_kernel``, ``mask``);
 * ``nn.BatchNorm``, ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` and
   ``jaxmem.models.BatchNorm`` are computed by :mod:`jaxmem.selective.norm` with the
   module's own parameters and running statistics (running statistics are updated the way the
   module would); configurations the selective norm cannot reproduce (``mask=``,
   ``axis_name``, non-default ``force_float32_reductions``, custom group reduction axes) fall
-  back to the module's own code;
+  back to the module's own code -- correct gradients, no saving -- and say so with a
+  :class:`SelectiveFallbackWarning` (once per module class and reason);
 * ``nn.Dropout`` uses :func:`jaxmem.selective.dropout` with the module's rng stream;
 * the inline functions ``nn.relu``/``jax.nn.relu``, ``leaky_relu``, ``relu6``,
   ``hard_tanh`` and ``nn.max_pool`` are patched (scoped, restored on exit) to the 1-bit /
@@ -21,21 +23,54 @@
 
 Everything is interception at trace time: wrap the *traced* function (``jax.jit`` it
 outside or inside the scope; a function already compiled outside the scope keeps its old
-trace). Forward-mode ``jax.jvp`` through selective layers is not supported (custom_vjp).
+trace). Forward-mode ``jax.jvp`` (and ``jax.jacfwd``, forward-over-reverse Hessian-vector
+products) through selective layers is not supported: they are ``jax.custom_vjp`` functions
+and JAX raises ``TypeError: can't apply forward-mode autodiff (jvp) to a custom_vjp
+function``. Use the unconverted model for those (same parameters); reverse mode, including
+reverse-over-reverse, works.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
 
 import flax.linen as nn
+import flax.linen.linear as _flax_linear
 import jax.numpy as jnp
+from jax import lax as _lax
 
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective import patch as _patch
 from jaxmem.selective.dropout import dropout as _dropout_fn
 
-__all__ = ["SelectiveModel", "convert", "scope", "wrap"]
+__all__ = ["SelectiveFallbackWarning", "SelectiveModel", "convert", "scope", "wrap"]
+
+
+class SelectiveFallbackWarning(UserWarning):
+    """A converted module ran its own (Flax) code because the selective primitive cannot
+    reproduce its configuration: gradients are exact, but nothing is saved for that module."""
+
+
+_warned: set = set()
+
+
+def _warn_fallback(m, reason):
+    """Warn (once per module class and reason) that ``m`` runs its own Flax code."""
+    name = type(m).__name__.replace("_Selective", "")
+    key = (name, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"jaxmem.selective: {name} ({reason}) is not converted; it runs Flax's own code "
+            "(exact gradients, no memory saving).", SelectiveFallbackWarning, stacklevel=4)
+
+
+def _fallback(m, reason, next_fun, args, kwargs):
+    """Run the module's own code, with a :class:`SelectiveFallbackWarning`."""
+    _warn_fallback(m, reason)
+    return next_fun(*args, **kwargs)
 
 # ------------------------------------------------------------------- method interceptor
 @contextlib.contextmanager
@@ -63,6 +98,8 @@ def _handler_for(m):
         return _dense
     if isinstance(m, nn.Conv) and getattr(m, "shared_weights", True):
         return _conv
+    if isinstance(m, nn.ConvTranspose):
+        return _conv_transpose
     if isinstance(m, nn.BatchNorm):
         return _flax_batch_norm
     if isinstance(m, nn.LayerNorm):
@@ -96,6 +133,39 @@ def _conv(m, next_fun, args, kwargs):
         return next_fun(*args, **kwargs)
 
 
+class _LaxWithSelectiveConvTranspose:
+    """``jax.lax`` with ``conv_transpose`` replaced by the selective one (everything else is
+    looked up in ``jax.lax``)."""
+
+    def __getattr__(self, name):
+        return getattr(_lax, name)
+
+    @staticmethod
+    def conv_transpose(lhs, rhs, strides, padding, rhs_dilation=None, dimension_numbers=None,
+                       transpose_kernel=False, precision=None, preferred_element_type=None):
+        import functools
+        fn = functools.partial(
+            _lax.conv_transpose, strides=tuple(strides), padding=padding,
+            rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+            dimension_numbers=dimension_numbers, transpose_kernel=transpose_kernel,
+            precision=precision, preferred_element_type=preferred_element_type)
+        return _lin.bilinear(fn, lhs, rhs, name="conv_transpose")
+
+
+_LAX_PROXY = _LaxWithSelectiveConvTranspose()
+_lax_lock = threading.RLock()
+
+
+def _conv_transpose(m, next_fun, args, kwargs):
+    with _lax_lock:
+        old = _flax_linear.lax
+        _flax_linear.lax = _LAX_PROXY
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            _flax_linear.lax = old
+
+
 def _first_arg(args, kwargs, name="inputs"):
     if args:
         return args[0], args[1:], kwargs
@@ -112,9 +182,15 @@ def _feature_params(m, x, feature_axes):
     return scale, bias
 
 
-def _plain_norm_ok(m, kwargs):
-    return (kwargs.get("mask") is None and getattr(m, "axis_name", None) is None
-            and getattr(m, "force_float32_reductions", True))
+def _norm_fallback_reason(m, kwargs):
+    """Why the selective norm cannot stand in for ``m`` (``None``: it can)."""
+    if kwargs.get("mask") is not None:
+        return "called with mask="
+    if getattr(m, "axis_name", None) is not None:
+        return "axis_name set (cross-device statistics)"
+    if not getattr(m, "force_float32_reductions", True):
+        return "force_float32_reductions=False"
+    return None
 
 
 def _axes_tuple(a):
@@ -123,8 +199,9 @@ def _axes_tuple(a):
 
 def _flax_layer_norm(m, next_fun, args, kwargs):
     x, rest, kw = _first_arg(args, kwargs, "x")
-    if rest or not _plain_norm_ok(m, kw):
-        return next_fun(*args, **kwargs)
+    why = "extra positional arguments" if rest else _norm_fallback_reason(m, kw)
+    if why:
+        return _fallback(m, why, next_fun, args, kwargs)
     red = _axes_tuple(m.reduction_axes)
     feat = _axes_tuple(m.feature_axes)
     scale, bias = _feature_params(m, x, feat)
@@ -134,8 +211,9 @@ def _flax_layer_norm(m, next_fun, args, kwargs):
 
 def _flax_rms_norm(m, next_fun, args, kwargs):
     x, rest, kw = _first_arg(args, kwargs, "x")
-    if rest or not _plain_norm_ok(m, kw):
-        return next_fun(*args, **kwargs)
+    why = "extra positional arguments" if rest else _norm_fallback_reason(m, kw)
+    if why:
+        return _fallback(m, why, next_fun, args, kwargs)
     red = _axes_tuple(m.reduction_axes)
     feat = _axes_tuple(m.feature_axes)
     fa = tuple(a % x.ndim for a in feat)
@@ -147,16 +225,19 @@ def _flax_rms_norm(m, next_fun, args, kwargs):
 
 def _flax_group_norm(m, next_fun, args, kwargs):
     x, rest, kw = _first_arg(args, kwargs, "x")
-    if rest or not _plain_norm_ok(m, kw) or m.reduction_axes is not None or x.ndim < 2:
-        return next_fun(*args, **kwargs)
+    why = "extra positional arguments" if rest else _norm_fallback_reason(m, kw)
+    if why is None and m.reduction_axes is not None:
+        why = "custom reduction_axes"
+    if why:
+        return _fallback(m, why, next_fun, args, kwargs)
     c = x.shape[-1]
     groups = m.num_groups
     if m.group_size is not None:
         if groups is not None or c % m.group_size:
-            return next_fun(*args, **kwargs)
+            return next_fun(*args, **kwargs)  # Flax raises its own error
         groups = c // m.group_size
-    if groups is None or c % groups:
-        return next_fun(*args, **kwargs)
+    if groups is None or c % groups or x.ndim < 2:
+        return next_fun(*args, **kwargs)  # Flax raises its own error
     scale, bias = _feature_params(m, x, (-1,))
     return _norm.group_norm(x, scale, bias, num_groups=groups, eps=m.epsilon, dtype=m.dtype,
                             fast_variance=m.use_fast_variance)
@@ -165,12 +246,14 @@ def _flax_group_norm(m, next_fun, args, kwargs):
 def _flax_batch_norm(m, next_fun, args, kwargs):
     x, rest, kw = _first_arg(args, kwargs, "x")
     ura = kw.pop("use_running_average", rest[0] if rest else None)
-    if len(rest) > 1 or not _plain_norm_ok(m, kw) or set(kw) - {"mask"}:
-        return next_fun(*args, **kwargs)
+    why = "extra arguments" if len(rest) > 1 or set(kw) - {"mask"} else \
+        _norm_fallback_reason(m, kw)
+    if why:
+        return _fallback(m, why, next_fun, args, kwargs)
     ura = nn.merge_param("use_running_average", m.use_running_average, ura)
     feat = tuple(a % x.ndim for a in _axes_tuple(m.axis))
     if len(feat) != 1:
-        return next_fun(*args, **kwargs)
+        return _fallback(m, "several feature axes", next_fun, args, kwargs)
     (ax,) = feat
     c = x.shape[ax]
     ra_mean = m.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), (c,))

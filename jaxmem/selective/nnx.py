@@ -4,9 +4,11 @@
 
 * gives every ``nnx.Linear`` the selective ``dot_general`` and every ``nnx.Conv`` the
   selective ``conv_general_dilated`` (their own constructor hooks);
-* re-classes every ``nnx.BatchNorm`` / ``nnx.LayerNorm`` / ``nnx.RMSNorm`` to a subclass whose
-  ``__call__`` computes the same function with :mod:`jaxmem.selective.norm` (running
-  statistics updated as NNX does; ``mask=``/``axis_name`` fall back to NNX's own code).
+* re-classes every ``nnx.BatchNorm`` / ``nnx.LayerNorm`` / ``nnx.RMSNorm`` / ``nnx.GroupNorm``
+  to a subclass whose ``__call__`` computes the same function with
+  :mod:`jaxmem.selective.norm` (running statistics updated as NNX does). ``mask=``,
+  ``axis_name`` and custom GroupNorm ``reduction_axes`` fall back to NNX's own code (exact
+  gradients, no saving) with a ``SelectiveFallbackWarning``.
 
 Inline activations (``nnx.relu(x)``) are functions, not modules: trace the model inside
 ``jaxmem.selective.nnx.scope()`` (the scoped function patch) to get the 1-bit masks.
@@ -19,9 +21,10 @@ from flax import nnx
 
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
+from jaxmem.selective.linen import SelectiveFallbackWarning, _warn_fallback
 from jaxmem.selective.patch import patch_functions as scope
 
-__all__ = ["convert", "scope"]
+__all__ = ["SelectiveFallbackWarning", "convert", "scope"]
 
 
 def _first(*vals):
@@ -34,7 +37,10 @@ def _first(*vals):
 class _SelectiveBatchNorm(nnx.BatchNorm):
     def __call__(self, x, use_running_average=None, *, mask=None):
         ura = _first(use_running_average, self.use_running_average)
-        if mask is not None or self.axis_name is not None or ura is None:
+        why = _why(self, mask)
+        if why or ura is None:
+            if why:
+                _warn_fallback(self, why)
             return super().__call__(x, use_running_average, mask=mask)
         feat = (self.axis % x.ndim,) if isinstance(self.axis, int) else None
         if feat is None or len(feat) != 1:
@@ -56,7 +62,9 @@ class _SelectiveBatchNorm(nnx.BatchNorm):
 
 class _SelectiveLayerNorm(nnx.LayerNorm):
     def __call__(self, x, *, mask=None):
-        if mask is not None or self.axis_name is not None:
+        why = _why(self, mask)
+        if why:
+            _warn_fallback(self, why)
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale else None
         bias = self.bias[...] if self.bias else None
@@ -71,7 +79,9 @@ class _SelectiveLayerNorm(nnx.LayerNorm):
 
 class _SelectiveRMSNorm(nnx.RMSNorm):
     def __call__(self, x, *, mask=None):
-        if mask is not None or self.axis_name is not None:
+        why = _why(self, mask)
+        if why:
+            _warn_fallback(self, why)
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale else None
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
@@ -83,8 +93,33 @@ class _SelectiveRMSNorm(nnx.RMSNorm):
                                subtract_mean=False, dtype=self.dtype)[0]
 
 
+class _SelectiveGroupNorm(nnx.GroupNorm):
+    def __call__(self, x, *, mask=None):
+        why = _why(self, mask)
+        if why is None and self.reduction_axes is not None:
+            why = "custom reduction_axes"
+        if why is None and (x.ndim < 2 or self.feature_axis not in (-1, x.ndim - 1)):
+            why = "feature axis not last"
+        if why:
+            _warn_fallback(self, why)
+            return super().__call__(x, mask=mask)
+        scale = self.scale[...] if self.scale else None
+        bias = self.bias[...] if self.bias else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        return _norm.group_norm(x, scale, bias, num_groups=self.num_groups, eps=self.epsilon,
+                                dtype=self.dtype, fast_variance=self.use_fast_variance)
+
+
+def _why(m, mask):
+    if mask is not None:
+        return "called with mask="
+    if getattr(m, "axis_name", None) is not None:
+        return "axis_name set (cross-device statistics)"
+    return None
+
+
 _RECLASS = {nnx.BatchNorm: _SelectiveBatchNorm, nnx.LayerNorm: _SelectiveLayerNorm,
-            nnx.RMSNorm: _SelectiveRMSNorm}
+            nnx.RMSNorm: _SelectiveRMSNorm, nnx.GroupNorm: _SelectiveGroupNorm}
 
 
 def convert(module: nnx.Module) -> nnx.Module:

@@ -20,7 +20,7 @@ Residuals: ``x`` (tagged ``jaxmem.selective.norm.input``) plus the per-group ``m
 backward pass. That is one input-sized tensor (4 B/element in f32) where JAX's autodiff keeps
 8-12 B/element, and nothing input-sized when only ``bias`` is trained. Storing ``x`` rather
 than ``xhat`` lets XLA share the buffer with any other residual that is the same array.
-The recomputation carries a ``0 * g[0]`` data dependency (``_core.zero_after``) so XLA cannot
+The recomputation carries a zero that data-depends on ``g`` (``_core.zero_after``) so XLA cannot
 hoist it into the forward pass (measured: otherwise XLA keeps ``x`` and ``xhat``, 8 B/element).
 
 Evaluation-mode batch norm (``_affine``) normalises with given running statistics and is

@@ -78,8 +78,12 @@ def _lax_conv(x, w, strides=1, padding="SAME", dilation=1, input_dilation=1,
 def test_conv_matches_jax(case):
     xs, ws, kw = CONV_CASES[case]
     x, w = rnd(0, xs), rnd(1, ws)
+    # Bit-identical to JAX, except the input gradient of a plain strided conv (case 0): it is
+    # computed per output phase (linear._phase_input_grad) -- the same products summed in
+    # another order, so equal up to f32 rounding.
+    tol = 2e-6 if case == 0 else 0
     _cmp_grads(lambda x, w: S.conv(x, w, **kw), lambda x, w: _lax_conv(x, w, **kw), (x, w),
-               SUBSETS2, rtol=0, atol=0)
+               SUBSETS2, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("nd,strides,padding", [(1, 2, "SAME"), (2, (2, 1), "VALID"),

@@ -1,0 +1,285 @@
+"""Exact companions of the few-bit activations: fewbit.softmax / fewbit.attention.
+
+Both must be exact (forward and gradient equal JAX's own autodiff, checked in float64 and
+float32); only what autodiff stores changes (checked with the compiled-bytes slope).  In a
+GPT with patched GELU + attention, everything but the GELU derivative stays exact.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem import fewbit
+from jaxmem.measure import compiled_memory
+from jaxmem.models import GPT, GPTConfig
+
+
+def _rand(seed, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, dtype)
+
+
+def _ref_attention(q, k, v, causal, scale=None):
+    """Plain autodiff attention, the model zoo's arithmetic (heads-last layout)."""
+    hd = q.shape[-1]
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    s = jnp.einsum("...thd,...shd->...hts", q, k) * jnp.asarray(scale, q.dtype)
+    if causal:
+        t, sl = s.shape[-2], s.shape[-1]
+        s = jnp.where(jnp.tril(jnp.ones((t, sl), bool), k=sl - t), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("...hts,...shd->...thd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _vjp_all(f, args, ct):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(ct)
+
+
+# ------------------------------------------------------------------------------- softmax
+
+@pytest.mark.parametrize("axis", [-1, 0, (0, 2)])
+def test_softmax_forward_and_gradient_match_jax_float64(axis):
+    with jax.enable_x64(True):
+        x = _rand(0, (3, 5, 7), jnp.float64, 3.0)
+        g = _rand(1, (3, 5, 7), jnp.float64)
+        y, (dx,) = _vjp_all(lambda x: fewbit.softmax(x, axis=axis), (x,), g)
+        y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, axis=axis), (x,), g)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+        np.testing.assert_allclose(np.asarray(dx), np.asarray(dx0), rtol=1e-12, atol=1e-15)
+
+
+def test_softmax_where_float32():
+    x = _rand(2, (4, 9), scale=2.0)
+    where = jnp.asarray(np.random.default_rng(3).random((4, 9)) > 0.3)
+    g = _rand(4, (4, 9))
+    y, (dx,) = _vjp_all(lambda x: fewbit.softmax(x, where=where), (x,), g)
+    y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, where=where), (x,), g)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dx0), rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(dx)[~np.asarray(where)] == 0)
+
+
+def test_patch_softmax_scoped_and_restored():
+    import flax.linen as nn
+    orig = jax.nn.softmax
+    with fewbit.patch_softmax() as patched:
+        assert "jax.nn.softmax" in patched and "flax.linen.softmax" in patched
+        assert nn.softmax is not orig
+        x = _rand(5, (2, 6))
+        np.testing.assert_array_equal(np.asarray(nn.softmax(x)), np.asarray(orig(x)))
+    assert jax.nn.softmax is orig and nn.softmax is orig
+
+
+# ----------------------------------------------------------------------------- attention
+
+@pytest.mark.parametrize("causal,t,s", [(False, 6, 6), (True, 6, 6), (True, 4, 7),
+                                        (False, 5, 3)])
+def test_attention_matches_autodiff_float64(causal, t, s):
+    with jax.enable_x64(True):
+        q = _rand(0, (2, t, 3, 4), jnp.float64)
+        k = _rand(1, (2, s, 3, 4), jnp.float64)
+        v = _rand(2, (2, s, 3, 4), jnp.float64)
+        ct = _rand(3, (2, t, 3, 4), jnp.float64)
+        o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=causal),
+                            (q, k, v), ct)
+        o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, causal), (q, k, v), ct)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
+        for a, b in zip(grads, grads0):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+
+
+def test_attention_float32_and_scale():
+    q, k, v = (_rand(i, (3, 8, 2, 4)) for i in range(3))
+    ct = _rand(9, (3, 8, 2, 4))
+    o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True, scale=0.3),
+                        (q, k, v), ct)
+    o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True, 0.3), (q, k, v), ct)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))  # same forward arithmetic
+    for a, b in zip(grads, grads0):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_attention_low_precision_close_to_float32(dtype):
+    q, k, v = (_rand(i, (2, 6, 2, 8)) for i in range(3))
+    ct = _rand(7, (2, 6, 2, 8))
+    low = [a.astype(dtype) for a in (q, k, v)]
+    o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True), low,
+                        ct.astype(dtype))
+    o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
+    assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
+    tol = 6e-2 if dtype == jnp.bfloat16 else 1e-2
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o0), rtol=tol, atol=tol)
+    for a, b in zip(grads, grads0):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=tol,
+                                   atol=tol)
+
+
+def test_attention_under_jit_vmap_scan_checkpoint():
+    q, k, v = (_rand(i, (4, 5, 2, 3)) for i in range(3))
+
+    def fa(q, k, v):
+        return fewbit.attention(q, k, v, causal=True)
+
+    def ra(q, k, v):
+        return _ref_attention(q, k, v, True)
+
+    def loss_of(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+
+    def grads(f):
+        return jax.grad(loss_of(f), argnums=(0, 1, 2))(q, k, v)
+
+    ref = grads(ra)
+
+    def close(got, want=ref):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    close(jax.jit(jax.grad(loss_of(fa), argnums=(0, 1, 2)))(q, k, v))
+    close(grads(jax.checkpoint(fa)))
+    # vmap over the batch axis of per-example calls
+    close(grads(jax.vmap(lambda q, k, v: fa(q[None], k[None], v[None])[0])))
+
+    # lax.scan: the same attention applied to a carried state
+    def scan_of(f):
+        def loss(q, k, v):
+            out, _ = jax.lax.scan(lambda c, _: (f(c, k, v), None), q, None, length=3)
+            return jnp.sum(jnp.sin(out))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    close(scan_of(fa), scan_of(ra))
+
+
+def test_attention_nonfinite_cotangent_stays_local():
+    """A NaN in the cotangent of batch 0 must not leak into batch 1's gradients."""
+    q, k, v = (_rand(i, (2, 5, 2, 3)) for i in range(3))
+    ct = _rand(4, (2, 5, 2, 3)).at[0, 0, 0, 0].set(jnp.nan)
+    _, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True), (q, k, v), ct)
+    _, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
+    for a, b in zip(grads, grads0):
+        assert np.all(np.isfinite(np.asarray(a[1])))
+        np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), rtol=1e-5, atol=1e-6)
+        assert np.isnan(np.asarray(a[0])).any()
+
+
+def test_attention_bad_input():
+    q = _rand(0, (2, 4, 2, 3))
+    with pytest.raises(TypeError, match="q must be float"):
+        fewbit.attention(q.astype(jnp.int32), q, q)
+    with pytest.raises(ValueError, match="must agree"):
+        fewbit.attention(q, q[:, :, :1], q[:, :, :1])
+    with pytest.raises(ValueError, match="rank"):
+        fewbit.attention(q[0, 0], q[0, 0], q[0, 0])
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        fewbit.attention(q, q, q, causal=1)
+    with pytest.raises(TypeError, match="share a dtype"):
+        fewbit.attention(q, q.astype(jnp.bfloat16), q)
+    with pytest.raises(TypeError, match="scale"):
+        fewbit.attention(q, q, q, scale="x")
+    with pytest.raises(TypeError, match="x must be float"):
+        fewbit.softmax(jnp.arange(3))
+    with pytest.raises(ValueError, match="axis 4 out of range"):
+        fewbit.softmax(q, axis=4)
+    with pytest.raises(TypeError, match="axis must be"):
+        fewbit.softmax(q, axis=1.5)
+    with pytest.raises(TypeError, match="where must be a boolean"):
+        fewbit.softmax(q, where=jnp.ones(q.shape))
+
+
+# -------------------------------------------------------------- GPT: only GELU' approximate
+
+@functools.cache
+def _gpt(n_layer, selective=False):
+    """(model, loss, params, tokens); cached: every use wraps ``jax.grad(loss)`` anew, so
+    each patched configuration is traced afresh."""
+    cfg = GPTConfig(vocab=64, ctx=32, d_model=32, n_head=4, n_layer=n_layer)
+    model = GPT(cfg)
+    if selective:
+        from jaxmem.selective import linen as sel_linen
+        model = sel_linen.convert(model)
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, cfg.ctx)))
+    params = model.init(jax.random.PRNGKey(1), tok)
+
+    def loss(p, tok):
+        lp = jax.nn.log_softmax(model.apply(p, tok[:, :-1]))
+        return -jnp.mean(jnp.take_along_axis(lp, tok[:, 1:, None], -1))
+
+    return model, loss, params, tok
+
+
+@contextlib.contextmanager
+def _cfg(bits=None, attn=False):
+    with contextlib.ExitStack() as st:
+        if bits:
+            st.enter_context(fewbit.patch_activations(bits=bits, activations=["gelu"]))
+        if attn:
+            st.enter_context(fewbit.patch_attention())
+        yield
+
+
+def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
+    # (the forward is checked bit-for-bit against the model zoo arithmetic in
+    # test_attention_float32_and_scale; compiles are the cost here, so 4 gradients only)
+    model, loss, params, tok = _gpt(2)
+    _, loss_sel, _, _ = _gpt(2, selective=True)
+
+    def grad(fn, **cfg):
+        with _cfg(**cfg):
+            return jax.jit(jax.grad(fn))(params, tok)
+
+    g_exact = grad(loss)
+    g_fb = grad(loss, bits=3)                       # few-bit GELU only
+    checks = [(grad(loss, bits=3, attn=True), g_fb),
+              (grad(loss_sel, bits=3, attn=True), g_fb)]  # + jaxmem.selective
+    for got, want in checks:
+        jax.tree_util.tree_map(
+            lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                                                    atol=2e-6), got, want)
+    # the few-bit gradient really differs from the exact one (the comparison can fail)
+    diff = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_fb, g_exact)
+    assert max(jax.tree_util.tree_leaves(diff)) > 1e-4
+
+
+def test_patch_attention_scoped_and_restored():
+    model, _, params, tok = _gpt(1)
+
+    def jaxpr():
+        return str(jax.make_jaxpr(model.apply)(params, tok))
+
+    before = jaxpr()
+    with fewbit.patch_attention():
+        inside = jaxpr()
+    assert "custom_vjp" not in before and "custom_vjp" in inside
+    assert jaxpr() == before
+
+
+def test_attention_compiled_bytes_slope():
+    """Per added layer, patch_attention / patch_softmax remove at least one (B, H, T, T)
+    float32 array (patch_attention two: measured 8E on the benchmark GPT)."""
+    def slope(ctx):
+        tot = {}
+        for n in (1, 2):
+            _, loss, params, tok = _gpt(n)
+            with ctx():
+                tot[n] = compiled_memory(jax.grad(loss), params, tok).total_bytes
+        return tot[2] - tot[1]
+
+    b, h, t = 2, 4, 31
+    tt = b * h * t * t * 4
+    fb = slope(lambda: _cfg(bits=3))
+    fb_attn = slope(lambda: _cfg(bits=3, attn=True))
+    assert fb - fb_attn >= 0.95 * tt, (fb, fb_attn, tt)
+
+    @contextlib.contextmanager
+    def fb_softmax():
+        with _cfg(bits=3), fewbit.patch_softmax():
+            yield
+
+    # the softmax that stores its output once: one (B, H, T, T) array fewer per layer
+    assert fb - slope(fb_softmax) >= 0.95 * tt
