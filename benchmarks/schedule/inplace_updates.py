@@ -27,18 +27,9 @@ MiB = 2**20
 
 
 def graph_of(fw, model, batch):
-    from jaxmem.bench import schedule as S
+    from jaxmem.bench.schedule import zoo_graph
 
-    if fw == "jax":
-        from jaxmem.schedule import trace
-
-        step, args = S.jax_step(model, batch)
-        return trace(step, *args, donate_argnums=(0, 1, 2)).graph
-    from torch_ref.olla import fx_to_graph, trace_training_step
-
-    m, lf, x, y = S.torch_step(model, batch)
-    gm, _s, args = trace_training_step(m, lf, x, y)
-    return fx_to_graph(gm, donate=range(len(args) - 2)).graph
+    return zoo_graph(fw, model, batch)
 
 
 def main():

@@ -176,6 +176,26 @@ def _row_from_plan(framework, name, batch, graph, plan):
     }
 
 
+def zoo_graph(framework, name, batch):
+    """The scheduling Graph of one zoo training step, built exactly as the zoo rows build it.
+
+    JAX: the jaxpr of the step with params, model state and optimizer state donated; torch:
+    the make_fx graph with the parameters donated (in-place SGD consumes the old weights).
+    """
+    if framework == "jax":
+        from jaxmem.schedule import trace
+
+        step, args = jax_step(name, batch)
+        return trace(step, *args, donate_argnums=(0, 1, 2)).graph
+    if framework != "torch":
+        raise ValueError(f"framework must be 'jax' or 'torch', got {framework!r}")
+    from torch_ref.olla import fx_to_graph, trace_training_step
+
+    model, loss_fn, x, y = torch_step(name, batch)
+    gm, _step, args = trace_training_step(model, loss_fn, x, y)
+    return fx_to_graph(gm, donate=range(len(args) - 2)).graph
+
+
 def jax_row(name, batch, time_limit, exec_max_nodes=1600, measure_xla=True):
     import jax
 
