@@ -67,30 +67,30 @@ def _normalize(spans) -> tuple[list, list[Span]]:
     return keys, out
 
 
-def peak_of_spans(spans: Sequence[Span]) -> int:
-    """``max_t`` of the bytes resident at step ``t`` (the placement lower bound)."""
-    if not spans:
-        return 0
-    hi = max(b for _, _, b in spans)
+def _resident_profile(spans: Sequence[Span]) -> tuple[int, np.ndarray]:
+    """``(lo, r)`` with ``r[t - lo]`` = bytes resident at step ``t`` (spans non-empty)."""
     lo = min(a for _, a, _ in spans)
+    hi = max(b for _, _, b in spans)
     diff = np.zeros(hi - lo + 2, dtype=np.int64)
     for s, a, b in spans:
         diff[a - lo] += s
         diff[b - lo + 1] -= s
-    return int(np.cumsum(diff).max())
+    return lo, np.cumsum(diff)
+
+
+def peak_of_spans(spans: Sequence[Span]) -> int:
+    """``max_t`` of the bytes resident at step ``t`` (the placement lower bound)."""
+    if not spans:
+        return 0
+    return int(_resident_profile(spans)[1].max())
 
 
 def _peak_step(spans: Sequence[Span]) -> int:
     """A step where the resident bytes are maximal."""
     if not spans:
         return 0
-    lo = min(a for _, a, _ in spans)
-    hi = max(b for _, _, b in spans)
-    diff = np.zeros(hi - lo + 2, dtype=np.int64)
-    for s, a, b in spans:
-        diff[a - lo] += s
-        diff[b - lo + 1] -= s
-    return int(np.argmax(np.cumsum(diff))) + lo
+    lo, resident = _resident_profile(spans)
+    return int(np.argmax(resident)) + lo
 
 
 def _overlap(x: Span, y: Span) -> bool:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
-from jaxmem.selective.linen import SelectiveFallbackWarning, _warn_fallback
+from jaxmem.selective.linen import SelectiveFallbackWarning, _axes_tuple, _warn_fallback
 from jaxmem.selective.patch import patch_functions as scope
 
 __all__ = ["SelectiveFallbackWarning", "convert", "scope"]
@@ -69,10 +69,8 @@ class _SelectiveLayerNorm(nnx.LayerNorm):
         scale = self.scale[...] if self.scale else None
         bias = self.bias[...] if self.bias else None
         x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        red = (self.reduction_axes,) if isinstance(self.reduction_axes, int) else tuple(
-            self.reduction_axes)
-        feat = (self.feature_axes,) if isinstance(self.feature_axes, int) else tuple(
-            self.feature_axes)
+        red = _axes_tuple(self.reduction_axes)
+        feat = _axes_tuple(self.feature_axes)
         return _norm.normalize(x, scale, bias, axes=red, feature_axes=feat, eps=self.epsilon,
                                fast_variance=self.use_fast_variance, dtype=self.dtype)[0]
 
@@ -85,10 +83,8 @@ class _SelectiveRMSNorm(nnx.RMSNorm):
             return super().__call__(x, mask=mask)
         scale = self.scale[...] if self.scale else None
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        red = (self.reduction_axes,) if isinstance(self.reduction_axes, int) else tuple(
-            self.reduction_axes)
-        feat = (self.feature_axes,) if isinstance(self.feature_axes, int) else tuple(
-            self.feature_axes)
+        red = _axes_tuple(self.reduction_axes)
+        feat = _axes_tuple(self.feature_axes)
         return _norm.normalize(x, scale, None, axes=red, feature_axes=feat, eps=self.epsilon,
                                subtract_mean=False, dtype=self.dtype)[0]
 
