@@ -6,18 +6,27 @@ imports jax or torch):
 * :class:`Graph` — dataflow graph (nodes = operators, edges = tensors in bytes);
 * :func:`simulate` — peak resident bytes of a node order;
 * :func:`optimize` -> :class:`Plan` — ILP node ordering (eq. 14) + arena placement (eq. 15);
-* :func:`place` — placement alone for fixed lifetimes.
+* :func:`place` — placement alone for fixed lifetimes;
+* :func:`relocate_blocks`, :func:`improve_order` — local search on orders;
+  :func:`cut_lower_bound`, :func:`antichain_lower_bound` — proven bounds of the best peak.
 
 JAX front end (imported lazily): :func:`trace` (jaxpr -> Graph), :func:`execute` and
 :class:`Scheduled` (run a step in the planned order, freeing buffers after last use).
 """
 from __future__ import annotations
 
-from .analysis import cut_lower_bound, expand_order, inplace_update_graph, structural_lower_bound
+from .analysis import (
+    antichain_lower_bound,
+    cut_lower_bound,
+    expand_order,
+    inplace_update_graph,
+    structural_lower_bound,
+)
 from .graph import Edge, Graph, GraphError, Node
 from .order import best_greedy_order, greedy_order, improve_order
 from .place import best_fit_online, check_placement, peak_of_spans, place
 from .plan import Plan, fragmentation_best_fit, node_lower_bound, optimize, validate_plan
+from .relocate import relocate_blocks
 from .simulate import lifetimes, memory_profile, simulate
 
 _LAZY = {
@@ -34,6 +43,7 @@ __all__ = [
     "GraphError",
     "Node",
     "Plan",
+    "antichain_lower_bound",
     "best_fit_online",
     "best_greedy_order",
     "check_placement",
@@ -49,6 +59,7 @@ __all__ = [
     "optimize",
     "peak_of_spans",
     "place",
+    "relocate_blocks",
     "simulate",
     "structural_lower_bound",
     "validate_plan",

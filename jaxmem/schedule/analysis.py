@@ -23,8 +23,9 @@ from collections.abc import Iterable
 
 from .graph import Graph
 
-__all__ = ["Reach", "add_early_update_edges", "cut_lower_bound", "edge_ranges", "expand_order",
-           "inplace_update_graph", "levels", "spans", "structural_lower_bound"]
+__all__ = ["Reach", "add_early_update_edges", "antichain_lower_bound", "cut_lower_bound", "edge_ranges", "expand_order",
+           "inplace_update_graph", "levels", "spans",
+           "structural_lower_bound"]
 
 
 class Reach:
@@ -223,6 +224,89 @@ def structural_lower_bound(graph: Graph, reach: Reach | None = None) -> int:
     return int(total.max()) + graph.persistent_bytes()
 
 
+class _CutNetwork:
+    """The closure network of :func:`cut_lower_bound`, built once, solved per node.
+
+    ``value(i, forced_out)`` is the cheapest resident set at the step of node ``order[i]``
+    over sets ``S`` of already-run nodes that are closed under predecessors, contain
+    ``order[i]`` and its ancestors, and contain none of its descendants nor any node of
+    ``forced_out`` (nor their descendants, by closure).
+    """
+
+    def __init__(self, graph: Graph, reach: Reach) -> None:
+        import numpy as np
+
+        self.graph, self.reach = graph, reach
+        order = reach.order
+        n = len(order)
+        idx = reach.index
+        self.persistent = graph.persistent_bytes()
+        tensors = [e for e in graph.edges.values() if not e.persistent and e.size > 0]
+        self.tensors = tensors
+        g = 0
+        for e in tensors:
+            g = math.gcd(g, e.size)
+        total = sum(e.size for e in tensors) // max(g, 1)
+        unit = max(g, 1)
+        if total > 2**30:  # int32 capacities: round sizes down (still a lower bound)
+            unit = g * (-(-total // 2**30))
+        self.unit = unit
+        cap = {e.name: e.size // unit for e in tensors}
+        self.big = sum(cap.values()) + 1
+        self.src_n, self.snk_n = n + len(tensors), n + len(tensors) + 1
+        self.N = self.snk_n + 1
+        rows, cols, caps = [], [], []
+        for u in order:
+            for p in graph.preds(u):
+                rows.append(idx[u]); cols.append(idx[p]); caps.append(self.big)
+        self.ecap_pos = {}
+        for k, e in enumerate(tensors):
+            w = n + k
+            s = idx[e.src]
+            if e.output:
+                self.ecap_pos[e.name] = len(caps)
+                rows.append(s); cols.append(self.snk_n); caps.append(cap[e.name])
+                continue
+            if not e.sinks:
+                continue
+            self.ecap_pos[e.name] = len(caps)
+            rows.append(s); cols.append(w); caps.append(cap[e.name])
+            for r in e.sinks:
+                rows.append(w); cols.append(idx[r]); caps.append(self.big)
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.cols = np.asarray(cols, dtype=np.int64)
+        self.caps = np.asarray(caps, dtype=np.int64)
+        self.fanin = {v: set(graph.fanin(v)) for v in order}
+        self.fanout = {v: set(graph.fanout(v)) for v in order}
+
+    def value(self, i: int, forced_out: Iterable[int] = ()) -> int:
+        import numpy as np
+        from scipy.sparse import csr_array
+        from scipy.sparse.csgraph import maximum_flow
+
+        graph, idx = self.graph, self.reach.index
+        v = self.reach.order[i]
+        local = self.fanin[v] | self.fanout[v]
+        const = self.persistent + sum(graph.edges[e].size for e in local
+                                      if not graph.edges[e].persistent)
+        c = self.caps.copy()
+        for e in local:
+            p = self.ecap_pos.get(e)
+            if p is not None:
+                c[p] = 0
+        extra_r = [self.src_n] + [idx[s] for s in graph.succs(v)] + [int(j) for j in forced_out]
+        extra_c = [i] + [self.snk_n] * (len(extra_r) - 1)
+        R = np.concatenate([self.rows, np.asarray(extra_r, dtype=np.int64)])
+        Cc = np.concatenate([self.cols, np.asarray(extra_c, dtype=np.int64)])
+        V = np.concatenate([c, np.full(len(extra_r), self.big, dtype=np.int64)])
+        keep = V > 0
+        M = csr_array((V[keep], (R[keep], Cc[keep])), shape=(self.N, self.N))
+        M.sum_duplicates()
+        M.data = np.minimum(M.data, 2**31 - 1).astype(np.int32)
+        flow = maximum_flow(M, self.src_n, self.snk_n).flow_value
+        return const + int(flow) * self.unit
+
+
 def cut_lower_bound(graph: Graph, reach: Reach | None = None,
                     time_budget: float | None = None) -> int:
     """A lower bound of the peak of every topological order by one minimum cut per node.
@@ -248,8 +332,6 @@ def cut_lower_bound(graph: Graph, reach: Reach | None = None,
     import time as _time
 
     import numpy as np
-    from scipy.sparse import csr_array
-    from scipy.sparse.csgraph import maximum_flow
 
     t0 = _time.perf_counter()
     reach = reach or Reach(graph)
@@ -259,41 +341,10 @@ def cut_lower_bound(graph: Graph, reach: Reach | None = None,
     if n == 0:
         return persistent
     idx = reach.index
-    tensors = [e for e in graph.edges.values() if not e.persistent and e.size > 0]
+    net = _CutNetwork(graph, reach)
+    tensors = net.tensors
     if not tensors:
         return persistent
-    g = 0
-    for e in tensors:
-        g = math.gcd(g, e.size)
-    total = sum(e.size for e in tensors) // g
-    unit = g
-    if total > 2**30:  # int32 capacities: round sizes down (still a lower bound)
-        unit = g * (-(-total // 2**30))
-    cap = {e.name: e.size // unit for e in tensors}
-    big = sum(cap.values()) + 1
-    src_n, snk_n = n + len(tensors), n + len(tensors) + 1
-    N = snk_n + 1
-    rows, cols, caps = [], [], []
-    for u in order:
-        for p in graph.preds(u):
-            rows.append(idx[u]); cols.append(idx[p]); caps.append(big)
-    ecap_pos = {}
-    for k, e in enumerate(tensors):
-        w = n + k
-        s = idx[e.src]
-        if e.output:
-            ecap_pos[e.name] = len(caps)
-            rows.append(s); cols.append(snk_n); caps.append(cap[e.name])
-            continue
-        if not e.sinks:
-            continue
-        ecap_pos[e.name] = len(caps)
-        rows.append(s); cols.append(w); caps.append(cap[e.name])
-        for r in e.sinks:
-            rows.append(w); cols.append(idx[r]); caps.append(big)
-    rows = np.asarray(rows, dtype=np.int64)
-    cols = np.asarray(cols, dtype=np.int64)
-    base_caps = np.asarray(caps, dtype=np.int64)
     # candidate order: nodes with the largest optimistic value first; prune the rest
     anc = [_bits_to_bool(reach.anc[i], n) for i in range(n)] if n <= 4000 else None
     sizes = np.array([e.size for e in tensors], dtype=np.int64)
@@ -321,33 +372,92 @@ def cut_lower_bound(graph: Graph, reach: Reach | None = None,
         opt[:] = sum(sizes)
     opt += persistent
     cand = np.argsort(-opt, kind="stable")
-    fanin = {v: set(graph.fanin(v)) for v in order}
-    fanout = {v: set(graph.fanout(v)) for v in order}
     for i in cand:
         if opt[i] <= best:
             break
         if time_budget is not None and _time.perf_counter() - t0 > time_budget:
             break
-        v = order[i]
-        local = fanin[v] | fanout[v]
-        const = persistent + sum(graph.edges[e].size for e in local
-                                 if not graph.edges[e].persistent)
-        c = base_caps.copy()
-        for e in local:
-            p = ecap_pos.get(e)
-            if p is not None:
-                c[p] = 0
-        extra_r = [src_n] + [idx[s] for s in graph.succs(v)]
-        extra_c = [i] + [snk_n] * (len(extra_r) - 1)
-        R = np.concatenate([rows, np.asarray(extra_r, dtype=np.int64)])
-        Cc = np.concatenate([cols, np.asarray(extra_c, dtype=np.int64)])
-        V = np.concatenate([c, np.full(len(extra_r), big, dtype=np.int64)])
-        keep = V > 0
-        M = csr_array((V[keep], (R[keep], Cc[keep])), shape=(N, N))
-        M.sum_duplicates()
-        M.data = np.minimum(M.data, 2**31 - 1).astype(np.int32)
-        flow = maximum_flow(M, src_n, snk_n).flow_value
-        best = max(best, const + int(flow) * unit)
+        best = max(best, net.value(int(i)))
+    return int(best)
+
+
+def antichain_lower_bound(graph: Graph, nodes: Iterable[str], reach: Reach | None = None,
+                          time_budget: float | None = None, floor: int = 0,
+                          max_size: int = 4, max_partners: int = 120) -> int:
+    """A lower bound from sets of mutually incomparable nodes (antichains).
+
+    :func:`cut_lower_bound` lets every node pick its own cheapest "already run" set, so at
+    a weight update's step it may assume the whole backward pass is done, and at the
+    backward's next node that the update is. For an antichain ``A`` every order runs some
+    ``a`` in ``A`` first, and at ``a``'s step no other member of ``A`` (nor any of their
+    descendants) has run. Hence
+
+        peak >= min_{a in A} cut(a | A - {a} not run)
+
+    (each term one minimum cut, :func:`cut_lower_bound`'s network with the other members
+    tied to the sink). ``A = {v}`` is the plain cut bound; pairs already certify the
+    optimum of ResNet-18's batch-1 step, where every order must either update a big
+    weight while the forward activations are alive or keep its gradient alive into the
+    next layer's backward. Starting from each of ``nodes`` (e.g. the peak steps of the best
+    order known), members are added greedily (the partner that raises the bound most,
+    candidates ranked by their own input+output bytes, at most ``max_partners`` tried per
+    round) up to ``max_size``. Returns the best bound found, at least ``floor``.
+    """
+    import time as _time
+
+    t0 = _time.perf_counter()
+    reach = reach or Reach(graph)
+    n = len(reach.order)
+    best = int(floor)
+    if n < 2:
+        return best
+    net = _CutNetwork(graph, reach)
+    if not net.tensors:
+        return best
+    idx = reach.index
+    nodes = list(nodes)
+    unknown = [v for v in nodes if v not in idx]
+    if unknown:
+        raise ValueError(f"nodes: {unknown[:3]!r} are not nodes of the graph")
+    local = []
+    for v in reach.order:
+        es = set(graph.fanin(v)) | set(graph.fanout(v))
+        local.append(sum(graph.edges[e].size for e in es if not graph.edges[e].persistent))
+    by_size = sorted(range(n), key=lambda j: -local[j])
+
+    def out_of_time() -> bool:
+        return time_budget is not None and _time.perf_counter() - t0 > time_budget
+
+    def value(members: list[int], beat: int | None) -> int | None:
+        """min over members of their cut; None as soon as it cannot exceed ``beat``."""
+        lo = None
+        for a in members:
+            c = net.value(a, forced_out=[b for b in members if b != a])
+            lo = c if lo is None else min(lo, c)
+            if beat is not None and lo <= beat:
+                return None
+        return lo
+
+    for v in dict.fromkeys(nodes):
+        members = [idx[v]]
+        comparable = reach.anc[members[0]] | reach.desc[members[0]] | (1 << members[0])
+        best = max(best, net.value(members[0]))
+        # grow the antichain greedily to max_size (a weak intermediate set can still
+        # become strong once the next member removes its cheap way out)
+        while len(members) < max_size and not out_of_time():
+            cand = [j for j in by_size if not comparable >> j & 1][:max_partners]
+            top, top_j = None, None
+            for j in cand:
+                if out_of_time():
+                    return best
+                val = value(members + [j], top)
+                if val is not None:
+                    top, top_j = val, j
+            if top_j is None:
+                break
+            best = max(best, top)
+            members.append(top_j)
+            comparable |= reach.anc[top_j] | reach.desc[top_j] | (1 << top_j)
     return int(best)
 
 

@@ -3,14 +3,20 @@
 ``optimize(graph)`` returns a :class:`Plan`:
 
 1. warm start — the best greedy order (:mod:`jaxmem.schedule.order`), always available;
-2. ordering — the ILP of eq. 14 (:mod:`jaxmem.schedule.ilp`) with CP-SAT, anytime,
-   warm-started from (1) and bounded above by its peak;
-3. placement — eq. 15 (:func:`jaxmem.schedule.place.place`) for the lifetimes the order
+2. bounds and local search — the min-cut bound, local search around the peak step
+   (:func:`~jaxmem.schedule.order.improve_order`), block relocation
+   (:func:`~jaxmem.schedule.relocate.relocate_blocks`), then the antichain bound seeded
+   at the new order's peak steps; each stage is skipped once the gap is within the limit;
+3. ordering — the ILP of eq. 14 (:mod:`jaxmem.schedule.ilp`) with CP-SAT, anytime,
+   warm-started from (2) and bounded above by its peak, with what is left of the time;
+4. placement — eq. 15 (:func:`jaxmem.schedule.place.place`) for the lifetimes the order
    implies; persistent tensors sit at the bottom of the arena.
 
 The plan's ``lower_bound`` is a proven lower bound of the best peak of *any* order of
-the given graph — the larger of the solver's bound and
-:func:`~jaxmem.schedule.analysis.structural_lower_bound` (the solver's bound is not used
+the given graph — the largest of the solver's bound,
+:func:`~jaxmem.schedule.analysis.structural_lower_bound`,
+:func:`~jaxmem.schedule.analysis.cut_lower_bound` and
+:func:`~jaxmem.schedule.analysis.antichain_lower_bound` (the solver's bound is not used
 when early-update control edges restricted the search) — so ``peak - lower_bound`` is the
 remaining gap.
 """
@@ -20,12 +26,20 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from .analysis import add_early_update_edges, cut_lower_bound, structural_lower_bound
+import numpy as np
+
+from .analysis import (
+    add_early_update_edges,
+    antichain_lower_bound,
+    cut_lower_bound,
+    structural_lower_bound,
+)
 from .graph import Graph
 from .ilp import estimate_time_indexed_vars, solve_order, solve_order_cumulative
 from .order import best_greedy_order, improve_order
 from .place import best_fit_online, check_placement, place
-from .simulate import lifetimes, simulate
+from .relocate import relocate_blocks
+from .simulate import lifetimes, memory_profile, simulate
 
 __all__ = ["Plan", "node_lower_bound", "optimize", "validate_plan"]
 
@@ -113,10 +127,10 @@ def optimize(
     """Find a low-peak node order (and arena placement) for ``graph``.
 
     Args:
-      time_limit: seconds for the whole ordering stage (> 0): lower bound (min cuts,
-        at most 40% of it), local search, then the ILP with what is left. The solver is
-        anytime: when it runs out of time the best order found so far is returned with
-        ``optimal=False``.
+      time_limit: seconds for the whole ordering stage (> 0): min-cut bound (at most 30%
+        of it), local search (15%), block relocation (25%), antichain bound (20%), then
+        the ILP with what is left. Every stage is anytime: when time runs out the best
+        order found so far is returned with ``optimal=False``.
       placement: also compute arena addresses (eq. 15); otherwise ``addresses`` is empty
         and ``arena_size == peak`` is what a fragmentation-free allocator would need.
       place_time_limit: seconds for the placement solver (default ``time_limit``).
@@ -128,7 +142,8 @@ def optimize(
         1%, the paper's "within 1% of optimal"; 0 searches until proven optimal or out of
         time). ``optimal`` is only True when the gap is 0.
       local_search: improve the greedy warm start with
-        :func:`jaxmem.schedule.order.improve_order` before the ILP.
+        :func:`jaxmem.schedule.order.improve_order` and
+        :func:`jaxmem.schedule.relocate.relocate_blocks` before the ILP.
       formulation: ``"olla"`` (the paper's time-indexed C/P model, eq. 14),
         ``"cumulative"`` (the same problem as integer steps + a cumulative constraint,
         compact for big graphs) or ``"auto"`` (olla up to 20 000 C/P variables).
@@ -162,14 +177,29 @@ def optimize(
     def within(p: int, b: int) -> bool:
         return p <= b or (p - b) <= gap_limit * p
 
+    def remaining() -> float:
+        return max(0.0, time_limit - (time.perf_counter() - t0))
+
     if use_ilp and not within(g_peak, lb):
-        lb = max(lb, cut_lower_bound(graph, time_budget=0.4 * time_limit))
+        lb = max(lb, cut_lower_bound(graph, time_budget=0.3 * time_limit))
     if use_ilp and local_search and not within(g_peak, lb):
-        ls_budget = min(0.25 * time_limit, max(0.0, time_limit - (time.perf_counter() - t0)) / 2)
+        ls_budget = min(0.15 * time_limit, remaining() / 3)
         l_order, l_peak = improve_order(work, g_order, time_budget=ls_budget, target=lb)
         if l_peak < g_peak:
             g_order, g_peak, g_rule = l_order, l_peak, g_rule + "+local"
             order, peak, method = g_order, g_peak, g_rule
+        if not within(g_peak, lb):
+            r_order, r_peak = relocate_blocks(work, g_order, target=lb,
+                                              time_budget=min(0.25 * time_limit, remaining() / 2))
+            if r_peak < g_peak:
+                g_order, g_peak, g_rule = r_order, r_peak, g_rule + "+blocks"
+                order, peak, method = g_order, g_peak, g_rule
+    if use_ilp and not within(g_peak, lb):
+        # the steps at the top of the best order's profile start the antichain search
+        prof = memory_profile(graph, g_order, check=False)
+        top = [g_order[t] for t in np.argsort(-prof, kind="stable")[:30]]
+        lb = max(lb, antichain_lower_bound(graph, top, floor=lb, max_size=6,
+                                           time_budget=min(0.2 * time_limit, remaining() / 2)))
     left = time_limit - (time.perf_counter() - t0)
     if use_ilp and len(graph.nodes) > 1 and not within(g_peak, lb) and left > 0.05:
         if formulation == "auto":
