@@ -1,4 +1,15 @@
-"""Shared test set-up: CPU always, GPU when one is present (skipped cleanly otherwise)."""
+"""Shared test set-up: CPU always, GPU when one is present (skipped cleanly otherwise).
+
+On a machine with a GPU, JAX's default device is the GPU, so the whole suite runs there.
+Two settings make that a test of the same math:
+
+* float32 matmuls/convs at full precision on both sides: ``jax_default_matmul_precision``
+  ``"highest"`` and torch's TF32 switched off (the GPUs' default TF32 rounds inputs to 10
+  mantissa bits; a train-mode BatchNorm net turns that into errors of order 1e-1);
+* tests marked ``xla_cpu`` assert *XLA:CPU's* memory plan (compiled-bytes slopes that
+  depend on CPU fusion decisions): they run on the CPU device wherever they are run.
+  What XLA:GPU plans is measured by the benchmarks (``benchmarks/gpu``), not asserted.
+"""
 from __future__ import annotations
 
 import jax
@@ -22,6 +33,24 @@ def _torch_has_cuda() -> bool:
 
 JAX_GPU = _jax_has_gpu()
 TORCH_CUDA = _torch_has_cuda()
+
+if JAX_GPU:
+    jax.config.update("jax_default_matmul_precision", "highest")
+if TORCH_CUDA:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def _xla_cpu_plan(request):
+    """Tests marked ``xla_cpu`` compile for the CPU device even where a GPU is present."""
+    if request.node.get_closest_marker("xla_cpu") is None:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -385,6 +385,14 @@ def _shared_compilation_cache():
     finally:
         for k, v in old_cfg.items():
             jax.config.update(k, v)
+        # the cache object was initialised on the temporary folder: drop it, or later
+        # compilations keep writing into the folder removed below (noisy warnings)
+        try:
+            from jax._src import compilation_cache as _cc
+
+            _cc.reset_cache()
+        except Exception:  # noqa: BLE001 - private API; only the warnings depend on it
+            pass
         for k, v in old_env.items():
             if v is None:
                 os.environ.pop(k, None)

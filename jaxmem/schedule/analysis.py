@@ -383,7 +383,8 @@ def cut_lower_bound(graph: Graph, reach: Reach | None = None,
 
 def antichain_lower_bound(graph: Graph, nodes: Iterable[str], reach: Reach | None = None,
                           time_budget: float | None = None, floor: int = 0,
-                          max_size: int = 4, max_partners: int = 120) -> int:
+                          max_size: int = 4, max_partners: int = 120,
+                          stop_at: int | None = None) -> int:
     """A lower bound from sets of mutually incomparable nodes (antichains).
 
     :func:`cut_lower_bound` lets every node pick its own cheapest "already run" set, so at
@@ -401,7 +402,8 @@ def antichain_lower_bound(graph: Graph, nodes: Iterable[str], reach: Reach | Non
     next layer's backward. Starting from each of ``nodes`` (e.g. the peak steps of the best
     order known), members are added greedily (the partner that raises the bound most,
     candidates ranked by their own input+output bytes, at most ``max_partners`` tried per
-    round) up to ``max_size``. Returns the best bound found, at least ``floor``.
+    round) up to ``max_size``. Returns the best bound found, at least ``floor``, as soon
+    as it reaches ``stop_at`` (e.g. the peak of a known order) or ``time_budget`` runs out.
     """
     import time as _time
 
@@ -426,6 +428,8 @@ def antichain_lower_bound(graph: Graph, nodes: Iterable[str], reach: Reach | Non
     by_size = sorted(range(n), key=lambda j: -local[j])
 
     def out_of_time() -> bool:
+        if stop_at is not None and best >= stop_at:
+            return True
         return time_budget is not None and _time.perf_counter() - t0 > time_budget
 
     def value(members: list[int], beat: int | None) -> int | None:

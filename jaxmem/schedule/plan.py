@@ -3,10 +3,11 @@
 ``optimize(graph)`` returns a :class:`Plan`:
 
 1. warm start — the best greedy order (:mod:`jaxmem.schedule.order`), always available;
-2. bounds and local search — the min-cut bound, local search around the peak step
+2. local search and bounds — local search around the peak step
    (:func:`~jaxmem.schedule.order.improve_order`), block relocation
-   (:func:`~jaxmem.schedule.relocate.relocate_blocks`), then the antichain bound seeded
-   at the new order's peak steps; each stage is skipped once the gap is within the limit;
+   (:func:`~jaxmem.schedule.relocate.relocate_blocks`), the min-cut bound, then the
+   antichain bound seeded at the new order's peak steps; each stage is skipped once the
+   gap is within the limit;
 3. ordering — the ILP of eq. 14 (:mod:`jaxmem.schedule.ilp`) with CP-SAT, anytime,
    warm-started from (2) and bounded above by its peak, with what is left of the time;
 4. placement — eq. 15 (:func:`jaxmem.schedule.place.place`) for the lifetimes the order
@@ -23,6 +24,7 @@ remaining gap.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -127,8 +129,8 @@ def optimize(
     """Find a low-peak node order (and arena placement) for ``graph``.
 
     Args:
-      time_limit: seconds for the whole ordering stage (> 0): min-cut bound (at most 30%
-        of it), local search (15%), block relocation (25%), antichain bound (20%), then
+      time_limit: seconds for the whole ordering stage (> 0): local search (at most 10%
+        of it), block relocation (30%), min-cut bound (25%), antichain bound (20%), then
         the ILP with what is left. Every stage is anytime: when time runs out the best
         order found so far is returned with ``optimal=False``.
       placement: also compute arena addresses (eq. 15); otherwise ``addresses`` is empty
@@ -180,26 +182,28 @@ def optimize(
     def remaining() -> float:
         return max(0.0, time_limit - (time.perf_counter() - t0))
 
-    if use_ilp and not within(g_peak, lb):
-        lb = max(lb, cut_lower_bound(graph, time_budget=0.3 * time_limit))
+    # search first (it is what lowers the peak), then the bounds that prove it
     if use_ilp and local_search and not within(g_peak, lb):
-        ls_budget = min(0.15 * time_limit, remaining() / 3)
-        l_order, l_peak = improve_order(work, g_order, time_budget=ls_budget, target=lb)
+        l_order, l_peak = improve_order(work, g_order, target=lb,
+                                        time_budget=min(0.1 * time_limit, remaining() / 4))
         if l_peak < g_peak:
             g_order, g_peak, g_rule = l_order, l_peak, g_rule + "+local"
             order, peak, method = g_order, g_peak, g_rule
         if not within(g_peak, lb):
             r_order, r_peak = relocate_blocks(work, g_order, target=lb,
-                                              time_budget=min(0.25 * time_limit, remaining() / 2))
+                                              time_budget=min(0.3 * time_limit, remaining() / 3))
             if r_peak < g_peak:
                 g_order, g_peak, g_rule = r_order, r_peak, g_rule + "+blocks"
                 order, peak, method = g_order, g_peak, g_rule
+    if use_ilp and not within(g_peak, lb):
+        lb = max(lb, cut_lower_bound(graph, time_budget=min(0.25 * time_limit, remaining() / 3)))
     if use_ilp and not within(g_peak, lb):
         # the steps at the top of the best order's profile start the antichain search
         prof = memory_profile(graph, g_order, check=False)
         top = [g_order[t] for t in np.argsort(-prof, kind="stable")[:30]]
         lb = max(lb, antichain_lower_bound(graph, top, floor=lb, max_size=6,
-                                           time_budget=min(0.2 * time_limit, remaining() / 2)))
+                                           time_budget=min(0.2 * time_limit, remaining() / 2),
+                                           stop_at=math.ceil(g_peak * (1 - gap_limit))))
     left = time_limit - (time.perf_counter() - t0)
     if use_ilp and len(graph.nodes) > 1 and not within(g_peak, lb) and left > 0.05:
         if formulation == "auto":

@@ -194,7 +194,10 @@ def test_argnums_semantics_and_pytrees():
 
     r0 = residual_bytes(f, params, x)  # params only: x kept (argument), tanh output kept
     assert {e.argument for e in r0.by_kind("argument")} == {"args[1]"}
-    assert r0.activation_bytes == 2 * 4 * 3 * F32  # tanh keeps 2 f32 per element (DESIGN)
+    # tanh keeps 2 f32 per element with jax <= 0.10 (DESIGN); jax 0.11 differentiates it
+    # through one primitive (1 - y**2) that keeps its output only
+    per_elem = 1 if tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11) else 2
+    assert r0.activation_bytes == per_elem * 4 * 3 * F32
     r1 = residual_bytes(f, params, x, argnums=1)  # x only: w kept, not x
     assert {e.argument for e in r1.by_kind("argument")} == {"args[0]['w']"}
     r01 = residual_bytes(f, params, x, argnums=(0, 1))
