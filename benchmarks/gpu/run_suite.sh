@@ -9,11 +9,6 @@
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 source benchmarks/gpu/setup.sh > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
 cat "$OUT/env.txt"
-if [ "${SUITE:-1}" = 1 ]; then
-  timeout ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider -rfE \
-    --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-parity_tests} 2>&1 | tee "$OUT/suite.log" | tail -40
-  echo "suite exit ${PIPESTATUS[0]}"
-fi
 if [ "${FEWBIT:-0}" = 1 ]; then
   timeout 120 python3 benchmarks/gpu/fewbit_packing.py "$OUT/fewbit_packing.json" 2>&1 | grep -v Warning | tail -20
 fi
@@ -24,6 +19,11 @@ for cfg in ${SCHED:-}; do
   cat /tmp/sched.json >> "$OUT/schedule_exec.jsonl" 2>/dev/null && echo >> "$OUT/schedule_exec.jsonl"
   rm -f /tmp/sched.json
 done
+if [ "${SUITE:-1}" = 1 ]; then
+  timeout ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider -rfE \
+    --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-parity_tests} 2>&1 | tee "$OUT/suite.log" | tail -40
+  echo "suite exit ${PIPESTATUS[0]}"
+fi
 if [ -n "${BENCH:-}" ]; then
   flag=""; [ "$BENCH" = quick ] && flag="--quick"
   timeout ${BENCH_TIMEOUT:-300} python3 -m jaxmem bench $flag ${BENCH_ARGS:-} --out /tmp/bench \
