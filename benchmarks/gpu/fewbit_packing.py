@@ -11,6 +11,7 @@ Variants of the forward rule's residual (same codes, same backward):
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -19,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem import fewbit
-import importlib
 
 P = importlib.import_module("jaxmem.fewbit.pack")  # the module (jaxmem.fewbit.pack is also a function)
 from jaxmem.fewbit.ops import _backward
@@ -28,7 +28,7 @@ from jaxmem.measure import compiled_memory
 
 def pack_trailing(c, bits):
     shape = c.shape
-    g, nb = P.GROUP[bits], P.GROUP_BYTES[bits]
+    g, _nb = P.GROUP[bits], P.GROUP_BYTES[bits]
     c = c.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1)
     grouped = c.reshape(shape[:-1] + (shape[-1] // g, g))
     shift, byte = P._byte_table(bits)  # (g,1), (1,nb)

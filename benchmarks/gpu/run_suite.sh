@@ -3,7 +3,7 @@
 #   SUITE=1     the whole parity suite (JAX's default device is the GPU there; see
 #               parity_tests/conftest.py for precision and the xla_cpu marker)
 #   FEWBIT=1    benchmarks/gpu/fewbit_packing.py (residual layouts XLA:GPU keeps packed)
-#   SCHED="m:b:s ..."  benchmarks/gpu/schedule_exec.py per config (one process each)
+#   SCHED="m:b:o ..."  benchmarks/gpu/schedule_exec.py per model:batch:order (one process each)
 #   BENCH=quick|full|""  `jaxmem bench` (BENCH_ARGS adds flags, e.g. --sections ...)
 # Results under $OUT (device tool) or ./gpu-out; at most 8 files come back.
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -12,10 +12,10 @@ cat "$OUT/env.txt"
 if [ "${FEWBIT:-0}" = 1 ]; then
   timeout 120 python3 benchmarks/gpu/fewbit_packing.py "$OUT/fewbit_packing.json" 2>&1 | grep -v Warning | tail -20
 fi
-for cfg in ${SCHED:-}; do
-  IFS=: read -r m b s <<< "$cfg"
-  timeout ${SCHED_TIMEOUT:-150} python3 benchmarks/gpu/schedule_exec.py "$m" "$b" "$s" /tmp/sched.json \
-    2>&1 | grep -v -i warn | tail -3
+for cfg in ${SCHED:-}; do   # model:batch:order, one process each (peak counters only grow)
+  IFS=: read -r m b o <<< "$cfg"
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout ${SCHED_TIMEOUT:-150} \
+    python3 benchmarks/gpu/schedule_exec.py "$m" "$b" "$o" /tmp/sched.json 2>&1 | grep -v -i warn | tail -3
   cat /tmp/sched.json >> "$OUT/schedule_exec.jsonl" 2>/dev/null && echo >> "$OUT/schedule_exec.jsonl"
   rm -f /tmp/sched.json
 done

@@ -42,17 +42,37 @@ QUICK_MODELS = ["mlp", "convchain"]
 
 
 # ----------------------------------------------------------------------------- JAX zoo
-def jax_step(name: str, batch: int, seed: int = 0):
-    """``(step, args)`` for a JAX training step of zoo model ``name`` at ``batch``."""
+PAPER_MODELS = ["vgg11", "resnet18"]
+
+
+def jax_step(name: str, batch: int, seed: int = 0, *, scale: str = "cpu",
+             abstract: bool = False):
+    """``(step, args)`` for a JAX training step of zoo model ``name`` at ``batch``.
+
+    ``scale="cpu"``: the CPU-scaled zoo (small widths and images); ``scale="paper"``: the
+    paper's sizes (:data:`PAPER_MODELS` at full width, 224x224 images, 1000 classes).
+    ``abstract=True`` returns ``jax.ShapeDtypeStruct`` arguments (nothing is allocated:
+    for tracing steps too big to run here).
+    """
     import jax
     import jax.numpy as jnp
     import optax
 
     from jaxmem import models as M
 
+    if scale not in ("cpu", "paper"):
+        raise ValueError(f"scale: must be 'cpu' or 'paper', got {scale!r}")
     key = jax.random.key(seed)
     k1, k2, k3 = jax.random.split(key, 3)
-    if name == "mlp":
+    if scale == "paper":
+        if name not in PAPER_MODELS:
+            raise ValueError(f"models: {name!r} has no paper size; allowed: {PAPER_MODELS}")
+        model = (M.vgg11(width=1.0, num_classes=1000) if name == "vgg11"
+                 else M.resnet18(width=1.0, num_classes=1000))
+        x = jax.random.normal(k1, (batch, 224, 224, 3))
+        y = jax.random.randint(k2, (batch,), 0, 1000)
+        kind = "ce"
+    elif name == "mlp":
         model = M.MLP(features=(256, 256, 10))
         x = jax.random.normal(k1, (batch, 128))
         y = jax.random.randint(k2, (batch,), 0, 10)
@@ -89,11 +109,19 @@ def jax_step(name: str, batch: int, seed: int = 0):
     else:
         raise ValueError(f"models: unknown model {name!r}; allowed: {ALL_MODELS}")
     takes_train = "train" in inspect.signature(type(model).__call__).parameters
-    variables = model.init(k3, x, train=False) if takes_train else model.init(k3, x)
+
+    def init(k, x):
+        return model.init(k, x, train=False) if takes_train else model.init(k, x)
+
+    if abstract:
+        x, y = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y))
+        variables = jax.eval_shape(init, k3, x)
+    else:
+        variables = init(k3, x[:1])  # parameters depend on shapes only: init at batch 1
     params = variables["params"]
     state = {k: v for k, v in variables.items() if k != "params"}
     tx = optax.sgd(0.1)
-    opt = tx.init(params)
+    opt = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
 
     def loss_fn(p, state, x, y):
         kw = {"train": True} if takes_train else {}

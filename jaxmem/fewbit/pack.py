@@ -24,8 +24,10 @@ to at most ``B`` bytes of padding per tensor.  ``unpack(packed, bits, shape)`` i
 layout from ``shape``.
 
 Each packed byte is formed by a *reduction* (a sum of disjoint shifted bits over the group
-axis).  This matters: XLA fuses a purely elementwise compression into its backward consumer
-and then keeps the float input alive instead; a reduction output is materialised.
+axis, the trailing one).  This matters: XLA fuses a purely elementwise compression into its
+backward consumer and then keeps the float input alive instead; a reduction output is
+materialised.  (A reduction over a non-trailing axis was not enough on XLA:GPU at 3 bits: it
+kept the unreduced bytes, 3 B/element; the trailing layout is packed on CPU and GPU.)
 """
 from __future__ import annotations
 
@@ -108,9 +110,11 @@ def pack(c: jax.Array, bits: int) -> jax.Array:
             flat = jnp.concatenate([flat, jnp.zeros((pad,), jnp.uint32)])
         grouped = flat.reshape(-1, g)
     shift, byte = _byte_table(bits)
-    # contrib[..., j, b] = byte b of code j placed at bit offset bits*j within the group word
-    contrib = ((grouped[..., :, None] << shift) >> byte) & jnp.uint32(0xFF)
-    packed = jnp.sum(contrib.astype(jnp.uint8), axis=-2, dtype=jnp.uint8)  # the reduction
+    # contrib[..., b, j] = byte b of code j placed at bit offset bits*j within the group word;
+    # the reduction runs over the *trailing* axis: XLA:GPU kept the unreduced [..., G, B]
+    # bytes (3 B/element at 3 bits) when it ran over axis -2 (benchmarks/gpu/fewbit_packing.py)
+    contrib = ((grouped[..., None, :] << shift.T) >> byte.T) & jnp.uint32(0xFF)
+    packed = jnp.sum(contrib.astype(jnp.uint8), axis=-1, dtype=jnp.uint8)  # the reduction
     out_shape = packed_shape(shape, bits)
     return packed.reshape(out_shape)
 

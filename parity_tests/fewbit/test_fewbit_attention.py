@@ -59,7 +59,10 @@ def test_softmax_where_float32():
     g = _rand(4, (4, 9))
     y, (dx,) = _vjp_all(lambda x: fewbit.softmax(x, where=where), (x,), g)
     y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, where=where), (x,), g)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    else:  # XLA:GPU may sum a row in another order inside another program: 1 ulp apart
+        np.testing.assert_array_max_ulp(np.asarray(y), np.asarray(y0), maxulp=4)
     np.testing.assert_allclose(np.asarray(dx), np.asarray(dx0), rtol=1e-5, atol=1e-7)
     assert np.all(np.asarray(dx)[~np.asarray(where)] == 0)
 

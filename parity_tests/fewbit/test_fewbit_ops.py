@@ -169,7 +169,6 @@ def _mlp_loss(act, depth, h):
     return loss
 
 
-@pytest.mark.xla_cpu  # XLA:GPU plans differently: benchmarks/gpu, README
 def test_compiled_bytes_slope_gelu_3bit():
     """Per added layer XLA keeps 3/8 B per hidden element (default GELU: >= 8 B)."""
     from jaxmem.measure import compiled_memory, slope

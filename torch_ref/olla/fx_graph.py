@@ -207,11 +207,16 @@ def trace_training_step(
     inputs: torch.Tensor,
     target: torch.Tensor,
     lr: float = 0.1,
+    tracing_mode: str = "real",
 ) -> tuple[fx.GraphModule, Callable, tuple]:
     """``make_fx`` of one SGD step; returns ``(gm, step, args)`` with
     ``gm(*args) == step(*args)`` = ``(new_params..., loss, new_buffers...)``;
     ``args = (*params, x, y)``
-    (pass ``donate=range(len(params))`` to :func:`fx_to_graph` for in-place SGD)."""
+    (pass ``donate=range(len(params))`` to :func:`fx_to_graph` for in-place SGD).
+    ``tracing_mode="fake"`` records the graph on fake tensors (shapes only, nothing is
+    computed: for steps too big to run here); ``"real"`` runs the step once."""
+    if tracing_mode not in ("real", "fake"):
+        raise ValueError(f"tracing_mode: must be 'real' or 'fake', got {tracing_mode!r}")
     from torch.fx.experimental.proxy_tensor import make_fx
 
     names = [n for n, _ in model.named_parameters()]
@@ -235,5 +240,6 @@ def trace_training_step(
         return (*new, loss, *bufs)
 
     args = (*params, inputs, target)
-    gm = make_fx(torch.func.functionalize(step, remove="mutations"))(*args)
+    gm = make_fx(torch.func.functionalize(step, remove="mutations"),
+                 tracing_mode=tracing_mode)(*args)
     return gm, step, args
