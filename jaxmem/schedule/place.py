@@ -12,7 +12,10 @@ Method, cheapest first:
    among the time-overlapping tensors already placed) and the paper's *pyramid
    pre-placement* of long-lived tensors (Function 5) followed by greedy by size;
    if one reaches the peak it is optimal and we stop;
-2. otherwise CP-SAT with ``NoOverlap2D`` over (time, address) rectangles — pairs whose
+2. window decomposition — only the steps close to the peak are tight: the tensors alive
+   there are placed exactly by CP-SAT with the arena fixed at the peak, the rest around
+   them by the greedy rules, widening the window until the completion fits;
+3. otherwise CP-SAT with ``NoOverlap2D`` over (time, address) rectangles — pairs whose
    lifetimes do not intersect are never constrained (the precedence pruning of section
    4.2 is implicit) — warm-started from the best heuristic placement, anytime.
 """
@@ -124,13 +127,15 @@ def _greedy_by_size(spans: list[Span], order: list[int], fixed: dict[int, int] |
     return [addr[i] for i in range(len(spans))], arena
 
 
-def _first_fit(spans: list[Span], order: list[int]):
+def _first_fit(spans: list[Span], order: list[int], fixed: dict[int, int] | None = None):
     """Place tensors in ``order`` at the lowest offset where they fit among the
     already-placed tensors live at the same time (first fit; candidate offsets are 0 and
     the tops of the overlapping tensors)."""
-    addr: dict[int, int] = {}
-    placed: list[int] = []
+    addr: dict[int, int] = dict(fixed or {})
+    placed: list[int] = [i for i in addr if spans[i][0] > 0]
     for i in order:
+        if i in addr:
+            continue
         size = spans[i][0]
         if size == 0:
             addr[i] = 0
@@ -263,6 +268,12 @@ def place(
             a2, ar2 = fn(sp, noisy)
             if ar2 < arena:
                 method, addrs, arena = "random_restart", a2, ar2
+    if arena > lb and n > 1:
+        res = _window_place(sp, lb, min(0.5 * time_limit, time_limit - (time.perf_counter() - t0)),
+                            num_workers, orders=[by_size, by_dur, by_start, by_area])
+        if res is not None and res[1] < arena:
+            addrs, arena = res
+            method = "window+cp-sat"
     optimal = arena == lb
     if not optimal:
         res = _cpsat_place(sp, addrs, arena, lb, time_limit - (time.perf_counter() - t0),
@@ -281,6 +292,51 @@ def place(
     if return_info:
         return info
     return info.addresses, info.arena_size
+
+
+def _window_place(sp, lb, time_limit, num_workers, orders):
+    """Zero fragmentation by decomposition around the peak.
+
+    An arena equal to the peak is tight only near the steps where the resident bytes come
+    close to the peak; elsewhere there is slack. So: the tensors alive in the window of
+    steps whose resident bytes reach ``(1 - delta) * peak`` are placed exactly by CP-SAT
+    (a small feasibility problem with the arena fixed at the peak), then the other tensors
+    are added around them by the greedy rules; ``delta`` grows (the window widens) until the
+    greedy completion fits in the peak or the time is spent. Returns ``(addresses, arena)``
+    of the best completion found, or None.
+    """
+    t0 = time.perf_counter()
+    lo, resident = _resident_profile(sp)
+    g = 0
+    for s, _, _ in sp:
+        g = math.gcd(g, s)
+    if not g or lb % g:
+        return None
+    best = None
+    prev_core: set[int] | None = None
+    for delta in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0.05:
+            break
+        hot = np.flatnonzero(resident >= (1 - delta) * lb) + lo
+        core = [i for i, (s, a, b) in enumerate(sp)
+                if s > 0 and np.any((hot >= a) & (hot <= b))]
+        if prev_core is not None and set(core) == prev_core:
+            continue
+        prev_core = set(core)
+        sub = [sp[i] for i in core]
+        res = _cpsat_model(sub, None, lb // g, lb // g, g, 0.5 * left, num_workers, None)
+        if res is None:
+            continue  # no exact core placement found in time: widen
+        fixed = {i: a for i, a in zip(core, res[0])}
+        for order in orders:
+            for fn in (_greedy_by_size, _first_fit):
+                addrs, arena = fn(sp, order, fixed=fixed)
+                if best is None or arena < best[1]:
+                    best = (addrs, arena)
+                if arena <= lb:
+                    return best
+    return best
 
 
 def _cpsat_place(sp, hint_addrs, hint_arena, lb, time_limit, num_workers, fixed):

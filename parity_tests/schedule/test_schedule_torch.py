@@ -85,3 +85,25 @@ def test_torch_optimisation_reduces_the_pytorch_order_peak():
     plan = optimize(fxg.graph, time_limit=3)
     assert plan.peak < pytorch_peak(fxg)
     assert plan.lower_bound <= plan.peak
+
+
+def test_fake_tracing_builds_the_same_graph_without_computing():
+    """tracing_mode='fake' (for steps too big to run) records the same graph: same nodes,
+    edges and sizes, hence the same program-order peak; BatchNorm buffers included."""
+    from torch_ref.models import resnet18
+
+    torch.manual_seed(0)
+    model = resnet18(width=0.125, num_classes=4, stem="cifar")
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 4, (2,))
+    n_params = len(list(model.parameters()))
+    real = fx_to_graph(trace_training_step(model, torch.nn.functional.cross_entropy, x, y)[0],
+                       donate=range(n_params)).graph
+    fake = fx_to_graph(trace_training_step(model, torch.nn.functional.cross_entropy, x, y,
+                                           tracing_mode="fake")[0],
+                       donate=range(n_params)).graph
+    assert list(real.nodes) == list(fake.nodes)
+    assert {k: (e.size, e.sinks) for k, e in real.edges.items()} == \
+        {k: (e.size, e.sinks) for k, e in fake.edges.items()}
+    assert simulate(real) == simulate(fake)
+    with pytest.raises(ValueError, match="tracing_mode"):
+        trace_training_step(model, torch.nn.functional.cross_entropy, x, y, tracing_mode="meta")

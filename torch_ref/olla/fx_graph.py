@@ -240,6 +240,8 @@ def trace_training_step(
         return (*new, loss, *bufs)
 
     args = (*params, inputs, target)
+    # fake mode: closed-over real tensors (BatchNorm buffers) are allowed as constants
     gm = make_fx(torch.func.functionalize(step, remove="mutations"),
-                 tracing_mode=tracing_mode)(*args)
+                 tracing_mode=tracing_mode,
+                 _allow_non_fake_inputs=tracing_mode == "fake")(*args)
     return gm, step, args
