@@ -135,7 +135,10 @@ def optimize(
         order found so far is returned with ``optimal=False``.
       placement: also compute arena addresses (eq. 15); otherwise ``addresses`` is empty
         and ``arena_size == peak`` is what a fragmentation-free allocator would need.
-      place_time_limit: seconds for the placement solver (default ``time_limit``).
+      place_time_limit: seconds for the placement (default ``time_limit``). When the best
+        order cannot be placed without fragmentation, the orders found on the way whose
+        peak is below that arena are placed too (in the same time) and the smallest arena
+        wins; ``peak``/``order`` are then that order's.
       early_updates: add the paper's early-weight-update control edges (section 4.3) to
         nodes of kind ``"update"`` before solving (faster, but restricts the search; the
         reported lower bound then falls back to :func:`node_lower_bound`).
@@ -172,6 +175,7 @@ def optimize(
     g_order, g_peak, g_rule = best_greedy_order(work)
     greedy_peak = g_peak
     order, peak, method, status, num_vars = g_order, g_peak, g_rule, "skipped", 0
+    found = [(g_peak, g_order, g_rule)]  # every order each stage returned (for placement)
     # lower bounds hold for every order of the *original* graph, hence also for the
     # early-update-restricted one
     lb = max(node_lower_bound(graph), structural_lower_bound(graph))
@@ -189,12 +193,14 @@ def optimize(
         if l_peak < g_peak:
             g_order, g_peak, g_rule = l_order, l_peak, g_rule + "+local"
             order, peak, method = g_order, g_peak, g_rule
+            found.append((peak, order, method))
         if not within(g_peak, lb):
             r_order, r_peak = relocate_blocks(work, g_order, target=lb,
                                               time_budget=min(0.3 * time_limit, remaining() / 3))
             if r_peak < g_peak:
                 g_order, g_peak, g_rule = r_order, r_peak, g_rule + "+blocks"
                 order, peak, method = g_order, g_peak, g_rule
+                found.append((peak, order, method))
     def antichain(budget: float) -> None:
         """Raise ``lb`` with antichains grown from the top steps of the best order."""
         nonlocal lb
@@ -220,6 +226,7 @@ def optimize(
             p = simulate(graph, res.order)
             if p < peak:
                 order, peak, method = res.order, p, "ilp"
+                found.append((peak, order, method))
         if not early_updates and res.status != "UNKNOWN":
             lb = max(lb, res.bound)
             if res.status == "INFEASIBLE":
@@ -236,20 +243,40 @@ def optimize(
     arena = peak
     place_optimal = True
     if placement:
-        spans = lifetimes(graph, order)
-        names = list(spans)
-        sp = [(graph.edges[k].size, *spans[k]) for k in names]
-        info = place(sp, time_limit=place_time_limit, num_workers=num_workers,
-                     return_info=True)
+        # the arena is what an allocation needs: when the best order cannot be placed
+        # without fragmentation, an earlier order whose peak is below that arena may do
+        # better (candidates by increasing peak; each gets part of the remaining time)
         base = graph.persistent_bytes()
+        t_place = time.perf_counter()
+        best = None
+        cands = sorted({tuple(o): (p, m) for p, o, m in found}.items(), key=lambda c: c[1][0])
+        for k, (cand, (p_k, m_k)) in enumerate(cands):
+            if best is not None and p_k >= best[0]:
+                break  # cannot beat the arena already found
+            left = place_time_limit - (time.perf_counter() - t_place)
+            if best is not None and left < 0.05:
+                break
+            spans = lifetimes(graph, cand)
+            names = list(spans)
+            sp = [(graph.edges[k2].size, *spans[k2]) for k2 in names]
+            info = place(sp, time_limit=max(0.05, left * (0.6 if k == 0 else 0.5)),
+                         num_workers=num_workers, return_info=True)
+            if best is None or base + info.arena_size < best[0]:
+                best = (base + info.arena_size, list(cand), p_k, m_k, names, info.addresses)
+            if best[0] == p_k:
+                break  # zero fragmentation
+        arena, order, p_best, method, names, addrs = best
+        if p_best != peak:  # a higher-peak order with a smaller arena won
+            peak = p_best
+            status = ("OPTIMAL" if peak <= lb else "WITHIN_GAP" if within(peak, lb)
+                      else "FEASIBLE")
         off = 0
         for e in graph.edges.values():
             if e.persistent:
                 addresses[e.name] = off
                 off += e.size
-        for k, a in zip(names, info.addresses):
-            addresses[k] = base + a
-        arena = base + info.arena_size
+        for k2, a in zip(names, addrs):
+            addresses[k2] = base + a
         place_optimal = arena == peak
     total = time.perf_counter() - t0
     return Plan(
