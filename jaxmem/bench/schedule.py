@@ -287,8 +287,9 @@ def notes_for(time_limit: float, wall: float) -> list[str]:
         ("program_peak: resident-set peak of the program order (jaxpr / PyTorch eager order), "
          "batch included, weights/optimizer state donated; opt_peak: OLLA order; "
          "reduction = 1 - opt/program."),
-        ("lower_bound: max of CP-SAT's proven bound, the structural bound and the min-cut bound "
-         "(analysis.cut_lower_bound: one minimum s-t cut per node); gap = (opt-bound)/opt. "
+        ("lower_bound: max of CP-SAT's proven bound, the structural bound, the min-cut bound "
+         "(analysis.cut_lower_bound: one minimum s-t cut per node) and the antichain bound "
+         "(analysis.antichain_lower_bound); gap = (opt-bound)/opt. "
          "The ordering stops once gap <= 1% (optimize's default gap_limit)."),
         ("arena == opt_peak means zero fragmentation; bestfit_*: online best-fit allocator on the "
          "program order (fragmentation (MR-RS)/MR at MR's peak, OLLA sec. 5.4)."),
@@ -296,7 +297,8 @@ def notes_for(time_limit: float, wall: float) -> list[str]:
         ("xla_bytes: XLA compiled memory of the whole-step jit (temp+output+argument-alias): "
          "XLA fuses elementwise ops, so it plans far fewer buffers than the op-level graph."),
         (f"CPU-scaled zoo, optax.sgd / torch SGD, CP-SAT 2 workers, time limit {time_limit} s per "
-         "stage (order_s: lower bound + local search + ILP; place_s: placement; solve_s: both)."),
+         "stage (order_s: local search + block relocation + bounds + ILP; place_s: placement; "
+         "solve_s: both)."),
         f"section wall time {wall:.1f} s",
         ]
 
