@@ -187,20 +187,16 @@ def optimize(
         return max(0.0, time_limit - (time.perf_counter() - t0))
 
     # search first (it is what lowers the peak), then the bounds that prove it
-    if use_ilp and local_search and not within(g_peak, lb):
-        l_order, l_peak = improve_order(work, g_order, target=lb,
-                                        time_budget=min(0.1 * time_limit, remaining() / 4))
-        if l_peak < g_peak:
-            g_order, g_peak, g_rule = l_order, l_peak, g_rule + "+local"
-            order, peak, method = g_order, g_peak, g_rule
+    searches = ((improve_order, "+local", 0.1, 4), (relocate_blocks, "+blocks", 0.3, 3))
+    for search, suffix, share, div in searches if use_ilp and local_search else ():
+        if within(peak, lb):
+            break
+        s_order, s_peak = search(work, order, target=lb,
+                                 time_budget=min(share * time_limit, remaining() / div))
+        if s_peak < peak:
+            order, peak, method = s_order, s_peak, method + suffix
             found.append((peak, order, method))
-        if not within(g_peak, lb):
-            r_order, r_peak = relocate_blocks(work, g_order, target=lb,
-                                              time_budget=min(0.3 * time_limit, remaining() / 3))
-            if r_peak < g_peak:
-                g_order, g_peak, g_rule = r_order, r_peak, g_rule + "+blocks"
-                order, peak, method = g_order, g_peak, g_rule
-                found.append((peak, order, method))
+
     def antichain(budget: float) -> None:
         """Raise ``lb`` with antichains grown from the top steps of the best order."""
         nonlocal lb
@@ -229,8 +225,8 @@ def optimize(
                 found.append((peak, order, method))
         if not early_updates and res.status != "UNKNOWN":
             lb = max(lb, res.bound)
-            if res.status == "INFEASIBLE":
-                lb = max(lb, g_peak)
+            if res.status == "INFEASIBLE":  # nothing below the hint's peak
+                lb = max(lb, peak)
     if use_ilp and not within(peak, lb) and remaining() > 0.05:
         antichain(remaining())  # seeded at the final order's peak steps
     if use_ilp and peak <= lb:
