@@ -23,8 +23,8 @@ from collections.abc import Iterable
 
 from .graph import Graph
 
-__all__ = ["Reach", "add_early_update_edges", "antichain_lower_bound", "cut_lower_bound", "edge_ranges", "expand_order",
-           "inplace_update_graph", "levels", "spans",
+__all__ = ["Reach", "add_early_update_edges", "antichain_lower_bound", "cut_lower_bound",
+           "edge_ranges", "expand_order", "inplace_update_graph", "levels", "spans",
            "structural_lower_bound"]
 
 
@@ -276,8 +276,10 @@ class _CutNetwork:
         self.rows = np.asarray(rows, dtype=np.int64)
         self.cols = np.asarray(cols, dtype=np.int64)
         self.caps = np.asarray(caps, dtype=np.int64)
-        self.fanin = {v: set(graph.fanin(v)) for v in order}
-        self.fanout = {v: set(graph.fanout(v)) for v in order}
+        # per node (order index): its own input+output tensors, resident at its step
+        self.local = [set(graph.fanin(v)) | set(graph.fanout(v)) for v in order]
+        self.local_bytes = [sum(graph.edges[e].size for e in es if not graph.edges[e].persistent)
+                            for es in self.local]
 
     def value(self, i: int, forced_out: Iterable[int] = ()) -> int:
         import numpy as np
@@ -286,11 +288,9 @@ class _CutNetwork:
 
         graph, idx = self.graph, self.reach.index
         v = self.reach.order[i]
-        local = self.fanin[v] | self.fanout[v]
-        const = self.persistent + sum(graph.edges[e].size for e in local
-                                      if not graph.edges[e].persistent)
+        const = self.persistent + self.local_bytes[i]
         c = self.caps.copy()
-        for e in local:
+        for e in self.local[i]:
             p = self.ecap_pos.get(e)
             if p is not None:
                 c[p] = 0
@@ -421,11 +421,7 @@ def antichain_lower_bound(graph: Graph, nodes: Iterable[str], reach: Reach | Non
     unknown = [v for v in nodes if v not in idx]
     if unknown:
         raise ValueError(f"nodes: {unknown[:3]!r} are not nodes of the graph")
-    local = []
-    for v in reach.order:
-        es = set(graph.fanin(v)) | set(graph.fanout(v))
-        local.append(sum(graph.edges[e].size for e in es if not graph.edges[e].persistent))
-    by_size = sorted(range(n), key=lambda j: -local[j])
+    by_size = sorted(range(n), key=lambda j: -net.local_bytes[j])
 
     def out_of_time() -> bool:
         if stop_at is not None and best >= stop_at:

@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Callable
 
 from .graph import Graph
-from .simulate import simulate
+from .simulate import _Tensors, simulate
 
 __all__ = ["RULES", "best_greedy_order", "greedy_order"]
 
@@ -111,47 +111,6 @@ def best_greedy_order(graph: Graph) -> tuple[list[str], int, str]:
     return best
 
 
-class _Profile:
-    """Vectorised resident-set profile of node orders of one graph (for local search)."""
-
-    def __init__(self, graph: Graph, names: list[str]) -> None:
-        import numpy as np
-
-        self.n = len(names)
-        idx = {v: i for i, v in enumerate(names)}
-        src, size, out, flat, starts, has = [], [], [], [], [], []
-        for e in graph.edges.values():
-            if e.persistent or e.size == 0:
-                continue
-            src.append(idx[e.src])
-            size.append(e.size)
-            out.append(e.output)
-            starts.append(len(flat))
-            has.append(bool(e.sinks))
-            flat.extend(idx[s] for s in e.sinks)
-            if not e.sinks:
-                flat.append(idx[e.src])
-        self.src = np.asarray(src, dtype=np.int64)
-        self.size = np.asarray(size, dtype=np.int64)
-        self.out = np.asarray(out, dtype=bool)
-        self.flat = np.asarray(flat, dtype=np.int64)
-        self.starts = np.asarray(starts, dtype=np.int64)
-        self.persistent = graph.persistent_bytes()
-
-    def profile(self, pos):
-        import numpy as np
-
-        if len(self.src) == 0:
-            return np.full(self.n, self.persistent, dtype=np.int64)
-        a = pos[self.src]
-        b = np.maximum.reduceat(pos[self.flat], self.starts)
-        b = np.maximum(a, b)
-        b[self.out] = self.n - 1
-        diff = np.bincount(a, weights=self.size, minlength=self.n + 1)
-        diff -= np.bincount(b + 1, weights=self.size, minlength=self.n + 1)
-        return np.cumsum(diff[:-1]).astype(np.int64) + self.persistent
-
-
 def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
                   target: int | None = None) -> tuple[list[str], int]:
     """Local search on a topological ``order``: repeatedly move one node that touches the
@@ -169,7 +128,7 @@ def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
     t0 = _time.perf_counter()
     names = list(graph.nodes)
     idx = {v: i for i, v in enumerate(names)}
-    prof = _Profile(graph, names)
+    prof = _Tensors(graph, names)
     preds = [[idx[p] for p in graph.preds(v)] for v in names]
     succs = [[idx[s] for s in graph.succs(v)] for v in names]
     readers: list[list[int]] = []
@@ -218,9 +177,7 @@ def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
         pk = int(p.max())
         peak_steps = np.flatnonzero(p == pk)
         t_star = int(peak_steps[len(peak_steps) // 2])
-        a = pos[prof.src]
-        b = np.maximum.reduceat(pos[prof.flat], prof.starts)
-        b[prof.out] = prof.n - 1
+        a, b = pos[prof.src], prof.ends(pos)
         live = np.flatnonzero((a < t_star) & (b > t_star))
         moves = []
         for k in live[np.argsort(-prof.size[live])]:

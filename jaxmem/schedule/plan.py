@@ -131,8 +131,9 @@ def optimize(
     Args:
       time_limit: seconds for the whole ordering stage (> 0): local search (at most 10%
         of it), block relocation (30%), min-cut bound (25%), a quick antichain bound (10%),
-        the ILP with what is left but 15%, then the antichain bound again. Every stage is anytime: when time runs out the best
-        order found so far is returned with ``optimal=False``.
+        the ILP with what is left but 15%, then the antichain bound again. Every stage is
+        anytime: when time runs out the best order found so far is returned with
+        ``optimal=False``.
       placement: also compute arena addresses (eq. 15); otherwise ``addresses`` is empty
         and ``arena_size == peak`` is what a fragmentation-free allocator would need.
       place_time_limit: seconds for the placement (default ``time_limit``). When the best

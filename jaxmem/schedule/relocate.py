@@ -35,59 +35,9 @@ import numpy as np
 
 from .analysis import Reach, _bits_to_bool
 from .graph import Graph
+from .simulate import _Tensors
 
 __all__ = ["insertion_peaks", "relocate_blocks"]
-
-
-class _Tensors:
-    """Non-persistent, non-empty tensors of a graph as index arrays (node index space)."""
-
-    def __init__(self, graph: Graph, names: list[str]) -> None:
-        idx = {v: i for i, v in enumerate(names)}
-        self.n = len(names)
-        self.src, self.size, self.out, self.readers = [], [], [], []
-        self.touch: list[list[int]] = [[] for _ in names]  # node -> tensors it writes/reads
-        for e in graph.edges.values():
-            if e.persistent or e.size == 0:
-                continue
-            k = len(self.src)
-            s = idx[e.src]
-            rd = sorted({idx[r] for r in e.sinks})
-            self.src.append(s)
-            self.size.append(int(e.size))
-            self.out.append(bool(e.output))
-            self.readers.append(rd)
-            for v in {s, *rd}:
-                self.touch[v].append(k)
-        self.src = np.asarray(self.src, dtype=np.int64)
-        self.size = np.asarray(self.size, dtype=np.int64)
-        self.out = np.asarray(self.out, dtype=bool)
-        self.persistent = graph.persistent_bytes()
-        # flat reader arrays (dead tensors: their producer stands in as the reader)
-        flat, starts = [], []
-        for k, rd in enumerate(self.readers):
-            starts.append(len(flat))
-            flat.extend(rd if rd else [int(self.src[k])])
-        self.flat = np.asarray(flat, dtype=np.int64)
-        self.starts = np.asarray(starts, dtype=np.int64)
-
-    def ends(self, pos: np.ndarray) -> np.ndarray:
-        """Last step of every tensor for node positions ``pos``."""
-        if len(self.src) == 0:
-            return np.zeros(0, dtype=np.int64)
-        b = np.maximum.reduceat(pos[self.flat], self.starts)
-        b = np.maximum(b, pos[self.src])
-        b[self.out] = self.n - 1
-        return b
-
-    def profile(self, pos: np.ndarray) -> np.ndarray:
-        if len(self.src) == 0:
-            return np.full(self.n, self.persistent, dtype=np.int64)
-        a = pos[self.src]
-        b = self.ends(pos)
-        diff = np.bincount(a, weights=self.size, minlength=self.n + 1)
-        diff -= np.bincount(b + 1, weights=self.size, minlength=self.n + 1)
-        return np.rint(np.cumsum(diff[:-1])).astype(np.int64) + self.persistent
 
 
 def insertion_peaks(ts: _Tensors, seq: np.ndarray, in_block: np.ndarray,
