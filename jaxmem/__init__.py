@@ -8,6 +8,9 @@ Submodules (imported lazily, so ``import jaxmem`` stays cheap and never imports 
 - :mod:`jaxmem.rowconv`   — row-centric (row-tiled) convolution training, exact gradients.
 - :mod:`jaxmem.schedule`  — ILP operator ordering and tensor placement over jaxprs.
 - :mod:`jaxmem.models`    — reference Flax models (twins of ``torch_ref.models``).
+
+The one way in for Flax: :func:`jaxmem.linen.convert`, :func:`jaxmem.nnx.convert`,
+:func:`jaxmem.scope` (context manager), :func:`jaxmem.report` (what was converted and why).
 """
 from __future__ import annotations
 
@@ -16,8 +19,13 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench")
-__all__ = list(_SUBMODULES) + ["__version__"]
+_SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench",
+               "linen", "nnx")
+_ATTRS = {"scope": ("jaxmem._glue.patch", "scope"),
+          "report": ("jaxmem._glue.report", "report"),
+          "Report": ("jaxmem._glue.report", "Report"),
+          "NothingConvertedWarning": ("jaxmem._glue.report", "NothingConvertedWarning")}
+__all__ = list(_SUBMODULES) + list(_ATTRS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +33,11 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"{__name__}.{name}")
         globals()[name] = module
         return module
+    if name in _ATTRS:
+        modname, attr = _ATTRS[name]
+        value = getattr(importlib.import_module(modname), attr)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'jaxmem' has no attribute {name!r}")
 
 

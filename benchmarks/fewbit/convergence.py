@@ -7,10 +7,10 @@ Each ``--seed S`` invocation trains every method (exact, 1-4 bit) on both tasks 
 (initialisation and batch order; identical for every method of that seed) and writes
 ``benchmarks/results/fewbit/convergence_seed{S}.json``; ``--merge`` reads all seed files and
 writes ``convergence.{json,md,png}``: per method the mean and spread over seeds of the final
-losses and the per-seed *paired* difference vs exact.  The session-2 runs: seeds 0, 1, 2,
+losses and the per-seed *paired* difference vs exact.  The committed runs: seeds 0, 1, 2,
 500 steps, Adam with 50 warm-up steps then cosine decay to 3 % of the peak learning rate and
-global-norm clipping at 1.0 (session 1 used 400 steps at a constant learning rate, one seed;
-its seed-to-seed spread of 13-20 % could not resolve a 2 % target).
+global-norm clipping at 1.0 (one seed at a constant learning rate cannot resolve a 2 % target:
+the seed-to-seed spread is 13-20 %).
 
 Tasks:
 
@@ -220,14 +220,13 @@ def merge() -> None:
         summary[task]["exact_seed_spread_pct"] = {"train": spread_tr, "eval": spread_ev}
         lines.append(f"| {task} | (exact: seed-to-seed range) | {spread_tr:.2f}% of mean | | "
                      f"{spread_ev:.2f}% of mean | |")
-    cmd = ("`for s in 0 1 2; do flock /tmp/jaxmem_s2/cpu.lock .venv/bin/python "
+    cmd = ("`for s in 0 1 2; do flock /tmp/jaxmem-cpu.lock .venv/bin/python "
            "benchmarks/fewbit/convergence.py --seed $s; done; "
            ".venv/bin/python benchmarks/fewbit/convergence.py --merge`")
-    lines += ["", ("Session 1 (kept for comparison): 400 steps at a constant learning rate, seed 0 "
-              "only: char-LM 3-bit +2.24 % / 4-bit -0.59 % (train), bars +0.23 % / +0.05 %; the "
-              "exact runs of seeds 1-2 differed from seed 0 by 13-20 % (char-LM), so a single "
-              "seed could not resolve 2 %. The runs above replace that measurement: decayed "
-              "learning rate, 3 seeds, paired differences."),
+    lines += ["", ("A single-seed comparison (400 steps at a constant learning rate, seed 0 only: "
+              "char-LM 3-bit +2.24 % / 4-bit -0.59 % (train), bars +0.23 % / +0.05 %) cannot "
+              "resolve 2 %: the exact runs of seeds 1-2 differ from seed 0 by 13-20 % (char-LM). "
+              "Hence this design: decayed learning rate, 3 seeds, paired differences."),
               "", f"Total {secs:.0f} s of training on 2 CPU cores.", "",
               "![convergence](convergence.png)", "", f"Regenerate: {cmd}"]
     (OUT / "convergence.md").write_text("\n".join(lines) + "\n")

@@ -4,8 +4,8 @@ of a frozen-weight GELU MLP (gradient w.r.t. the input), on the default backend.
     python benchmarks/gpu/fewbit_packing.py            # prints JSON rows
 
 Variants of the forward rule's residual (same codes, same bytes, same backward):
-  axis-2       bytes formed by a reduction over axis -2 of [..., G, B] (jaxmem.fewbit.pack
-               before session 3; kept here as the layout XLA:GPU did not keep packed)
+  axis-2       bytes formed by a reduction over axis -2 of [..., G, B] (the layout XLA:GPU does
+               not keep packed at 3 bits)
   current      jaxmem.fewbit.pack: reduction over the trailing axis of [..., B, G]
   barrier      the axis -2 bytes through lax.optimization_barrier
   flat         selective.bits-style: flatten, (n/G, G) groups, trailing reduction (1/2/4 bits)
@@ -31,7 +31,7 @@ from jaxmem.measure import compiled_memory
 
 
 def pack_axis2(c, bits):
-    """The pre-session-3 layout: contrib[..., j, b] summed over the code axis j (axis -2)."""
+    """The axis -2 layout: contrib[..., j, b] summed over the code axis j (axis -2)."""
     shape = c.shape
     g = P.GROUP[bits]
     c = c.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1)

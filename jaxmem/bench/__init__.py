@@ -9,7 +9,7 @@ The CLI imports the modules listed in :data:`SECTIONS` lazily, runs them in orde
 each :class:`Section` as a table and writes ``<out>/<name>.json`` and ``<out>/<name>.md``
 (plus any PNG the section wrote into ``Section.plots``).
 
-Rules for sections (see ../shared/DESIGN.md):
+Rules for sections (see docs/design.md):
 - memory figures are deterministic and reported in bytes (render MiB in the table);
 - time only as a ratio measured side by side in the same run;
 - ``quick=True`` must finish in well under a minute on 2 CPU cores.

@@ -109,8 +109,8 @@ def _case_loss(model, variables, train: bool) -> Callable:
 
 
 def make_step(model, variables, case: str, *, train_bn: bool = True):
-    """``f(params, x) -> grads`` for a case. ``model`` is a Linen model or a
-    ``jaxmem.selective.linen.SelectiveModel``; only the case's leaves are differentiated."""
+    """``f(params, x) -> grads`` for a case. ``model`` is a Linen model, converted
+    (``jaxmem.linen.convert``) or not; only the case's leaves are differentiated."""
     from jaxmem.selective.subset import grad as sgrad
     loss = _case_loss(model, variables, train=train_bn and case != "bn_eval")
 

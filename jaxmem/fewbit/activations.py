@@ -96,7 +96,7 @@ def numpy_derivative(fn: Callable) -> Callable:
 
     def d(x):
         x = np.asarray(x, dtype=np.float64)
-        with jax.enable_x64(True):
+        with jax.enable_x64(True), jax.ensure_compile_time_eval():
             out = np.asarray(grad(jnp.asarray(x.reshape(-1), dtype=jnp.float64)),
                              dtype=np.float64)
         return out.reshape(x.shape)

@@ -11,10 +11,15 @@ change what is stored:
 * :func:`softmax` -- ``custom_vjp`` that stores the output ``y`` once;
   ``dx = y * (g - sum(g * y, axis))``.  The same ``y`` is the residual of the following
   ``y @ v`` product, so XLA keeps one ``(B, H, T, T)`` array per layer.
-* :func:`attention` -- ``softmax(q k^T * scale [+ causal mask]) v`` with a flash-style
-  backward: it stores ``q, k, v`` and the per-row log-sum-exp, and recomputes the
-  probabilities in the backward pass (``P = exp(S - lse)``); nothing ``T x T`` survives
-  the forward pass.  Costs one extra ``k q^T`` product in the backward pass.
+* :func:`attention` -- ``softmax(q k^T * scale + bias [masked]) v`` with a flash-style
+  backward: it stores ``q, k, v`` (``bias``, ``mask``) and two per-row statistics (max and
+  sum), and recomputes the probabilities in the backward pass (``P = exp(s - m) / l``);
+  nothing ``T x S`` survives the forward pass.  Costs one extra ``q k^T`` product in the
+  backward pass.  A query row whose keys are all masked gets uniform weights ``1 / S`` and
+  ``dq = 0`` (what the masked softmax of Flax / ``jax.nn.dot_product_attention`` gives).
+* :func:`attention_core` / :class:`AttentionSpec` -- the one core behind :func:`attention`
+  and :mod:`jaxmem.fewbit.flax_attention` (Flax's arithmetic, attention dropout whose mask
+  is regenerated from its key in the backward pass).
 * :func:`patch_attention` -- runs :class:`jaxmem.models.SelfAttention` (GPT, ViT of the
   model zoo) with :func:`attention` while tracing inside the context.
 * :func:`patch_softmax` -- scoped, restorable switch of ``jax.nn.softmax`` /
@@ -31,6 +36,7 @@ slope in ``parity_tests/fewbit/test_fewbit_attention.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import math
@@ -39,7 +45,8 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SOFTMAX_MODULES", "attention", "patch_attention", "patch_softmax", "softmax"]
+__all__ = ["SOFTMAX_MODULES", "AttentionSpec", "attention", "attention_core", "patch_attention",
+           "patch_softmax", "softmax"]
 
 #: modules whose ``softmax`` attribute :func:`patch_softmax` replaces
 SOFTMAX_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
@@ -67,8 +74,11 @@ def _after(g, dtype):
 
     ``where(isfinite(g0), g0, 0) * 0`` is 0 also when ``g0`` is inf/NaN (so a non-finite
     cotangent element does not leak into unrelated gradients); XLA does not fold ``x * 0``
-    for floats, so the dependency survives.
+    for floats, so the dependency survives.  An empty ``g`` gives a plain zero (there is
+    nothing to recompute).
     """
+    if g.size == 0:
+        return jnp.zeros((), dtype)
     first = (jax.lax.reshape(g, (g.size,))[:1] if g.ndim else g.reshape(1))[0]
     return (jnp.where(jnp.isfinite(first), first, jnp.zeros_like(first)) * 0).astype(dtype)
 
@@ -150,83 +160,219 @@ def softmax(x, axis: int | Sequence[int] | None = -1, where=None):
 
 # --------------------------------------------------------------------------- attention
 
-def _scores(qt, kt, scale, causal: bool):
-    """``qt: (..., H, T, D)``, ``kt: (..., H, S, D)`` -> masked scores ``(..., H, T, S)``."""
-    s = jnp.einsum("...htd,...hsd->...hts", qt, kt) * jnp.asarray(scale, qt.dtype)
-    if causal:
-        t, s_len = s.shape[-2], s.shape[-1]
-        keep = jnp.tril(jnp.ones((t, s_len), bool), k=s_len - t)
-        s = jnp.where(keep, s, jnp.finfo(s.dtype).min)
-    return s
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention forward arithmetic (hashable).
+
+    The scores are ``s = q k^T`` (``qk_precision``; accumulated in ``logits_dtype`` when set),
+    then ``s * scale`` (when ``scale`` is set), ``+ bias``, and masked entries (``mask`` False
+    or outside the ``causal`` band) replaced by ``fill``: ``"min"`` is
+    ``finfo(q.dtype).min`` (Flax, the model zoo), ``"large"`` is JAX's
+    ``-0.7 * finfo(s.dtype).max`` (capped at the float32 range).  The weights are
+    ``softmax(s.astype(softmax_dtype)).astype(weights_dtype)`` (no cast where ``None``),
+    multiplied by ``keep / (1 - dropout_rate)`` when ``dropout_rate > 0``, and contracted
+    with ``v`` (``pv_precision``).  ``causal``: ``"bottom_right"`` keeps key ``j <= i + S - T``,
+    ``"top_left"`` keeps ``j <= i``.
+    """
+    scale: float | None = None
+    logits_dtype: str | None = None
+    fill: str = "min"
+    causal: str | None = None
+    softmax_dtype: str | None = None
+    weights_dtype: str | None = None
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = True
+    qk_precision: object = None
+    pv_precision: object = None
 
 
-def _heads_first(a):
-    return jnp.swapaxes(a, -3, -2)  # (..., T, H, D) <-> (..., H, T, D)
+def _fill_value(spec: AttentionSpec, q_dtype, s_dtype):
+    if spec.fill == "min":
+        return jnp.finfo(q_dtype).min
+    big = min(float(jnp.finfo(s_dtype).max), float(jnp.finfo(jnp.float32).max))
+    return jnp.asarray(-0.7 * big, dtype=s_dtype)
 
 
-def _attn_forward(q, k, v, scale, causal):
-    qt, kt, vt = _heads_first(q), _heads_first(k), _heads_first(v)
-    s = _scores(qt, kt, scale, causal)
-    p = _ORIG_SOFTMAX(s, axis=-1)
-    o = _heads_first(jnp.einsum("...hts,...hsd->...htd", p, vt))
+def _valid(mask, causal, t: int, s_len: int):
+    """Boolean ``keep`` (broadcastable to the scores) or ``None`` when nothing is masked."""
+    keep = mask
+    if causal is not None:
+        band = jnp.tril(jnp.ones((t, s_len), bool), k=s_len - t if causal == "bottom_right"
+                        else 0)
+        keep = band if keep is None else jnp.logical_and(keep, band)
+    return keep
+
+
+def _scores(q, k, bias, mask, spec: AttentionSpec):
+    """Masked scores ``(..., H, T, S)`` (cast to ``softmax_dtype``), the boolean ``keep``
+    (or ``None``) and the scores' dtype before that cast."""
+    if spec.logits_dtype is not None:
+        kw = {"preferred_element_type": jnp.dtype(spec.logits_dtype)}
+        try:
+            s = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=spec.qk_precision, **kw)
+        except ValueError:  # a dot algorithm the platform lacks: default precision (as JAX)
+            s = jnp.einsum("...qhd,...khd->...hqk", q, k, **kw)
+    else:
+        s = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=spec.qk_precision)
+    if spec.scale is not None:
+        s = s * jnp.asarray(spec.scale, s.dtype)
+    if bias is not None:
+        s = s + bias
+        if spec.logits_dtype is not None:
+            s = s.astype(jnp.dtype(spec.logits_dtype))
+    keep = _valid(mask, spec.causal, q.shape[-3], k.shape[-3])
+    if keep is not None:
+        s = jnp.where(keep, s, _fill_value(spec, q.dtype, s.dtype))
+    pre = s.dtype
+    if spec.softmax_dtype is not None:
+        s = s.astype(jnp.dtype(spec.softmax_dtype))
+    return s, keep, pre
+
+
+def _dropout_multiplier(rng, spec: AttentionSpec, key_ndim: int, w_shape, dtype):
+    """Flax's attention dropout: ``bernoulli(rng, 1 - rate, shape) / (1 - rate)`` in ``dtype``
+    (shape ``(1,) * (key.ndim - 2) + (T, S)`` when ``broadcast_dropout``, else the weights')."""
+    keep_prob = 1.0 - spec.dropout_rate
+    shape = ((1,) * (key_ndim - 2) + tuple(w_shape[-2:]) if spec.broadcast_dropout
+             else tuple(w_shape))
+    keep = jax.random.bernoulli(rng, keep_prob, shape)
+    return keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+
+
+def _key_after(rng, z):
+    """``rng`` with a data dependency on the zero ``z`` (so the dropout mask is regenerated
+    in the backward pass, not kept from the forward pass)."""
+    zi = (z != 0).astype(jnp.uint32)
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jax.random.key_data(rng) + zi,
+                                        impl=jax.random.key_impl(rng))
+    return rng + zi
+
+
+def _unbroadcast(g, shape, dtype):
+    """Sum ``g`` down to ``shape`` (the transpose of broadcasting), cast to ``dtype``."""
+    shape = tuple(shape)
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and g.shape[lead + i] != 1)
+    if axes:
+        g = jnp.sum(g, axis=axes, keepdims=True)
+    return jnp.reshape(g, shape).astype(dtype)
+
+
+def _forward(q, k, v, bias, mask, rng, spec: AttentionSpec):
+    s, _, _ = _scores(q, k, bias, mask, spec)
+    w = _ORIG_SOFTMAX(s, axis=-1)
+    if spec.weights_dtype is not None:
+        w = w.astype(jnp.dtype(spec.weights_dtype))
+    if spec.dropout_rate > 0.0:
+        w = w * _dropout_multiplier(rng, spec, k.ndim, w.shape, q.dtype)
+    o = jnp.einsum("...hqk,...khd->...qhd", w, v, precision=spec.pv_precision)
+    # row statistics of the softmax, float32 (float64 for float64 scores)
     sf = s.astype(_stat_dtype(s.dtype))
-    m = jnp.max(sf, axis=-1, keepdims=True)
-    lse = m + jnp.log(jnp.sum(jnp.exp(sf - m), axis=-1, keepdims=True))
-    return o, lse, (qt, kt, vt)
+    m = jnp.max(sf, axis=-1, keepdims=True, initial=-jnp.inf)
+    den = jnp.sum(jnp.exp(sf - m), axis=-1, keepdims=True)
+    return o, (m, den)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, scale, causal):
-    return _attn_forward(q, k, v, scale, causal)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _core(q, k, v, bias, mask, rng, spec):
+    return _forward(q, k, v, bias, mask, rng, spec)[0]
 
 
-def _attention_fwd(q, k, v, scale, causal):
-    o, lse, _ = _attn_forward(q, k, v, scale, causal)
-    return o, (q, k, v, lse)
+def _core_fwd(q, k, v, bias, mask, rng, spec):
+    o, (m, den) = _forward(q, k, v, bias, mask, rng, spec)
+    return o, (q, k, v, bias, mask, rng, m, den)
 
 
-def _attention_bwd(scale, causal, res, do):
+def _bwd_precision(p):
+    return p if p is None or isinstance(p, (jax.lax.Precision, str, tuple)) else None
+
+
+def _core_bwd(spec, res, do):
     # * every residual enters through ``+ z`` (a zero that depends on ``do``), so nothing
-    #   below can be scheduled into the forward pass; XLA fuses ``q + z`` with q's producer,
-    #   i.e. it keeps the caller's array (e.g. the fused qkv product) and no extra copy;
-    # * the scores are recomputed transposed, ``k q^T`` (..., H, S, T);
-    # * ``rowsum(do * o) == rowsum(P * dP)``, so the output is not needed.
-    q, k, v, lse = res
+    #   below is scheduled into the forward pass; XLA fuses ``q + z`` with q's producer;
+    # * ``P = exp(s - m) / den`` from the stored row max and row sum: a fully masked row
+    #   (all scores equal to the fill value) gets ``1 / S`` like the forward's softmax.
+    q, k, v, bias, mask, rng, m, den = res
     z = _after(do, q.dtype)
-    qt, kt, vt = _heads_first(q + z), _heads_first(k + z), _heads_first(v + z)
-    lse_t = jnp.swapaxes(lse, -1, -2)                               # (..., H, 1, T)
-    st = jnp.einsum("...hsd,...htd->...hst", kt, qt) * jnp.asarray(scale, qt.dtype)
-    if causal:
-        s_len, t = st.shape[-2], st.shape[-1]
-        keep_t = jnp.tril(jnp.ones((t, s_len), bool), k=s_len - t).T
-        st = jnp.where(keep_t, st, jnp.finfo(st.dtype).min)
-    pt = jnp.exp(st.astype(lse_t.dtype) - lse_t).astype(qt.dtype)  # P^T, recomputed
-    dot = _heads_first(do)
-    dv = jnp.einsum("...hst,...htd->...hsd", pt, dot)
-    dpt = jnp.einsum("...hsd,...htd->...hst", vt, dot)
-    delta_t = jnp.sum(pt * dpt, axis=-2, keepdims=True)              # (..., H, 1, T)
-    dst = pt * (dpt - delta_t) * jnp.asarray(scale, qt.dtype)
-    dq = jnp.einsum("...hst,...hsd->...htd", dst, kt)
-    dk = jnp.einsum("...hst,...htd->...hsd", dst, qt)
-    return _heads_first(dq), _heads_first(dk), _heads_first(dv)
+    q, k, v = q + z, k + z, v + z
+    if bias is not None and jnp.issubdtype(bias.dtype, jnp.inexact):
+        bias = bias + z.astype(bias.dtype)
+    s, keep, pre = _scores(q, k, bias, mask, spec)
+    p = jnp.exp(s.astype(m.dtype) - m) / den                        # recomputed softmax
+    wd = jnp.dtype(spec.weights_dtype) if spec.weights_dtype is not None else s.dtype
+    w = p.astype(wd)
+    mult = None
+    if spec.dropout_rate > 0.0:
+        mult = _dropout_multiplier(_key_after(rng, z), spec, k.ndim, s.shape, q.dtype)
+        w = w * mult
+    prec = _bwd_precision(spec.pv_precision)
+    dv = jnp.einsum("...hqk,...qhd->...khd", w, do.astype(jnp.result_type(w, v)),
+                    precision=prec)
+    dw = jnp.einsum("...qhd,...khd->...hqk", do, v.astype(do.dtype), precision=prec)
+    if mult is not None:
+        dw = dw * mult
+    g = dw.astype(p.dtype)
+    dx = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))           # softmax vjp
+    if keep is not None:
+        dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))          # masked: no gradient
+    ds = dx.astype(pre)          # the scores' dtype (transpose of the softmax_dtype cast)
+    dbias = None
+    if bias is not None:
+        dbias = (_unbroadcast(ds, bias.shape, bias.dtype)
+                 if jnp.issubdtype(bias.dtype, jnp.inexact) else None)
+    if spec.scale is not None:
+        ds = ds * jnp.asarray(spec.scale, ds.dtype)
+    prec = _bwd_precision(spec.qk_precision)
+    dq = jnp.einsum("...hqk,...khd->...qhd", ds, k.astype(ds.dtype), precision=prec)
+    dk = jnp.einsum("...hqk,...qhd->...khd", ds, q.astype(ds.dtype), precision=prec)
+    return (_unbroadcast(dq, q.shape, q.dtype), _unbroadcast(dk, k.shape, k.dtype),
+            _unbroadcast(dv, v.shape, v.dtype), dbias, None, None)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_core.defvjp(_core_fwd, _core_bwd)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
-    """Exact dot-product attention ``softmax(q k^T * scale [+ causal mask]) v``.
+def attention_core(q, k, v, *, bias=None, mask=None, rng=None,
+                   spec: AttentionSpec = AttentionSpec()):
+    """The one exact attention core behind :func:`attention` and
+    :mod:`jaxmem.fewbit.flax_attention` (no argument checks: callers check).
+
+    ``q: (..., T, H, D)``, ``k: (..., S, H, D)``, ``v: (..., S, H, Dv)`` (promoted to one
+    dtype by the caller), ``bias`` float and ``mask`` bool broadcastable to
+    ``(..., H, T, S)``, ``rng`` the dropout key when ``spec.dropout_rate > 0``.  Forward: the
+    arithmetic ``spec`` describes.  Backward stores ``q, k, v, bias, mask, rng`` and two
+    ``(..., H, T, 1)`` row statistics (max ``m``, sum ``l`` of ``exp(s - m)``), recomputes
+    ``P = exp(s - m) / l`` and the dropout multiplier ``M`` (from ``rng``), and returns
+    ``dv = (P M)^T do``, ``dW = do v^T M``, ``ds = [keep] P (dW - rowsum(P dW))``,
+    ``dbias = ds`` (summed to ``bias``'s shape), ``dq = scale ds k``, ``dk = scale ds^T q``.
+    A row whose keys are all masked has uniform weights ``1 / S`` (its scores all equal
+    the fill value) and, since no score depends on ``q`` or ``k``, ``dq = 0`` and no ``dk``
+    from it, exactly like autodiff of the masked softmax.
+    """
+    return _core(q, k, v, bias, mask, rng, spec)
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
+              bias=None, mask=None):
+    """Exact dot-product attention ``softmax(q k^T * scale + bias [masked]) v``.
 
     Shapes ``q: (..., T, H, D)``, ``k, v: (..., S, H, D)`` (the ``"bthd"`` layout of
     :class:`jaxmem.models.SelfAttention`); returns ``(..., T, H, D)``.  ``scale`` defaults to
-    ``1 / sqrt(D)``.  ``causal=True`` masks key ``j > i + (S - T)`` with the dtype's most
-    negative finite value before the softmax (like the model zoo).
+    ``1 / sqrt(D)``.  ``bias`` (float) and ``mask`` (bool, ``False`` = masked) broadcast to
+    ``(..., H, T, S)``; ``causal=True`` also masks key ``j > i + (S - T)``.  Masked scores
+    become the dtype's most negative finite value before the softmax (like the model zoo and
+    Flax), so a query row with every key masked (e.g. the first ``T - S`` rows when
+    ``causal`` and ``T > S``) gets uniform weights ``1 / S``, gradient ``dq = 0`` and no
+    ``dk`` contribution -- what ``jax.nn.dot_product_attention`` and autodiff return.
+    ``S = 0`` gives zeros, ``T = 0`` or a zero batch an empty result.
 
-    Backward (flash-style, exact): stores ``q, k, v`` and a float32 log-sum-exp per row
-    (float64 for float64 inputs); recomputes ``P = exp(S - lse)`` and returns
-    ``dv = P^T do``, ``dP = do v^T``, ``ds = P * (dP - rowsum(P * dP)) * scale``
-    (``rowsum(P * dP) == rowsum(do * o)``, so the output is not stored), ``dq = ds k``,
-    ``dk = ds^T q``.  Nothing of size ``T x S`` is kept between forward and backward.
+    Backward (flash-style, exact): stores ``q, k, v`` (and ``bias``/``mask``) and two float32
+    statistics per row (float64 for float64 inputs); recomputes ``P = exp(s - m) / l`` and
+    returns ``dv = P^T do``, ``dP = do v^T``, ``ds = P * (dP - rowsum(P * dP))``,
+    ``dq = scale ds k``, ``dk = scale ds^T q``.  Nothing of size ``T x S`` is kept between
+    forward and backward.
     """
     who = "attention"
     q = _check_float(q, who, "q")
@@ -244,10 +390,30 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
         raise TypeError(f"{who}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{who}: scale must be a Python float or None, got {scale!r}")
-    return _attention(q, k, v, float(scale), causal)
+    sshape = q.shape[:-3] + (q.shape[-2], q.shape[-3], k.shape[-3])
+    if bias is not None:
+        bias = _check_float(bias, who, "bias")
+        _check_broadcast(bias, sshape, who, "bias")
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"{who}: mask must be a boolean array, got dtype {mask.dtype}")
+        _check_broadcast(mask, sshape, who, "mask")
+    spec = AttentionSpec(scale=float(scale), causal="bottom_right" if causal else None)
+    return _core(q, k, v, bias, mask, None, spec)
+
+
+def _check_broadcast(a, shape, who: str, arg: str):
+    try:
+        out = jnp.broadcast_shapes(a.shape, tuple(shape))
+    except ValueError:
+        out = None
+    if out != tuple(shape):
+        raise ValueError(f"{who}: {arg} of shape {a.shape} must broadcast to the scores' "
+                         f"shape (..., H, T, S) = {tuple(shape)}")
 
 
 # ------------------------------------------------------------------------------ patch
@@ -263,29 +429,32 @@ _patched_softmax.__wrapped__ = _ORIG_SOFTMAX
 
 @contextlib.contextmanager
 def patch_softmax(modules: Sequence[str] = SOFTMAX_MODULES) -> Iterator[dict]:
-    """Temporarily replace ``softmax`` in ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` by
-    :func:`softmax` (exact; backward stores only the output).
+    """Use :func:`softmax` (exact; backward stores only the output) for ``softmax`` looked
+    up in ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` inside the block: the softmax part of
+    ``jaxmem.scope(attention=True)``, restricted to it (so it composes with enclosing
+    scopes).
 
     Same rules as :func:`jaxmem.fewbit.patch_activations`: wrap the *tracing*; only look-ups
     through the module (``nn.softmax(x)``) are redirected; everything is restored on exit.
-    Yields ``{"module.softmax": replacement}``.
+    Yields ``{"module.softmax": function}``.
     """
-    saved, patched = [], {}
-    try:
+    from jaxmem._glue import options as _options
+    from jaxmem._glue import patch as _gpatch
+
+    modules = tuple(modules)
+    only = (frozenset({"softmax"}) if set(modules) == set(SOFTMAX_MODULES)
+            else frozenset(f"{m}.softmax" for m in modules))
+    opts = _options.Options(selective=False, fewbit=None, attention=True, only=only)
+    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_softmax", linen=False):
+        patched = {}
         for modname in modules:
             try:
                 mod = importlib.import_module(modname)
             except ImportError:
                 continue
-            cur = getattr(mod, "softmax", None)
-            if cur is _ORIG_SOFTMAX or cur is _patched_softmax:
-                saved.append((mod, cur))
-                mod.softmax = _patched_softmax
-                patched[f"{modname}.softmax"] = _patched_softmax
+            if getattr(mod, "softmax", None) is not None:
+                patched[f"{modname}.softmax"] = mod.softmax
         yield patched
-    finally:
-        for mod, cur in reversed(saved):
-            mod.softmax = cur
 
 
 # --------------------------------------------------------------- Linen model-zoo switch
@@ -316,26 +485,20 @@ def _zoo_attention(m, x):
 @contextlib.contextmanager
 def patch_attention() -> Iterator[None]:
     """Run :class:`jaxmem.models.SelfAttention` (GPT, ViT of the model zoo) with
-    :func:`attention` while tracing inside the context.
+    :func:`attention` while tracing inside the context: the zoo part of
+    ``jaxmem.scope(attention=True)``, restricted to it (so it composes with enclosing
+    scopes).
 
-    A Flax method interceptor: each ``SelfAttention.__call__`` (outside ``init``) is computed
-    from the module's own ``c_attn`` / ``c_proj`` parameters with the same arithmetic
-    (``flax.linen.Dense``'s promote-dot-bias, the same split, scale and causal mask), so the
-    forward is the model's and the gradient is exact; only the attention matrix is not
-    stored.  Parameters and their tree are untouched.  Other attention modules are left
-    alone (call :func:`attention` in them directly).  Wrap the tracing, like
-    :func:`jaxmem.fewbit.patch_activations`.
+    Each ``SelfAttention.__call__`` (outside ``init``) is computed from the module's own
+    ``c_attn`` / ``c_proj`` parameters with the same arithmetic (``flax.linen.Dense``'s
+    promote-dot-bias, the same split, scale and causal mask), so the forward is the model's
+    and the gradient is exact; only the attention matrix is not stored. Parameters and their
+    tree are untouched. Wrap the tracing, like :func:`jaxmem.fewbit.patch_activations`.
     """
-    import flax.linen as nn
+    from jaxmem._glue import options as _options
+    from jaxmem._glue import patch as _gpatch
 
-    from jaxmem.models.transformer import SelfAttention
-
-    def interceptor(next_fun, args, kwargs, context):
-        m = context.module
-        if (type(m) is not SelfAttention or context.method_name != "__call__"
-                or m.is_initializing() or kwargs or len(args) != 1):
-            return next_fun(*args, **kwargs)
-        return _zoo_attention(m, args[0])
-
-    with nn.intercept_methods(interceptor):
+    opts = _options.Options(selective=False, fewbit=None, attention=True,
+                            only=frozenset({"SelfAttention"}))
+    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_attention"):
         yield

@@ -41,7 +41,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["Fit", "approximation_error", "fit", "gaussian_weight", "uniform_weight"]
+__all__ = ["Fit", "approximation_error", "check_finite_derivative", "fit", "gaussian_weight",
+           "uniform_weight"]
 
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(8)
 
@@ -246,6 +247,38 @@ def _refine(prob: _Problem, borders: np.ndarray) -> np.ndarray:
     return s
 
 
+def check_finite_derivative(derivative, interval, *, points: int = 4097,
+                            what: str = "the derivative") -> None:
+    """Raise ``ValueError`` unless ``derivative`` is finite on ``points`` points spanning the
+    closed ``interval``; the message names the sub-ranges where it is NaN/inf and a finite
+    sub-interval to pass as ``interval`` instead."""
+    a, b = map(float, interval)
+    xs = np.linspace(a, b, int(points))
+    with np.errstate(all="ignore"):
+        ok = np.isfinite(np.asarray(derivative(xs), dtype=np.float64))
+    if ok.all():
+        return
+    bad = (~ok).astype(np.int8)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], bad, [0]])))
+    runs = [(xs[i], xs[j - 1]) for i, j in zip(edges[::2], edges[1::2])]
+    shown = ", ".join(f"[{u:.6g}, {v:.6g}]" for u, v in runs[:4]) + (" ..." if len(runs) > 4 else "")
+    good = np.flatnonzero(np.diff(np.concatenate([[0], ok.astype(np.int8), [0]])))
+    hint = ""
+    if good.size:
+        lens = good[1::2] - good[::2]
+        k = int(np.argmax(lens))
+        i, j = int(good[2 * k]), int(good[2 * k + 1]) - 1
+        if j - i >= 2:  # keep one probe step away from the non-finite points
+            lo = xs[i + 1] if i > 0 else xs[i]
+            hi = xs[j - 1] if j < len(xs) - 1 else xs[j]
+            hint = f", e.g. interval=({lo:.6g}, {hi:.6g})"
+    raise ValueError(
+        f"{what} is NaN or inf on {shown} (of interval=({a:.6g}, {b:.6g})): the table is "
+        f"fitted on the whole interval, so f' must be finite there. Pass interval=(A, B) "
+        f"inside the domain where the function is differentiable{hint}"
+    )
+
+
 def approximation_error(derivative, borders, levels, *, interval=(-10.0, 10.0), weight=None,
                         symmetric=False, grid: int = 4096) -> float:
     """Full-line weighted L2 error (eq. 3) of a given table against ``derivative``."""
@@ -300,6 +333,7 @@ def fit(
         raise ValueError(f"interval must be finite (A, B) with A < B, got {interval!r}")
     if not isinstance(grid, (int, np.integer)) or grid < 16:
         raise ValueError(f"grid must be an integer >= 16, got {grid!r}")
+    check_finite_derivative(derivative, (a, b), points=2 * int(grid) + 1)
     box = uniform_weight(a, b)
     if weight is None or (isinstance(weight, str) and weight == "uniform"):
         inner = None

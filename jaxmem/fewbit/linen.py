@@ -1,5 +1,9 @@
 """Flax glue: switch a model's activations to few-bit without editing the model.
 
+The one way in is ``jaxmem.scope(fewbit=bits)`` / ``jaxmem.linen.convert(model,
+fewbit=bits)``; this module registers the few-bit rules on :mod:`jaxmem._glue.patch` and
+keeps :func:`patch_activations` as a compatibility form.
+
 Models usually call activations inline (``nn.gelu(x)``, ``jax.nn.silu(x)``,
 ``nnx.gelu(x)``); those are attribute look-ups on the modules ``jax.nn``, ``flax.linen``
 and ``flax.nnx`` at *trace* time.  :func:`patch_activations` is a scoped, restorable context
@@ -18,8 +22,8 @@ Caveats (read them):
 * Only calls that look the function up through the module (``nn.gelu``, ``jax.nn.gelu``,
   ``nnx.gelu``) are redirected; ``from jax.nn import gelu`` bound before entering, or
   ``jnp.tanh``, are not.
-* It patches process-global module attributes: don't trace other models concurrently
-  from other threads while it is active.
+* Thread-safe: while it is active the attributes are dispatchers that read the options of
+  the calling context, so another thread tracing at the same time gets plain JAX.
 * Defaults are preserved: ``jax.nn.gelu``'s default ``approximate=True`` (tanh form) stays
   the default of the patched ``nn.gelu``.  Activation parameters the shipped tables were not
   fitted for (``elu(alpha=2)``, ``leaky_relu`` slopes, ``celu(alpha)``) use
@@ -109,29 +113,61 @@ def activation_fn(name: str, bits: int = 3) -> Callable:
     return ops.activation(name, bits)
 
 
+def _make_rule(attr):
+    def make(opts, orig):
+        if opts.fewbit is None:
+            return (None, "approximate-not-allowed",
+                    "few-bit gradients are approximate: pass fewbit=1..4 to allow them")
+        return _replacement(attr, opts.fewbit)
+    return make
+
+
+def _register():
+    from jaxmem._glue import patch as _gpatch
+    for attr in PATCHABLE:
+        _gpatch.register(attr, "fewbit", [f"{m}.{attr}" for m in PATCH_MODULES],
+                         _make_rule(attr))
+
+
+_register()
+
+
 @contextlib.contextmanager
 def patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
                       modules: Iterable[str] = PATCH_MODULES) -> Iterator[dict]:
-    """Temporarily replace ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` activations by few-bit ops.
+    """Few-bit ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` activations inside the block.
+
+    The activations half of ``jaxmem.scope(selective=False, fewbit=bits, attention=False)``,
+    restricted to ``activations`` (so it composes with enclosing scopes, which decide
+    everything else).
 
     Args:
       bits: bits per element of the stored codes (1..4; the ReLU family is always exact).
-      activations: attribute names to patch (default: all of :data:`PATCHABLE`, e.g.
-        ``["gelu"]`` to patch GELU only).
-      modules: dotted module names whose attributes are patched.
+      activations: attribute names to convert (default: all of :data:`PATCHABLE`, e.g.
+        ``["gelu"]`` for GELU only).
+      modules: dotted module names whose attributes are converted.
 
     Yields:
-      dict ``"module.attr" -> replacement`` of what was patched.  Everything is restored on
-      exit, also on exceptions; nested contexts restore in order.
+      dict ``"module.attr" -> function`` of what is converted. While any scope is active
+      the attributes are dispatchers; everything is restored when the last scope exits,
+      also on exceptions.
     """
+    from jaxmem._glue import options as _options
+    from jaxmem._glue import patch as _gpatch
+
     bits = _check_bits(bits)
     names = tuple(PATCHABLE if activations is None else activations)
     unknown = [n for n in names if n not in _ORIG]
     if unknown:
         raise ValueError(f"cannot patch activations {unknown}; patchable: {list(PATCHABLE)}")
-    saved: list[tuple[object, str, object]] = []
-    patched: dict[str, Callable] = {}
-    try:
+    modules = tuple(modules)
+    if set(modules) == set(PATCH_MODULES):
+        only = frozenset(names)
+    else:
+        only = frozenset(f"{m}.{n}" for m in modules for n in names)
+    opts = _options.Options(selective=False, fewbit=bits, attention=False, only=only)
+    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_activations", linen=False):
+        patched = {}
         for modname in modules:
             try:
                 mod = importlib.import_module(modname)
@@ -139,15 +175,6 @@ def patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
                 continue
             for attr in names:
                 cur = getattr(mod, attr, None)
-                if cur is None:
-                    continue
-                # patch the original function and any earlier few-bit patch of it
-                if cur is _ORIG[attr] or getattr(cur, "__wrapped__", None) is _ORIG[attr]:
-                    rep = _replacement(attr, bits)
-                    saved.append((mod, attr, cur))
-                    setattr(mod, attr, rep)
-                    patched[f"{modname}.{attr}"] = rep
+                if cur is not None:
+                    patched[f"{modname}.{attr}"] = cur
         yield patched
-    finally:
-        for mod, attr, cur in reversed(saved):
-            setattr(mod, attr, cur)

@@ -116,29 +116,69 @@ def _build(fn: Callable, name: str, bits: int, borders: tuple, levels: tuple,
     return apply
 
 
+def _table_array(values, name: str, n: int, bits: int) -> tuple:
+    """``values`` as a tuple of ``n`` floats, finite in float32, or a clear ValueError."""
+    try:
+        a = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a sequence of {n} real numbers, got {values!r}") from None
+    if a.ndim > 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {a.shape}")
+    a = a.reshape(-1)
+    if a.size != n:
+        raise ValueError(
+            f"a {bits}-bit table needs {2**bits - 1} borders and {2**bits} levels; "
+            f"{name} has {a.size} entries"
+        )
+    with np.errstate(over="ignore"):
+        bad = ~np.isfinite(a.astype(np.float32))
+    if bad.any():
+        raise ValueError(
+            f"{name} must be finite (in float32, where the table is applied); entry "
+            f"{int(np.argmax(bad))} is {float(a[bad][0])!r}"
+        )
+    return tuple(float(v) for v in a)
+
+
 def fewbit_op(fn: Callable, borders: Sequence[float], levels: Sequence[float], bits: int, *,
               symmetric: bool = False, name: str = "activation") -> Callable:
     """Few-bit version of elementwise ``fn`` with the given table.
 
-    ``len(borders) == 2**bits - 1`` ascending, ``len(levels) == 2**bits``.
+    ``borders``: ``2**bits - 1`` finite values, non-decreasing in float32 (equal borders
+    leave an empty bin); ``levels``: ``2**bits`` finite values.  Anything else (NaN, inf,
+    unsorted, wrong length, values that overflow float32) raises ``ValueError``.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
     bits = _check_bits(bits)
-    borders = tuple(float(v) for v in np.asarray(borders, dtype=np.float64).reshape(-1))
-    levels = tuple(float(v) for v in np.asarray(levels, dtype=np.float64).reshape(-1))
-    if len(levels) != 2**bits or len(borders) != 2**bits - 1:
+    borders = _table_array(borders, "borders", 2**bits - 1, bits)
+    levels = _table_array(levels, "levels", 2**bits, bits)
+    b32 = np.asarray(borders, dtype=np.float32)
+    if np.any(np.diff(b32) < 0):
+        i = int(np.argmax(np.diff(b32) < 0))
         raise ValueError(
-            f"a {bits}-bit table needs {2**bits - 1} borders and {2**bits} levels, got "
-            f"{len(borders)} and {len(levels)}"
+            f"borders must be sorted ascending (in float32); borders[{i}] = {borders[i]!r} > "
+            f"borders[{i + 1}] = {borders[i + 1]!r}"
         )
-    if any(b2 < b1 for b1, b2 in zip(borders, borders[1:])):
-        raise ValueError("borders must be ascending")
     return _build(fn, name, bits, borders, levels, bool(symmetric), None)
+
+
+def _check_level(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a Python float, got {v!r}")
+    v = float(v)
+    if not np.isfinite(np.float32(v)):
+        raise ValueError(f"{name} must be finite in float32, got {v!r}")
+    return v
 
 
 def mask_op(fn: Callable, predicate: Callable, low: float, high: float, *,
             name: str = "mask") -> Callable:
     """Exact 1-bit op for ``f`` with ``f'(x) = high if predicate(x) else low``."""
-    return _build(fn, name, 1, (), (float(low), float(high)), False, predicate)
+    if not callable(fn) or not callable(predicate):
+        raise TypeError("mask_op: fn and predicate must be callables")
+    return _build(fn, name, 1, (), (_check_level(low, "low"), _check_level(high, "high")),
+                  False, predicate)
 
 
 def activation(name: str, bits: int = 3) -> Callable:
@@ -244,7 +284,49 @@ def _leaky(slope: float) -> Callable:
                    name=f"leaky_relu_{slope}")
 
 
-def leaky_relu(x, negative_slope: float = 0.01):
-    """Leaky ReLU, exact gradient from a packed 1-bit mask ``x >= 0``."""
-    return _leaky(float(negative_slope))(x)
+@jax.custom_vjp
+def _split_sign(x):
+    """``(where(x >= 0, x, 0), where(x >= 0, 0, x))``; the VJP keeps a 1-bit packed mask."""
+    m = x >= 0
+    zero = jnp.zeros((), x.dtype)
+    return jnp.where(m, x, zero), jnp.where(m, zero, x)
 
+
+def _split_sign_fwd(x):
+    return _split_sign(x), pack((x >= 0).astype(jnp.uint8), 1)
+
+
+def _split_sign_bwd(res, g):
+    dpos, dneg = g
+    m = unpack(res, 1, dpos.shape) > 0
+    return (jnp.where(m, dpos, dneg),)
+
+
+_split_sign.defvjp(_split_sign_fwd, _split_sign_bwd)
+
+
+def leaky_relu(x, negative_slope: float = 0.01):
+    """Leaky ReLU ``where(x >= 0, x, slope * x)``; exact gradient from a 1-bit mask ``x >= 0``.
+
+    ``negative_slope``: a Python/NumPy float (one cached op), or a JAX array (traced under
+    jit/vmap/grad, scalar or broadcastable to ``x``, cast to ``x.dtype``).  With an array slope
+    ``y = pos(x) + slope * neg(x)`` where ``(pos, neg)`` split ``x`` by sign and keep only the
+    packed mask: ``dx = dy * where(x >= 0, 1, slope)`` and ``dslope = Σ dy * neg(x)`` (to
+    differentiate the slope autodiff keeps ``neg(x)``; otherwise only the mask and the slope).
+    """
+    if isinstance(negative_slope, bool):
+        raise TypeError(f"leaky_relu: negative_slope must be a float, got {negative_slope!r}")
+    if isinstance(negative_slope, (int, float, np.integer, np.floating)):
+        return _leaky(_check_level(negative_slope, "negative_slope"))(x)
+    s = jnp.asarray(negative_slope)
+    if not (jnp.issubdtype(s.dtype, jnp.floating) or jnp.issubdtype(s.dtype, jnp.integer)):
+        raise TypeError(f"leaky_relu: negative_slope must be real, got dtype {s.dtype}")
+    x = _check_input(x, "leaky_relu")
+    try:
+        if jnp.broadcast_shapes(s.shape, x.shape) != x.shape:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"leaky_relu: negative_slope of shape {s.shape} does not broadcast to "
+                         f"x of shape {x.shape}") from None
+    pos, neg = _split_sign(x)
+    return pos + s.astype(x.dtype) * neg

@@ -52,6 +52,7 @@ def codes(x: jax.Array, borders, *, symmetric: bool = False) -> jax.Array:
     """Bin index ``Σ_i [x >= borders_i]`` of every element (compare in float32), uint8.
 
     ``NaN`` compares false everywhere (code 0); ``+inf`` gets the top code, ``-inf`` code 0.
+    ``borders`` must be finite in float32 and ascending (ValueError otherwise).
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -59,7 +60,13 @@ def codes(x: jax.Array, borders, *, symmetric: bool = False) -> jax.Array:
     xf = x.astype(jnp.float32)
     if symmetric:
         xf = jnp.abs(xf)
-    b = np.asarray(borders, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):
+        b = np.asarray(borders, dtype=np.float32).reshape(-1)
+    if not np.all(np.isfinite(b)) or np.any(np.diff(b) < 0):
+        raise ValueError(f"borders must be finite (in float32) and sorted ascending, got "
+                         f"{np.asarray(borders).tolist()!r}")
+    if b.size > 255:
+        raise ValueError(f"at most 255 borders fit a uint8 code, got {b.size}")
     c = jnp.zeros(x.shape, jnp.uint8)
     for v in b:  # compare-and-sum: fused elementwise, no float temporaries survive
         c = c + (xf >= v).astype(jnp.uint8)

@@ -1,4 +1,4 @@
-"""Memory measurement at the three levels of DESIGN.md, each named for what it measures.
+"""Memory measurement at the three levels of docs/design.md, each named for what it measures.
 
 1. :func:`residual_bytes` — what autodiff keeps for backward (jaxpr level, before XLA).
 2. :func:`compiled_memory` — what XLA plans for a jitted function (``memory_analysis()``).

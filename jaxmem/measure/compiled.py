@@ -1,4 +1,4 @@
-"""Level 2 of DESIGN.md: **compiled bytes** — the buffers XLA plans for a jitted function.
+"""Level 2 of docs/design.md: **compiled bytes** — the buffers XLA plans for a jitted function.
 
 ``compiled_memory(fn, *args)`` runs ``jax.jit(fn).lower(*args).compile().memory_analysis()``
 and returns its fields:

@@ -1,4 +1,4 @@
-"""Level 3 of DESIGN.md: **measured peak** — what a real run allocates, in a fresh process.
+"""Level 3 of docs/design.md: **measured peak** — what a real run allocates, in a fresh process.
 
 ``peak_memory(target, *args)`` starts a new Python process, builds the computation there and
 measures one (or ``repeats``) calls of it:

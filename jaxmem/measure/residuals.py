@@ -1,4 +1,4 @@
-"""Level 1 of DESIGN.md: **residual bytes** — what reverse-mode autodiff keeps for backward.
+"""Level 1 of docs/design.md: **residual bytes** — what reverse-mode autodiff keeps for backward.
 
 ``residual_bytes(fn, *args, argnums=0)`` traces ``jax.vjp`` of ``fn`` w.r.t. the arguments in
 ``argnums`` (the others stay inputs of the trace but are not differentiated — exactly like

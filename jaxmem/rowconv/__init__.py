@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import trunks
-from .halo import HaloReport, halos
+from .halo import HaloReport, check_shape, halos
 from .layers import (
     Act,
     Affine,
@@ -31,9 +31,6 @@ from .tiled import MODES, apply, segment_rows, split_segments
 
 __all__ = [
     "MODES",
-    "estimate",
-    "segment_rows",
-    "trunks",
     "Act",
     "Affine",
     "BatchNorm",
@@ -46,16 +43,17 @@ __all__ = [
     "Residual",
     "apply",
     "apply_layers",
+    "estimate",
     "halos",
     "init",
     "output_shape",
     "plan",
+    "segment_rows",
     "split_segments",
+    "trunks",
 ]
 
 
 def init(layers, key, input_shape, dtype=jnp.float32):
     """Parameters for ``layers`` on NHWC ``input_shape`` (a list aligned with ``layers``)."""
-    if len(tuple(input_shape)) != 4:
-        raise ValueError(f"input_shape must be NHWC (4 dims), got {tuple(input_shape)}")
-    return init_layers(list(layers), key, tuple(input_shape), dtype)[0]
+    return init_layers(list(layers), key, check_shape(input_shape), dtype)[0]

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import layers as L
-from .tiled import apply
+from .halo import as_rows
+from .tiled import apply, check_input
 from .trunks import VGG16, vgg_layers
 
 
@@ -69,6 +70,7 @@ class RowSequential(nn.Module):
 
     @nn.compact
     def __call__(self, x, rng=None):
+        check_input(x)
         rl = [to_rowconv(m) for m in self.layers]
         shape = x.shape
         params = []
@@ -102,6 +104,7 @@ class RowVGGFeatures(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False):
+        check_input(x)
         rl = vgg_layers(self.cfg, self.width, self.checkpoints_at_pools)
         shape = x.shape
         params, i = [], 0
@@ -118,6 +121,8 @@ class RowVGGFeatures(nn.Module):
             if not isinstance(layer, L.Checkpoint):
                 shape = L.output_shape([layer], shape)
         rows = self.rows
+        if not isinstance(rows, (list, tuple)):
+            rows = as_rows(rows)
         if isinstance(rows, int) and rows > 1:
             from .tiled import segment_rows
             rows = segment_rows(rl, x.shape, rows, self.mode)

@@ -30,11 +30,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 from .layers import Checkpoint, Residual, RowMap, check_layer
 
 # ----------------------------------------------------------------------------- static geometry
+
+
+def check_shape(shape, name: str = "input_shape") -> tuple:
+    """An NHWC shape as a tuple of 4 ints (batch >= 0, height/width/channels >= 1)."""
+    try:
+        t = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{name} must be an NHWC shape (4 ints), got {shape!r}") from None
+    if len(t) != 4 or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in t):
+        raise ValueError(f"{name} must be an NHWC shape (4 ints), got {shape!r}")
+    t = tuple(int(d) for d in t)
+    if t[0] < 0 or min(t[1:]) < 1:
+        raise ValueError(f"{name} {t} (NHWC) needs height, width and channels >= 1")
+    return t
+
 
 
 @dataclasses.dataclass
@@ -59,9 +75,7 @@ class Geom:
 def geometry(layers, input_shape, path=(), start=0) -> list[Geom]:
     """Per-layer static geometry (shapes, row maps); Checkpoint markers are not allowed."""
     out = []
-    shape = tuple(input_shape)
-    if len(shape) != 4:
-        raise ValueError(f"input_shape must be NHWC (4 dims), got {shape}")
+    shape = check_shape(input_shape) if not path else tuple(input_shape)
     for i, layer in enumerate(layers, start):
         check_layer(layer, f"layers[{i}]")
         if isinstance(layer, Checkpoint):
@@ -281,13 +295,26 @@ def max_rows(geoms, mode: str = "overlap") -> int:
     return lo
 
 
+def as_rows(v, name: str = "rows") -> int:
+    """``v`` as a Python int >= 1 (NumPy integers accepted); TypeError for bools, floats and
+    anything else, ValueError below 1."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1 (the number of row tiles), got {v!r} "
+                        f"({type(v).__name__})")
+    if int(v) < 1:
+        raise ValueError(f"{name} must be an int >= 1 (the number of row tiles), got {int(v)}")
+    return int(v)
+
+
 def check_rows(geoms, rows: int, mode: str):
     h_out = geoms[-1].out_shape[1]
-    if not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    rows = as_rows(rows)
     if rows > h_out:
+        shp = geoms[0].in_shape
         raise ValueError(
-            f"rows={rows} is more than the {h_out} output rows of this stack; use rows <= {h_out}")
+            f"rows={rows} is more than the {h_out} output rows of this stack (its input of shape "
+            f"{shp} is read as NHWC: height {shp[1]}, width {shp[2]}, {shp[3]} channels); use "
+            f"rows <= {h_out}, or transpose an NCHW input to NHWC")
     if rows == 1:
         return
     S = total_stride(geoms)
@@ -325,6 +352,7 @@ def _walk_share(nodes):
 
 def halos(layers, input_shape, rows: int, mode: str = "overlap") -> HaloReport:
     """Per-tile row ranges of a (checkpoint-free) layer stack; see the module docstring."""
+    rows = as_rows(rows)
     geoms = geometry(layers, input_shape)
     if not geoms:
         raise ValueError("layers is empty")

@@ -115,7 +115,8 @@ class Conv:
         Ho = (H + pads[0][0] + pads[0][1] - keff[0]) // sh + 1
         Wo = (W + pads[1][0] + pads[1][1] - keff[1]) // sw + 1
         if Ho < 1 or Wo < 1:
-            raise ValueError(f"Conv{kh, kw} on input {in_shape} gives an empty output")
+            raise ValueError(f"Conv{kh, kw} on input {in_shape} (NHWC: height {H}, width {W}) "
+                             "gives an empty output")
         if C % self.feature_group_count or self.features % self.feature_group_count:
             raise ValueError(
                 f"Conv.feature_group_count={self.feature_group_count} must divide the input "
@@ -166,7 +167,8 @@ class Pool:
         Ho = (H + sum(pads[0]) - wh) // sh + 1
         Wo = (W + sum(pads[1]) - ww) // sw + 1
         if Ho < 1 or Wo < 1:
-            raise ValueError(f"Pool{wh, ww} on input {in_shape} gives an empty output")
+            raise ValueError(f"Pool{wh, ww} on input {in_shape} (NHWC: height {H}, width {W}) "
+                             "gives an empty output")
         pv = -jnp.inf if self.kind == "max" else 0.0
         return RowMap(wh, sh, pads[0][0], pads[0][1], pv), pads[1], (B, Ho, Wo, C)
 
@@ -198,11 +200,72 @@ class _Pointwise:
         return {}
 
 
+def _known_elementwise() -> frozenset:
+    """Activation functions known to be elementwise (jax.nn / flax aliases, jnp ufuncs and
+    the few-bit ops): ``Act`` accepts them without probing."""
+    names = ("relu", "relu6", "gelu", "silu", "swish", "sigmoid", "tanh", "elu", "celu", "selu",
+             "softplus", "soft_sign", "log_sigmoid", "leaky_relu", "hard_tanh", "hard_sigmoid",
+             "hard_silu", "hard_swish", "mish", "sparse_plus", "sparse_sigmoid", "squareplus",
+             "identity")
+    from jaxmem.fewbit import ops as fewbit_ops
+    fns = [getattr(m, n) for m in (jax.nn, fewbit_ops) for n in names if hasattr(m, n)]
+    fns += [jnp.tanh, jnp.abs, jnp.exp, jnp.sin, jnp.cos, jnp.square, jnp.negative]
+    fns += [getattr(fewbit_ops, n) for n in fewbit_ops.__all__
+            if n not in ("activation", "fewbit_op", "mask_op")]
+    return frozenset(fns)
+
+
+_KNOWN: list = []
+_CHECKED: dict = {}
+
+
+def _require_elementwise(fn) -> None:
+    if not _KNOWN:
+        _KNOWN.append(_known_elementwise())
+    try:
+        if fn in _KNOWN[0] or fn in _CHECKED:
+            return
+    except TypeError:  # unhashable callable: check every time
+        pass
+    from jaxmem.fewbit.factory import check_elementwise
+    label = getattr(fn, "__name__", None) or repr(fn)
+    try:
+        # an NHWC probe: functions written for images (axis=1, ...) are probed as used here
+        check_elementwise(fn, name=f"rowconv.Act({label})", shape=(2, 3, 2, 2))
+    except ValueError as e:
+        raise ValueError(
+            f"{e}. rowconv tiles the image by rows, so Act(fn) must act on each element "
+            "independently, otherwise the tiled output differs from the untiled stack. Apply "
+            "such a function after the rowconv block; if fn is elementwise (or acts on each "
+            "pixel's channels only) and the probe is wrong, pass Act(fn, elementwise=True)"
+        ) from None
+    try:
+        _CHECKED[fn] = True
+    except TypeError:
+        pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Act(_Pointwise):
-    """Elementwise activation ``fn`` (e.g. ``jax.nn.relu``)."""
+    """Elementwise activation ``fn`` (e.g. ``jax.nn.relu``).
+
+    Row tiling is exact only if ``fn`` acts on each element independently.  Known activations
+    (``jax.nn`` / flax / few-bit ops) are accepted as they are; any other callable is probed
+    with :func:`jaxmem.fewbit.check_elementwise` on an NHWC array at construction and refused
+    (ValueError) if it is not elementwise.  ``elementwise=True`` skips the probe: the caller
+    asserts that ``fn`` acts row by row (per element, or per pixel over channels).
+    """
 
     fn: Callable = jax.nn.relu
+    elementwise: bool = False
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise TypeError(f"Act.fn must be a callable, got {self.fn!r}")
+        if not isinstance(self.elementwise, bool):
+            raise TypeError(f"Act.elementwise must be a bool, got {self.elementwise!r}")
+        if not self.elementwise:
+            _require_elementwise(self.fn)
 
     def apply_window(self, p, x, pad_h=None, pad_w=None):
         return self.fn(x)
@@ -340,6 +403,81 @@ def init_layers(layers, key, input_shape, dtype=jnp.float32):
             params.append(layer.init(k, shape, dtype))
             shape = layer.geometry(shape)[2]
     return params, shape
+
+
+def _param_shapes(layer, in_shape) -> dict | None:
+    """Parameter name -> shape a layer needs on ``in_shape``; None if it has no parameters."""
+    C = in_shape[-1]
+    if isinstance(layer, Conv):
+        kh, kw = _pair(layer.kernel_size, "Conv.kernel_size")
+        out = {"kernel": (kh, kw, C // layer.feature_group_count, layer.features)}
+        if layer.use_bias:
+            out["bias"] = (layer.features,)
+        return out
+    if isinstance(layer, Affine):
+        return {"scale": (layer.features,), "bias": (layer.features,)}
+    if isinstance(layer, BatchNorm):
+        f = (layer.features,)
+        return {"scale": f, "bias": f, "mean": f, "var": f}
+    return None
+
+
+def check_params(layers, params, input_shape, where="layers"):
+    """ValueError/TypeError naming the layer unless ``params`` fit ``layers`` on NHWC
+    ``input_shape`` (every entry present, no unused entry, every shape right)."""
+    shape = tuple(input_shape)
+    if not isinstance(params, (list, tuple)) or len(params) != len(layers):
+        n = len(params) if isinstance(params, (list, tuple)) else type(params).__name__
+        raise ValueError(f"{where}: params must be a list with one entry per layer "
+                         f"({len(layers)}), got {n}; use rowconv.init(layers, key, input_shape)")
+    for i, (layer, p) in enumerate(zip(layers, params)):
+        w = f"{where}[{i}] ({type(layer).__name__})"
+        check_layer(layer, f"{where}[{i}]")
+        if isinstance(layer, Checkpoint):
+            continue
+        if isinstance(layer, Residual):
+            if not hasattr(p, "keys") or "branch" not in p:
+                raise ValueError(f"{w}: params must be a dict with 'branch' and 'shortcut' "
+                                 f"lists, got {type(p).__name__}")
+            check_params(layer.branch, p["branch"], shape, f"{where}[{i}].branch")
+            check_params(layer.shortcut or [], p.get("shortcut", []), shape,
+                         f"{where}[{i}].shortcut")
+            shape = output_shape(layer.branch, shape)
+            continue
+        need = _param_shapes(layer, shape)
+        if isinstance(layer, (Affine, BatchNorm)) and layer.features != shape[-1]:
+            raise ValueError(
+                f"{w}: features={layer.features} but its input {shape} has {shape[-1]} channels "
+                "in its last axis (rowconv images are NHWC)")
+        if isinstance(layer, Conv) and shape[-1] % layer.feature_group_count:
+            raise ValueError(
+                f"{w}: feature_group_count={layer.feature_group_count} does not divide the "
+                f"{shape[-1]} channels of its input {shape} (last axis; rowconv images are NHWC)")
+        if need is not None:
+            if not hasattr(p, "keys"):
+                raise TypeError(f"{w}: params must be a dict with {sorted(need)}, got "
+                                f"{type(p).__name__}")
+            missing = [k for k in need if k not in p]
+            if missing:
+                raise ValueError(f"{w}: params has no {missing[0]!r} entry; this layer needs "
+                                 f"{sorted(need)}, got {sorted(p.keys())}")
+            extra = sorted(k for k in p if k not in need)
+            if extra:
+                raise ValueError(f"{w}: params has entries {extra} this layer does not use "
+                                 f"(it needs {sorted(need)})")
+            for k, want in need.items():
+                got = tuple(getattr(p[k], "shape", ()))
+                if got != want:
+                    hint = ""
+                    if isinstance(layer, Conv) and k == "kernel" and len(got) == 4:
+                        hint = (f"; the kernel takes {got[2] * layer.feature_group_count} input "
+                                f"channels but the input {shape} has {shape[-1]} in its last "
+                                "axis (rowconv images are NHWC: transpose an NCHW input with "
+                                "x.transpose(0, 2, 3, 1))")
+                    raise ValueError(f"{w}: params[{k!r}] has shape {got}, expected {want} "
+                                     f"(HWIO kernel){hint}" if k == "kernel" else
+                                     f"{w}: params[{k!r}] has shape {got}, expected {want}")
+        shape = layer.geometry(shape)[2]
 
 
 def output_shape(layers, input_shape):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,12 @@ def _row_bytes(shape, itemsize):
 
 def estimate(layers, input_shape, mode, rows, itemsize=4):
     """(estimated bytes, recompute fraction) of a train step for per-segment ``rows``."""
+    from .tiled import _per_segment
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     layers = list(layers)
-    shape = tuple(input_shape)
+    rows = _per_segment(rows, len(split_segments(layers)), "rows")
+    shape = H.check_shape(input_shape)
     total_fixed = math.prod(shape) * itemsize
     peak_tile, extra, base = 0, 0, 0
     for s, (a, b) in enumerate(split_segments(layers)):
@@ -100,11 +105,16 @@ def plan(layers, input_shape, budget_bytes: int, modes=MODES, max_rows: int = 64
     Raises ValueError (naming the smallest reachable size) if nothing fits.
     """
     from .tiled import segment_rows
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real) \
+            or not budget_bytes > 0:
+        raise ValueError(f"budget_bytes must be a number > 0, got {budget_bytes!r}")
+    if isinstance(modes, str):
+        modes = (modes,)
     for m in modes:
         if m not in MODES:
             raise ValueError(f"modes must be drawn from {MODES}, got {m!r}")
+    max_rows = H.as_rows(max_rows, "max_rows")
+    input_shape = H.check_shape(input_shape)
     layers = list(layers)
     cands = []
     seen = set()

@@ -20,6 +20,7 @@ together (an unrolled Python loop gets re-scheduled back to full-size memory).
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from .layers import (
     Residual,
     apply_layers,
     check_layer,
+    check_params,
     layer_key,
 )
 
@@ -360,14 +362,34 @@ def split_segments(layers):
     return segs
 
 
-def _per_segment(v, n, name):
-    if v is None or isinstance(v, int):
-        return [v] * n
-    v = list(v)
-    if len(v) != n:
-        raise ValueError(f"{name} has {len(v)} entries but the stack has {n} segments "
-                         "(Checkpoint markers split it); pass an int or one entry per segment")
-    return v
+def _per_segment(v, n, name, allow_none=False):
+    """``v`` (an int, or one int per segment; None allowed for rows_bp) as a list of n."""
+    if v is None and allow_none:
+        return [None] * n
+    if isinstance(v, (list, tuple)):
+        if len(v) != n:
+            raise ValueError(f"{name} has {len(v)} entries but the stack has {n} segments "
+                             "(Checkpoint markers split it); pass an int or one entry per "
+                             "segment")
+        return [None if (u is None and allow_none) else H.as_rows(u, f"{name}[{j}]")
+                for j, u in enumerate(v)]
+    if hasattr(v, "ndim") and getattr(v, "ndim", None) == 0 and not isinstance(v, jax.Array):
+        v = v.item() if not isinstance(v, bool) else v  # a 0-d numpy integer array
+    return [H.as_rows(v, name)] * n
+
+
+def check_input(x, name: str = "x"):
+    """TypeError/ValueError unless ``x`` is a floating NHWC array."""
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an NHWC array, got {type(x).__name__}")
+    if len(shape) != 4:
+        raise ValueError(f"{name} must be an NHWC array (4 dims: batch, height, width, "
+                         f"channels), got shape {tuple(shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating array (float32, bfloat16, float16, or "
+                        f"float64 under x64), got dtype {x.dtype}; cast it, e.g. "
+                        f"{name}.astype(jnp.float32)")
 
 
 def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
@@ -387,18 +409,21 @@ def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
       rng: PRNG key, needed by ``Dropout(deterministic=False)``.
       unroll: ``lax.scan`` unroll factor of the tile loops.
     """
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not hasattr(x, "ndim") or x.ndim != 4:
-        raise ValueError(f"x must be an NHWC array (4 dims), got shape {getattr(x, 'shape', x)}")
+    if isinstance(unroll, bool) or not isinstance(unroll, numbers.Integral) or unroll < 1:
+        raise ValueError(f"unroll must be an int >= 1, got {unroll!r}")
+    check_input(x)
     layers = list(layers)
-    params = list(params)
-    if len(params) != len(layers):
-        raise ValueError(f"params has {len(params)} entries for {len(layers)} layers; "
+    if not isinstance(params, (list, tuple)) or len(params) != len(layers):
+        n = len(params) if isinstance(params, (list, tuple)) else type(params).__name__
+        raise ValueError(f"params has {n} entries for {len(layers)} layers; "
                          "use rowconv.init(layers, key, input_shape)")
+    params = list(params)
+    check_params(layers, params, x.shape)
     segs = split_segments(layers)
     r_fp = _per_segment(rows, len(segs), "rows")
-    r_bp = _per_segment(rows_bp, len(segs), "rows_bp")
+    r_bp = _per_segment(rows_bp, len(segs), "rows_bp", allow_none=True)
     for s, (a, b) in enumerate(segs):
         nf = r_fp[s]
         nb = r_bp[s] if r_bp[s] is not None else nf
@@ -420,8 +445,11 @@ def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
 def segment_rows(layers, input_shape, rows: int, mode: str = "overlap"):
     """Per-segment row counts: ``rows`` clipped to what each segment allows (its output
     rows and its halo, see ``halo.max_rows``); segments are cut by Checkpoint markers."""
+    rows = H.as_rows(rows)
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     layers = list(layers)
-    shape = tuple(input_shape)
+    shape = H.check_shape(input_shape)
     out = []
     for a, b in split_segments(layers):
         geoms = H.geometry(layers[a:b], shape, start=a)

@@ -15,17 +15,12 @@ JAX front end (imported lazily): :func:`trace` (jaxpr -> Graph), :func:`execute`
 """
 from __future__ import annotations
 
-from .analysis import (
-    antichain_lower_bound,
-    cut_lower_bound,
-    expand_order,
-    inplace_update_graph,
-    structural_lower_bound,
-)
+from .bounds import antichain_lower_bound, cut_lower_bound, structural_lower_bound
 from .graph import Edge, Graph, GraphError, Node
+from .inplace import expand_order, inplace_update_graph
 from .order import best_greedy_order, greedy_order, improve_order
 from .place import best_fit_online, check_placement, peak_of_spans, place
-from .plan import Plan, fragmentation_best_fit, node_lower_bound, optimize, validate_plan
+from .plan import Plan, node_lower_bound, optimize, validate_plan
 from .relocate import relocate_blocks
 from .simulate import lifetimes, memory_profile, simulate
 
@@ -49,7 +44,6 @@ __all__ = [
     "check_placement",
     "cut_lower_bound",
     "expand_order",
-    "fragmentation_best_fit",
     "greedy_order",
     "improve_order",
     "inplace_update_graph",

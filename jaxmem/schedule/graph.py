@@ -21,13 +21,54 @@ the order of a jaxpr's equations), the baseline every optimisation is compared w
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 __all__ = ["Edge", "Graph", "GraphError", "Node"]
 
 
 class GraphError(ValueError):
     """An invalid graph (unknown node, duplicate name, negative size, cycle, ...)."""
+
+
+class OutOfTime(Exception):
+    """Internal: a budgeted stage passed its deadline (its caller keeps its best so far)."""
+
+
+def check_size(where: str, value) -> int:
+    """``value`` as a Python int number of bytes (>= 0): Python and numpy integers are
+    accepted; bools, floats (even integral ones), strings and anything else are refused
+    with a TypeError, negative sizes with a ValueError (a :class:`GraphError`)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{where}: size must be an int number of bytes (Python or numpy integer), got "
+            f"{value!r} of type {type(value).__name__}")
+    value = operator.index(value)
+    if value < 0:
+        raise GraphError(f"{where}: size must be >= 0 bytes, got {value}")
+    return value
+
+
+def _check_name(where: str, what: str, value) -> str:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{where}: {what} must be a non-empty str, got {value!r}")
+    return value
+
+
+def _name_list(where: str, what: str, values) -> tuple[str, ...]:
+    """A str or an iterable of str as a tuple of distinct names (order kept)."""
+    if isinstance(values, str):
+        values = [values]
+    if values is None or isinstance(values, (bytes, dict)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{where}: {what} must be a node name (str) or an iterable of node names, "
+            f"got {values!r}")
+    values = list(values)
+    for v in values:
+        _check_name(where, f"every entry of {what}", v)
+    return tuple(dict.fromkeys(values))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +111,11 @@ class Graph:
     def add_node(self, name: str, kind: str = "op", meta: dict | None = None) -> str:
         """Add an operator ``name``; ``kind`` is free text ("op", "input", "weight",
         "update", ...) used by heuristics (kind == "update" marks weight updates)."""
-        if not isinstance(name, str) or not name:
-            raise GraphError(f"add_node: name must be a non-empty str, got {name!r}")
+        _check_name("add_node", "name", name)
+        if not isinstance(kind, str):
+            raise TypeError(f"add_node {name!r}: kind must be a str, got {kind!r}")
+        if meta is not None and not isinstance(meta, dict):
+            raise TypeError(f"add_node {name!r}: meta must be a dict or None, got {meta!r}")
         if name in self.nodes:
             raise GraphError(f"add_node: duplicate node name {name!r}")
         self.nodes[name] = Node(name, kind, meta)
@@ -92,17 +136,18 @@ class Graph:
         """Add tensor ``name`` produced by node ``src`` and read by nodes ``sinks``.
 
         Args:
-          size: bytes (int >= 0); 0 makes a control edge.
+          sinks: a node name or an iterable of node names (duplicates are merged).
+          size: bytes, a Python or numpy int >= 0 (floats and bools raise TypeError);
+            0 makes a control edge.
           persistent: resident for the whole step (weights/inputs held by the caller).
           output: returned by the step (resident from creation until the end).
         """
-        if not isinstance(name, str) or not name:
-            raise GraphError(f"add_edge: name must be a non-empty str, got {name!r}")
+        _check_name("add_edge", "name", name)
         if name in self.edges:
             raise GraphError(f"add_edge: duplicate edge name {name!r}")
-        if isinstance(sinks, str):
-            sinks = [sinks]
-        sinks = tuple(dict.fromkeys(sinks))  # dedupe, keep order
+        _check_name(f"add_edge {name!r}", "src", src)
+        sinks = _name_list(f"add_edge {name!r}", "sinks", sinks)
+        size = check_size(f"add_edge {name!r}", size)
         if src not in self.nodes:
             raise GraphError(f"add_edge {name!r}: src {src!r} is not a node of the graph")
         for s in sinks:
@@ -110,11 +155,6 @@ class Graph:
                 raise GraphError(f"add_edge {name!r}: sink {s!r} is not a node of the graph")
             if s == src:
                 raise GraphError(f"add_edge {name!r}: self loop on node {s!r}")
-        if isinstance(size, bool) or not isinstance(size, (int,)) and not hasattr(size, "__index__"):
-            raise GraphError(f"add_edge {name!r}: size must be an int number of bytes, got {size!r}")
-        size = int(size)
-        if size < 0:
-            raise GraphError(f"add_edge {name!r}: size must be >= 0 bytes, got {size}")
         self.edges[name] = Edge(name, src, sinks, size, bool(persistent), bool(output))
         self._fanout[src].append(name)
         for s in sinks:
@@ -123,7 +163,8 @@ class Graph:
 
     def add_sinks(self, edge: str, sinks: Sequence[str]) -> None:
         """Add readers to an existing edge (used for aliases that extend a lifetime)."""
-        e = self.edges[edge]
+        e = self._edge("add_sinks", edge)
+        sinks = _name_list(f"add_sinks {edge!r}", "sinks", sinks)
         new = tuple(s for s in sinks if s not in e.sinks)
         for s in new:
             if s not in self.nodes:
@@ -134,20 +175,40 @@ class Graph:
         self.edges[edge] = dataclasses.replace(e, sinks=e.sinks + new)
 
     # ------------------------------------------------------------------ queries
+    def _edge(self, where: str, edge) -> Edge:
+        if not isinstance(edge, str) or edge not in self.edges:
+            raise GraphError(f"{where}: {edge!r} is not an edge of the graph")
+        return self.edges[edge]
+
+    def _node(self, where: str, node) -> str:
+        if not isinstance(node, str) or node not in self.nodes:
+            raise GraphError(f"{where}: {node!r} is not a node of the graph")
+        return node
+
     def fanin(self, node: str) -> list[str]:
         """Edges read by ``node`` (``fi(v)``)."""
-        return self._fanin[node]
+        try:
+            return self._fanin[node]
+        except (KeyError, TypeError):
+            self._node("fanin", node)
+            raise
 
     def fanout(self, node: str) -> list[str]:
         """Edges written by ``node`` (``fo(v)``)."""
-        return self._fanout[node]
+        try:
+            return self._fanout[node]
+        except (KeyError, TypeError):
+            self._node("fanout", node)
+            raise
 
     def preds(self, node: str) -> list[str]:
-        return list(dict.fromkeys(self.edges[e].src for e in self._fanin[node]))
+        """Producers of ``node``'s inputs (distinct, in fanin order)."""
+        return list(dict.fromkeys(self.edges[e].src for e in self.fanin(node)))
 
     def succs(self, node: str) -> list[str]:
+        """Readers of ``node``'s outputs (distinct, in fanout order)."""
         return list(
-            dict.fromkeys(s for e in self._fanout[node] for s in self.edges[e].sinks)
+            dict.fromkeys(s for e in self.fanout(node) for s in self.edges[e].sinks)
         )
 
     @property
@@ -183,11 +244,24 @@ class Graph:
                 if indeg[s] == 0:
                     heapq.heappush(heap, index[s])
         if len(order) != len(self.nodes):
-            stuck = [n for n in self.nodes if indeg[n] > 0]
-            raise GraphError(
-                f"graph has a cycle through {len(stuck)} node(s), e.g. {stuck[:5]}"
-            )
+            raise GraphError(f"graph has a cycle: {' -> '.join(self._find_cycle(indeg))}")
         return order
+
+    def _find_cycle(self, indeg: dict[str, int]) -> list[str]:
+        """One cycle among the nodes Kahn's algorithm could not schedule (each of them
+        has an unscheduled predecessor, so walking predecessors must close a loop)."""
+        stuck = {n for n, d in indeg.items() if d > 0}
+        walk, seen = [], {}
+        v = next(n for n in self.nodes if n in stuck)
+        while v not in seen:
+            seen[v] = len(walk)
+            walk.append(v)
+            v = next(p for p in self.preds(v) if p in stuck)
+        cycle = walk[seen[v]:][::-1]  # predecessor walk reversed: edges point forward
+        index = {n: i for i, n in enumerate(self.nodes)}
+        k = min(range(len(cycle)), key=lambda j: index[cycle[j]])  # start at the first added
+        cycle = cycle[k:] + cycle[:k]
+        return cycle + [cycle[0]]
 
     def validate(self) -> None:
         """Raise :class:`GraphError` if the graph is not a DAG."""
@@ -195,7 +269,12 @@ class Graph:
 
     def check_order(self, order: Sequence[str]) -> None:
         """Raise ValueError unless ``order`` runs every node once, producers first."""
+        if isinstance(order, str) or not isinstance(order, Iterable):
+            raise TypeError(f"order: must be a sequence of node names, got {order!r}")
         order = list(order)
+        bad = [v for v in order if not isinstance(v, str)]
+        if bad:
+            raise TypeError(f"order: node names must be str, got {bad[0]!r}")
         if len(order) != len(self.nodes) or set(order) != set(self.nodes):
             missing = set(self.nodes) - set(order)
             extra = set(order) - set(self.nodes)

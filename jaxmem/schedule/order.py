@@ -15,15 +15,17 @@ simulated peak wins:
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 
-from .graph import Graph
+from .graph import Graph, OutOfTime
 from .simulate import _Tensors, simulate
 
 __all__ = ["RULES", "best_greedy_order", "greedy_order"]
 
 
-def _list_schedule(graph: Graph, key: Callable[[int, int, int], tuple]) -> list[str]:
+def _list_schedule(graph: Graph, key: Callable[[int, int, int], tuple],
+                   deadline: float | None = None) -> list[str]:
     names = list(graph.nodes)
     index = {n: i for i, n in enumerate(names)}
     preds = {n: set(graph.preds(n)) for n in names}
@@ -50,7 +52,11 @@ def _list_schedule(graph: Graph, key: Callable[[int, int, int], tuple]) -> list[
     heap = [(key(delta(n), index[n], out_bytes[n]), n) for n in ready]
     heapq.heapify(heap)
     stamp = {n: heap_key for heap_key, n in heap}
+    pops = 0
     while heap:
+        pops += 1
+        if deadline is not None and not pops & 255 and time.perf_counter() > deadline:
+            raise OutOfTime("greedy order")
         k, n = heapq.heappop(heap)
         if n not in ready or stamp[n] != k:
             continue
@@ -92,27 +98,33 @@ def greedy_order(graph: Graph, rule: str = "free_first") -> list[str]:
     return _list_schedule(graph, RULES[rule])
 
 
-def best_greedy_order(graph: Graph) -> tuple[list[str], int, str]:
-    """Try every rule (and the program order if it is topological); return
-    ``(order, peak, rule)`` of the lowest simulated peak."""
-    best = None
-    candidates = []
+def best_greedy_order(graph: Graph, deadline: float | None = None
+                      ) -> tuple[list[str], int, str]:
+    """Try the program order (when topological; else Kahn's order) and every rule;
+    return ``(order, peak, rule)`` of the lowest simulated peak. Past ``deadline`` (a
+    ``time.perf_counter()`` value) the rules not yet run are skipped; the first candidate
+    (linear time) is always there."""
     try:
         graph.check_order(graph.program_order)
-        candidates.append(("program_order", graph.program_order))
+        first = ("program_order", graph.program_order)
     except ValueError:
-        pass
-    for rule in RULES:
-        candidates.append((rule, greedy_order(graph, rule)))
-    for rule, order in candidates:
+        first = ("topological", graph.topological_order())
+    best = (first[1], simulate(graph, first[1]), first[0])
+    for rule, key in RULES.items():
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        try:
+            order = _list_schedule(graph, key, deadline)
+        except OutOfTime:
+            break
         peak = simulate(graph, order)
-        if best is None or peak < best[1]:
+        if peak < best[1]:
             best = (order, peak, rule)
     return best
 
 
 def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
-                  target: int | None = None) -> tuple[list[str], int]:
+                  target: int | None = None, reach=None) -> tuple[list[str], int]:
     """Local search on a topological ``order``: repeatedly move one node that touches the
     peak step — a producer of a tensor resident there to just before its first reader, or
     a reader that frees one to just after its last producer — or a block (that reader with
@@ -120,7 +132,8 @@ def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
     descendants scheduled before the peak step, moved after it), and keep the move when
     ``(peak, steps at the peak, total resident area)`` does not get worse and one of
     them improves. Stops at ``target`` (a lower bound), when no move helps, or after
-    ``time_budget`` seconds. Returns ``(order, peak)``; the order stays topological."""
+    ``time_budget`` seconds (``reach``: a prebuilt :class:`~jaxmem.schedule.reach.Reach`
+    of ``graph``). Returns ``(order, peak)``; the order stays topological."""
     import time as _time
 
     import numpy as np
@@ -136,9 +149,13 @@ def improve_order(graph: Graph, order: list[str], time_budget: float = 1.0,
         lo = prof.starts[k]
         hi = prof.starts[k + 1] if k + 1 < len(prof.starts) else len(prof.flat)
         readers.append([int(x) for x in prof.flat[lo:hi]])
-    from .analysis import Reach
+    from .reach import Reach
 
-    reach = Reach(graph)
+    if reach is None:
+        try:
+            reach = Reach(graph, deadline=t0 + time_budget)
+        except OutOfTime:
+            return list(order), simulate(graph, order)
     ridx = [reach.index[v] for v in names]
     anc = [reach.anc[ridx[i]] for i in range(len(names))]
     desc = [reach.desc[ridx[i]] for i in range(len(names))]

@@ -6,8 +6,10 @@ an offset ``A_e`` per tensor so that tensors resident at a common step never ove
 never be smaller than ``max_t sum_{e live at t} S_e`` (the peak resident set); an arena
 equal to it has *zero fragmentation*.
 
-Method, cheapest first:
+Method, cheapest first (every stage keeps the best placement so far and stops once the
+arena equals the peak or the time limit is reached):
 
+0. a first plan, always made: online best fit over time (``O(n log n)`` in practice);
 1. offline heuristics — *greedy by size* (largest first, each at the best-fitting gap
    among the time-overlapping tensors already placed) and the paper's *pyramid
    pre-placement* of long-lived tensors (Function 5) followed by greedy by size;
@@ -23,11 +25,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import math
+import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+
+from .graph import OutOfTime as _OutOfTime
+from .graph import check_size
 
 __all__ = ["Placement", "best_fit_online", "check_placement", "peak_of_spans", "place"]
 
@@ -44,28 +51,37 @@ class Placement:
     seconds: float
 
 
+def _step(where: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: steps must be ints, got {value!r} of type "
+                        f"{type(value).__name__}")
+    return operator.index(value)
+
+
 def _normalize(spans) -> tuple[list, list[Span]]:
+    """Validate ``spans`` (sizes: Python/numpy ints >= 0; steps: ints, last >= first)."""
     if isinstance(spans, Mapping):
         keys = list(spans)
         vals = [spans[k] for k in keys]
+    elif isinstance(spans, (str, bytes)) or not isinstance(spans, Iterable):
+        raise TypeError(f"spans: expected a sequence or mapping of (size, first_step, "
+                        f"last_step), got {spans!r}")
     else:
         keys = None
         vals = list(spans)
     out = []
     for i, sp in enumerate(vals):
+        where = f"spans[{keys[i] if keys else i!r}]"
         try:
             size, a, b = sp
         except (TypeError, ValueError):
             raise ValueError(
-                f"spans[{keys[i] if keys else i}]: expected (size, first_step, last_step), got {sp!r}"
+                f"{where}: expected (size, first_step, last_step), got {sp!r}"
             ) from None
-        size, a, b = int(size), int(a), int(b)
-        if size < 0:
-            raise ValueError(f"spans[{keys[i] if keys else i}]: size must be >= 0, got {size}")
+        size = check_size(where, size)
+        a, b = _step(where, a), _step(where, b)
         if b < a:
-            raise ValueError(
-                f"spans[{keys[i] if keys else i}]: last step {b} is before first step {a}"
-            )
+            raise ValueError(f"{where}: last step {b} is before first step {a}")
         out.append((size, a, b))
     return keys, out
 
@@ -83,6 +99,7 @@ def _resident_profile(spans: Sequence[Span]) -> tuple[int, np.ndarray]:
 
 def peak_of_spans(spans: Sequence[Span]) -> int:
     """``max_t`` of the bytes resident at step ``t`` (the placement lower bound)."""
+    spans = _normalize(spans)[1]
     if not spans:
         return 0
     return int(_resident_profile(spans)[1].max())
@@ -100,64 +117,132 @@ def _overlap(x: Span, y: Span) -> bool:
     return x[1] <= y[2] and y[1] <= x[2]
 
 
-def _greedy_by_size(spans: list[Span], order: list[int], fixed: dict[int, int] | None = None):
+def _pack(spans: list[Span], order: Sequence[int], fixed: dict[int, int] | None,
+          best_fit: bool, deadline: float | None):
+    """Place tensors in ``order`` among the already-placed tensors live at the same time
+    (numpy over the placed set): best fit takes the smallest gap that fits, first fit the
+    lowest; else on top. ``_OutOfTime`` past ``deadline``."""
+    n = len(spans)
+    size = np.fromiter((x[0] for x in spans), dtype=np.int64, count=n)
+    first = np.fromiter((x[1] for x in spans), dtype=np.int64, count=n)
+    last = np.fromiter((x[2] for x in spans), dtype=np.int64, count=n)
+    addr = np.zeros(n, dtype=np.int64)
+    done = np.zeros(n, dtype=bool)
+    pa, pb = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    plo, phi = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    k = 0
+    for i, x in (fixed or {}).items():
+        addr[i], done[i] = x, True
+        if size[i] > 0:
+            pa[k], pb[k], plo[k], phi[k] = first[i], last[i], x, x + size[i]
+            k += 1
+    for count, i in enumerate(order):
+        if done[i]:
+            continue
+        if deadline is not None and not count & 127 and time.perf_counter() > deadline:
+            raise _OutOfTime
+        done[i] = True
+        s = size[i]
+        if s == 0:
+            continue
+        m = (pa[:k] <= last[i]) & (pb[:k] >= first[i])
+        x = 0
+        if m.any():
+            lo, hi = plo[:k][m], phi[:k][m]
+            srt = np.lexsort((hi, lo))
+            lo, hi = lo[srt], hi[srt]
+            below = np.zeros(len(hi), dtype=np.int64)  # top of the blocks below block j
+            np.maximum.accumulate(hi[:-1], out=below[1:])
+            gaps = lo - below
+            ok = np.flatnonzero(gaps >= s)
+            if len(ok):
+                x = below[ok[np.argmin(gaps[ok])] if best_fit else ok[0]]
+            else:
+                x = hi.max()
+        addr[i] = x
+        pa[k], pb[k], plo[k], phi[k] = first[i], last[i], x, x + s
+        k += 1
+    if not done.all():
+        raise ValueError("internal: placement order does not cover every tensor")
+    arena = int((addr + size).max()) if n else 0
+    return addr.tolist(), arena
+
+
+def _greedy_by_size(spans: list[Span], order: list[int], fixed: dict[int, int] | None = None,
+                    deadline: float | None = None):
     """Place tensors in ``order``; each goes to the smallest gap that fits among the
     already-placed tensors live at the same time (best fit), else on top."""
-    addr: dict[int, int] = dict(fixed or {})
-    placed = list(addr)
-    for i in order:
-        if i in addr:
-            continue
-        size = spans[i][0]
-        if size == 0:
-            addr[i] = 0
-            continue
-        busy = sorted((addr[j], addr[j] + spans[j][0]) for j in placed
-                      if spans[j][0] > 0 and _overlap(spans[i], spans[j]))
-        best, best_gap, cur = None, None, 0
-        for lo, hi in busy:
-            if lo - cur >= size:
-                gap = lo - cur
-                if best_gap is None or gap < best_gap:
-                    best, best_gap = cur, gap
-            cur = max(cur, hi)
-        addr[i] = best if best is not None else cur
-        placed.append(i)
-    arena = max((addr[i] + spans[i][0] for i in range(len(spans))), default=0)
-    return [addr[i] for i in range(len(spans))], arena
+    return _pack(spans, order, fixed, True, deadline)
 
 
-def _first_fit(spans: list[Span], order: list[int], fixed: dict[int, int] | None = None):
+def _first_fit(spans: list[Span], order: list[int], fixed: dict[int, int] | None = None,
+               deadline: float | None = None):
     """Place tensors in ``order`` at the lowest offset where they fit among the
-    already-placed tensors live at the same time (first fit; candidate offsets are 0 and
-    the tops of the overlapping tensors)."""
-    addr: dict[int, int] = dict(fixed or {})
-    placed: list[int] = [i for i in addr if spans[i][0] > 0]
-    for i in order:
-        if i in addr:
-            continue
-        size = spans[i][0]
-        if size == 0:
-            addr[i] = 0
-            continue
-        busy = sorted((addr[j], addr[j] + spans[j][0]) for j in placed
-                      if _overlap(spans[i], spans[j]))
-        cur = 0
-        for lo, hi in busy:
-            if lo - cur >= size:
-                break
-            cur = max(cur, hi)
-        addr[i] = cur
-        placed.append(i)
-    arena = max((addr[i] + spans[i][0] for i in range(len(spans))), default=0)
-    return [addr[i] for i in range(len(spans))], arena
+    already-placed tensors live at the same time (first fit)."""
+    return _pack(spans, order, fixed, False, deadline)
 
 
-def _pyramid(spans: list[Span]) -> dict[int, int]:
+def _release_block(free: list[tuple[int, int]], top: int, lo: int, hi: int) -> int:
+    """Return ``[lo, hi)`` to the sorted free blocks ``free`` (below ``top``), merged with
+    adjacent free blocks; a block reaching ``top`` lowers it. Returns the new top."""
+    k = bisect.bisect_left(free, (lo, hi))
+    if k > 0 and free[k - 1][1] == lo:
+        lo = free.pop(k - 1)[0]
+        k -= 1
+    if k < len(free) and free[k][0] == hi:
+        hi = free.pop(k)[1]
+    if hi == top:
+        return lo
+    free.insert(k, (lo, hi))
+    return top
+
+
+def _take_best_fit(free: list[tuple[int, int]], top: int, size: int) -> tuple[int, int]:
+    """``(offset, new top)`` of ``size`` bytes in the smallest free block that fits (the
+    first of equal ones; its remainder stays free), else at ``top``."""
+    best = None
+    for k, (lo, hi) in enumerate(free):
+        if hi - lo >= size and (best is None or hi - lo < free[best][1] - free[best][0]):
+            best = k
+    if best is None:
+        return top, top + size
+    lo, hi = free.pop(best)
+    if hi - lo > size:
+        free.insert(best, (lo + size, hi))
+    return lo, top
+
+
+def _sweep(spans: list[Span], deadline: float | None = None):
+    """Online best fit over time: tensors by first step (larger first), freed after
+    their last step, each into the smallest free block that fits, else on top (free
+    blocks coalesce). ``O(n log n + n * free blocks)``; ``_OutOfTime`` past ``deadline``."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][1], -spans[i][0]))
+    addrs = [0] * len(spans)
+    free: list[tuple[int, int]] = []  # sorted free blocks below top
+    ends: list[tuple[int, int]] = []  # heap of (last step, tensor) for live tensors
+    top = 0
+    for count, i in enumerate(order):
+        if deadline is not None and not count & 255 and time.perf_counter() > deadline:
+            raise _OutOfTime
+        s, a, _b = spans[i]
+        while ends and ends[0][0] < a:
+            _, j = heapq.heappop(ends)
+            top = _release_block(free, top, addrs[j], addrs[j] + spans[j][0])
+        if s == 0:
+            continue
+        addrs[i], top = _take_best_fit(free, top, s)
+        heapq.heappush(ends, (spans[i][2], i))
+    arena = max((addrs[i] + spans[i][0] for i in range(len(spans))), default=0)
+    return addrs, arena
+
+
+def _pyramid(spans: list[Span], deadline: float | None = None) -> dict[int, int]:
     """Function 5: stack nested long lifetimes at increasing addresses."""
     fixed: dict[int, int] = {}
     min_start, max_end, base = -math.inf, math.inf, 0
     while True:
+        if deadline is not None and time.perf_counter() > deadline:
+            raise _OutOfTime
         best, best_dur = None, 0
         for i, (s, a, b) in enumerate(spans):
             if i in fixed or s == 0 or a < min_start or b > max_end:
@@ -174,6 +259,17 @@ def _pyramid(spans: list[Span]) -> dict[int, int]:
 
 def check_placement(spans: Sequence[Span], addresses: Sequence[int]) -> None:
     """Raise ValueError if two co-live tensors overlap in the arena or an address is < 0."""
+    keys, spans = _normalize(spans)
+    if keys is not None:
+        if not isinstance(addresses, Mapping) or set(addresses) != set(keys):
+            raise ValueError("addresses: must be a mapping with the same keys as spans")
+        addresses = [addresses[k] for k in keys]
+    addresses = list(addresses)
+    if len(addresses) != len(spans):
+        raise ValueError(f"addresses: {len(addresses)} given for {len(spans)} spans")
+    for i, x in enumerate(addresses):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"addresses[{i}]: must be an int, got {x!r}")
     items = sorted(
         ((a, s, i) for i, (s, a, _b) in enumerate(spans) if s > 0), key=lambda x: x[0]
     )
@@ -196,6 +292,24 @@ def check_placement(spans: Sequence[Span], addresses: Sequence[int]) -> None:
                     )
 
 
+def _check_seconds(name: str, value) -> float:
+    """A finite number of seconds > 0 (bools, NaN, inf and non-numbers refused; one
+    error class, ValueError, for every bad time limit)."""
+    import numbers
+
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(  # noqa: TRY004
+            f"{name}: must be a finite number of seconds > 0, got {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+    return value
+
+
+# seconds per tensor of building a CP-SAT placement model (measured: well below this)
+_CPSAT_BUILD_S = 2e-4
+
+
 def place(
     spans,
     time_limit: float = 10.0,
@@ -207,9 +321,13 @@ def place(
 
     Args:
       spans: sequence (or mapping name -> ...) of ``(size_bytes, first_step, last_step)``,
-        steps inclusive.
-      time_limit: seconds for the CP-SAT stage (> 0); only used when no heuristic reaches
-        the lower bound.
+        steps inclusive; sizes are Python/numpy ints >= 0 (floats and bools raise
+        TypeError, negative sizes ValueError), steps ints with ``last >= first``.
+      time_limit: seconds for the whole call (finite, > 0) beyond the first plan, which
+        is always made, in ``O(n log n + n h)`` (online best fit over time; ``h`` free
+        blocks at a time); the greedy passes (each checks the deadline every 128
+        tensors), the window decomposition and CP-SAT then improve it while time is
+        left, stopping as soon as the arena equals the peak resident bytes.
       preplace: fix the pyramid of long-lived tensors (paper, section 4.5) in the CP-SAT
         model; "auto" does it above 200 tensors.
 
@@ -217,75 +335,110 @@ def place(
       ``(addresses, arena_size)`` — addresses in the same structure as ``spans`` (list, or
       dict with the same keys) — or a :class:`Placement` when ``return_info``.
     """
-    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
-        raise ValueError(f"time_limit: must be a number of seconds > 0, got {time_limit!r}")
+    time_limit = _check_seconds("time_limit", time_limit)
     if preplace not in (True, False, "auto"):
         raise ValueError(f"preplace: must be True, False or 'auto', got {preplace!r}")
     t0 = time.perf_counter()
+    deadline = t0 + time_limit
     keys, sp = _normalize(spans)
     lb = peak_of_spans(sp)
     n = len(sp)
-    cands = []
-    by_size = sorted(range(n), key=lambda i: (-sp[i][0], -(sp[i][2] - sp[i][1]), sp[i][1]))
-    cands.append(("greedy_by_size",) + _greedy_by_size(sp, by_size))
-    by_dur = sorted(range(n), key=lambda i: (-(sp[i][2] - sp[i][1]), -sp[i][0]))
-    cands.append(("greedy_by_duration",) + _greedy_by_size(sp, by_dur))
-    by_start = sorted(range(n), key=lambda i: (sp[i][1], -sp[i][0]))
-    cands.append(("greedy_by_start",) + _greedy_by_size(sp, by_start))
-    by_area = sorted(range(n), key=lambda i: (-sp[i][0] * (sp[i][2] - sp[i][1] + 1), -sp[i][0]))
-    cands.append(("greedy_by_area",) + _greedy_by_size(sp, by_area))
-    pyr = _pyramid(sp)
-    cands.append(("pyramid+greedy",) + _greedy_by_size(sp, by_size, fixed=pyr))
-    # tensors live at the peak step must tile [0, peak) exactly: place them first, bottom
-    # up by start (long-lived at the bottom, like the pyramid), then the rest
-    peak_t = _peak_step(sp)
-    at_peak = [i for i in range(n) if sp[i][1] <= peak_t <= sp[i][2]]
-    rest_set = set(at_peak)
-    rest = [i for i in by_size if i not in rest_set]
-    anchored = [
-        ("peak_by_start", sorted(at_peak, key=lambda i: (sp[i][1], -sp[i][2]))),
-        ("peak_by_end", sorted(at_peak, key=lambda i: (-sp[i][2], sp[i][1]))),
-    ]
-    rest_dur = [i for i in by_dur if i not in rest_set]
-    for name, order in (("size", by_size), ("duration", by_dur), ("start", by_start),
-                        ("area", by_area)) + tuple((a, o + rest) for a, o in anchored) + \
-            tuple((a + "_dur", o + rest_dur) for a, o in anchored):
-        cands.append((f"first_fit_by_{name}",) + _first_fit(sp, order))
-        if name.startswith("peak"):
-            cands.append((f"best_fit_by_{name}",) + _greedy_by_size(sp, order))
-    method, addrs, arena = min(cands, key=lambda c: c[2])
+    # the first plan is never cut short: it is what every later stage must beat
+    addrs, arena = _sweep(sp)
+    method = "online_best_fit"
+
+    def passes():
+        """The offline heuristics, cheapest to build first (generated lazily)."""
+        by_size = sorted(range(n), key=lambda i: (-sp[i][0], -(sp[i][2] - sp[i][1]), sp[i][1]))
+        yield "greedy_by_size", _greedy_by_size, by_size, None
+        by_dur = sorted(range(n), key=lambda i: (-(sp[i][2] - sp[i][1]), -sp[i][0]))
+        yield "greedy_by_duration", _greedy_by_size, by_dur, None
+        by_start = sorted(range(n), key=lambda i: (sp[i][1], -sp[i][0]))
+        yield "greedy_by_start", _greedy_by_size, by_start, None
+        by_area = sorted(range(n),
+                         key=lambda i: (-sp[i][0] * (sp[i][2] - sp[i][1] + 1), -sp[i][0]))
+        yield "greedy_by_area", _greedy_by_size, by_area, None
+        state["orders"] = [by_size, by_dur, by_start, by_area]
+        pyr = _pyramid(sp, deadline=heur_deadline)
+        state["pyramid"] = pyr
+        yield "pyramid+greedy", _greedy_by_size, by_size, pyr
+        # tensors live at the peak step must tile [0, peak) exactly: place them first,
+        # bottom up by start (long-lived at the bottom, like the pyramid), then the rest
+        peak_t = _peak_step(sp)
+        at_peak = [i for i in range(n) if sp[i][1] <= peak_t <= sp[i][2]]
+        rest_set = set(at_peak)
+        anchored = [sorted(at_peak, key=lambda i: (sp[i][1], -sp[i][2])),
+                    sorted(at_peak, key=lambda i: (-sp[i][2], sp[i][1]))]
+        state["anchored"], state["rest_set"] = anchored, rest_set
+        rest = [i for i in by_size if i not in rest_set]
+        rest_dur = [i for i in by_dur if i not in rest_set]
+        named = [("size", by_size), ("duration", by_dur), ("start", by_start),
+                 ("area", by_area), ("peak_by_start", anchored[0] + rest),
+                 ("peak_by_end", anchored[1] + rest),
+                 ("peak_by_start_dur", anchored[0] + rest_dur),
+                 ("peak_by_end_dur", anchored[1] + rest_dur)]
+        for name, order in named:
+            yield f"first_fit_by_{name}", _first_fit, order, None
+            if name.startswith("peak"):
+                yield f"best_fit_by_{name}", _greedy_by_size, order, None
+
+    state: dict = {}
+    # the exact stages need time to build a model: without it, the passes get it all
+    exact_room = n * _CPSAT_BUILD_S < 0.1 * time_limit
+    heur_deadline = t0 + (0.6 if exact_room else 0.95) * time_limit
+    if arena > lb:
+        try:
+            for name, fn, order, fixed in passes():
+                a2, ar2 = fn(sp, order, fixed, deadline=heur_deadline)
+                if ar2 < arena:
+                    method, addrs, arena = name, a2, ar2
+                if arena <= lb:
+                    break
+        except _OutOfTime:
+            pass
     # randomised restarts: perturb the size order (ties and near-ties) while time allows
     import random
 
     rng = random.Random(0)
-    budget = min(0.2 * time_limit, 2.0)
-    while arena > lb and time.perf_counter() - t0 < budget and n > 1:
+    budget = t0 + min(0.2 * time_limit, 2.0)
+    anchored = state.get("anchored")
+    while arena > lb and n > 1 and anchored is not None and time.perf_counter() < budget:
         noisy = sorted(range(n), key=lambda i: -sp[i][0] * rng.uniform(0.7, 1.3)
                        * (sp[i][2] - sp[i][1] + 1) ** rng.uniform(0, 0.5))
         if rng.random() < 0.5:  # keep the peak step's tensors first, perturb the rest
-            noisy = anchored[rng.randrange(2)][1] + [i for i in noisy if i not in rest_set]
-        for fn in (_first_fit, _greedy_by_size):
-            a2, ar2 = fn(sp, noisy)
-            if ar2 < arena:
-                method, addrs, arena = "random_restart", a2, ar2
-    if arena > lb and n > 1:
-        res = _window_place(sp, lb, min(0.5 * time_limit, time_limit - (time.perf_counter() - t0)),
-                            num_workers, orders=[by_size, by_dur, by_start, by_area])
+            rest_set = state["rest_set"]
+            noisy = anchored[rng.randrange(2)] + [i for i in noisy if i not in rest_set]
+        try:
+            for fn in (_first_fit, _greedy_by_size):
+                a2, ar2 = fn(sp, noisy, deadline=budget)
+                if ar2 < arena:
+                    method, addrs, arena = "random_restart", a2, ar2
+        except _OutOfTime:
+            break
+
+    def left() -> float:
+        return deadline - time.perf_counter()
+
+    # the exact stages build a CP-SAT model (linear in n, in Python): only with time for it
+    exact_ok = "orders" in state and n > 1
+    if arena > lb and exact_ok and n * _CPSAT_BUILD_S < 0.25 * left():
+        res = _window_place(sp, lb, min(0.5 * time_limit, left()), num_workers,
+                            orders=state["orders"], deadline=deadline)
         if res is not None and res[1] < arena:
             addrs, arena = res
             method = "window+cp-sat"
     optimal = arena == lb
-    if not optimal:
-        res = _cpsat_place(sp, addrs, arena, lb, time_limit - (time.perf_counter() - t0),
-                           num_workers, pyr if (preplace is True or (preplace == "auto" and n > 200)) else None)
+    if not optimal and exact_ok and n * _CPSAT_BUILD_S < 0.25 * left():
+        pyr = state.get("pyramid")
+        res = _cpsat_place(sp, addrs, arena, lb, left(), num_workers,
+                           pyr if (preplace is True or (preplace == "auto" and n > 200)) else None)
         if res is not None and res[1] <= arena:
             addrs, arena, optimal = res
             method = "cp-sat"
             if optimal:
                 lb = arena
-        elif res is not None and res[2]:
-            pass
-    check_placement(sp, addrs)
+    if n <= 2000:  # self-check (O(n * co-live tensors))
+        check_placement(sp, addrs)
     info = Placement(addrs, int(arena), int(lb), bool(optimal), method, time.perf_counter() - t0)
     if keys is not None:
         info.addresses = dict(zip(keys, addrs))
@@ -294,7 +447,7 @@ def place(
     return info.addresses, info.arena_size
 
 
-def _window_place(sp, lb, time_limit, num_workers, orders):
+def _window_place(sp, lb, time_limit, num_workers, orders, deadline=None):
     """Zero fragmentation by decomposition around the peak.
 
     An arena equal to the peak is tight only near the steps where the resident bytes come
@@ -318,12 +471,18 @@ def _window_place(sp, lb, time_limit, num_workers, orders):
         left = time_limit - (time.perf_counter() - t0)
         if left <= 0.05:
             break
-        hot = np.flatnonzero(resident >= (1 - delta) * lb) + lo
-        core = [i for i, (s, a, b) in enumerate(sp)
-                if s > 0 and np.any((hot >= a) & (hot <= b))]
+        hot = np.flatnonzero(resident >= (1 - delta) * lb) + lo  # sorted steps
+        first = np.fromiter((x[1] for x in sp), dtype=np.int64, count=len(sp))
+        last = np.fromiter((x[2] for x in sp), dtype=np.int64, count=len(sp))
+        size = np.fromiter((x[0] for x in sp), dtype=np.int64, count=len(sp))
+        k = np.searchsorted(hot, first)  # first hot step >= first
+        hits = (k < len(hot)) & (hot[np.minimum(k, len(hot) - 1)] <= last) & (size > 0)
+        core = np.flatnonzero(hits).tolist()
         if prev_core is not None and set(core) == prev_core:
             continue
         prev_core = set(core)
+        if len(core) * _CPSAT_BUILD_S > 0.25 * left:
+            break
         sub = [sp[i] for i in core]
         res = _cpsat_model(sub, None, lb // g, lb // g, g, 0.5 * left, num_workers, None)
         if res is None:
@@ -331,7 +490,10 @@ def _window_place(sp, lb, time_limit, num_workers, orders):
         fixed = {i: a for i, a in zip(core, res[0])}
         for order in orders:
             for fn in (_greedy_by_size, _first_fit):
-                addrs, arena = fn(sp, order, fixed=fixed)
+                try:
+                    addrs, arena = fn(sp, order, fixed=fixed, deadline=deadline)
+                except _OutOfTime:
+                    return best
                 if best is None or arena < best[1]:
                     best = (addrs, arena)
                 if arena <= lb:
@@ -412,6 +574,7 @@ def best_fit_online(spans: Sequence[Span]) -> tuple[int, int, float]:
     ``(MR - RS) / MR`` measured when the reserved memory MR first reaches its peak
     (OLLA section 5.4).
     """
+    spans = _normalize(spans)[1]
     free: list[tuple[int, int]] = []  # sorted (start, end) free blocks below top
     top = 0
     where: dict[int, int] = {}
@@ -431,38 +594,14 @@ def best_fit_online(spans: Sequence[Span]) -> tuple[int, int, float]:
             return
         live -= s
         lo = where.pop(i)
-        hi = lo + s
-        k = bisect.bisect_left(free, (lo, hi))
-        # coalesce with neighbours
-        if k > 0 and free[k - 1][1] == lo:
-            lo = free[k - 1][0]
-            free.pop(k - 1)
-            k -= 1
-        if k < len(free) and free[k][0] == hi:
-            hi = free[k][1]
-            free.pop(k)
-        if hi == top:
-            top = lo
-        else:
-            free.insert(k, (lo, hi))
+        top = _release_block(free, top, lo, lo + s)
 
     for t in steps:
         for i in starts.get(t, []):
             s = spans[i][0]
             if s == 0:
                 continue
-            best = None
-            for k, (lo, hi) in enumerate(free):
-                if hi - lo >= s and (best is None or hi - lo < free[best][1] - free[best][0]):
-                    best = k
-            if best is None:
-                where[i] = top
-                top += s
-            else:
-                lo, hi = free.pop(best)
-                where[i] = lo
-                if hi - lo > s:
-                    free.insert(best, (lo + s, hi))
+            where[i], top = _take_best_fit(free, top, s)
             live += s
             if top > mr:
                 mr, rs_at_peak = top, live

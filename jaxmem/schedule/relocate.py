@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .analysis import Reach, _bits_to_bool
-from .graph import Graph
-from .simulate import _Tensors
+from .graph import Graph, OutOfTime
+from .reach import Reach, _bits_to_bool
+from .simulate import _Tensors, simulate
 
 __all__ = ["insertion_peaks", "relocate_blocks"]
 
@@ -132,15 +132,18 @@ def insertion_peaks(ts: _Tensors, seq: np.ndarray, in_block: np.ndarray,
     return rest, block, xs, np.rint(peaks).astype(np.int64)
 
 
-def _candidate_blocks(graph: Graph, names: list[str], max_block: int):
+def _candidate_blocks(graph: Graph, names: list[str], max_block: int, reach=None,
+                      deadline: float | None = None):
     """Per node: the node itself, with its descendants, with its non-source ancestors."""
     n = len(names)
-    reach = Reach(graph)
+    reach = reach if reach is not None else Reach(graph, deadline=deadline)
     ridx = np.asarray([reach.index[v] for v in names], dtype=np.int64)
     kinds = [graph.nodes[v].kind for v in names]
     source = np.asarray([k in ("input", "const") for k in kinds], dtype=bool)
     blocks: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for u in range(n):
+        if deadline is not None and not u & 255 and time.perf_counter() > deadline:
+            raise OutOfTime("candidate blocks")
         if source[u]:
             continue
         blocks[u].append((u, np.asarray([u], dtype=np.int64)))
@@ -156,7 +159,7 @@ def _candidate_blocks(graph: Graph, names: list[str], max_block: int):
 
 def relocate_blocks(graph: Graph, order: Sequence[str], time_budget: float = 1.0,
                     target: int | None = None, max_block: int = 16,
-                    kicks: int = 8) -> tuple[list[str], int]:
+                    kicks: int = 8, reach=None) -> tuple[list[str], int]:
     """Improve a topological ``order`` by moving blocks of nodes (see the module docstring).
 
     Descent: each round looks at the nodes that touch a peak step (run there, or produce
@@ -182,7 +185,10 @@ def relocate_blocks(graph: Graph, order: Sequence[str], time_budget: float = 1.0
             initial=ts.persistent))
     preds = [[idx[p] for p in graph.preds(v)] for v in names]
     succs = [[idx[s] for s in graph.succs(v)] for v in names]
-    blocks = _candidate_blocks(graph, names, max_block)
+    try:
+        blocks = _candidate_blocks(graph, names, max_block, reach, deadline)
+    except OutOfTime:
+        return list(order), simulate(graph, order)
 
     def positions(sq: np.ndarray) -> np.ndarray:
         p = np.empty(n, dtype=np.int64)

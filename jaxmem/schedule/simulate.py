@@ -12,7 +12,7 @@ tensor still needed later. Persistent tensors are resident at every step. The pe
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -55,9 +55,12 @@ def simulate(graph: Graph, order: Sequence[str] | None = None) -> int:
     order that is not topological or does not list every node once."""
     if order is None:
         order = graph.program_order
+    if not isinstance(order, (str, bytes)) and isinstance(order, Iterable):
+        order = list(order)  # (a generator is read once)
+    graph.check_order(order)  # an empty order only for an empty graph
     if len(order) == 0:
         return graph.persistent_bytes()
-    return int(memory_profile(graph, order).max())
+    return int(memory_profile(graph, order, check=False).max())
 
 
 class _Tensors:

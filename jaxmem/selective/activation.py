@@ -20,6 +20,7 @@ hard_tanh       ``-1 <= x <= 1``        0
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -92,9 +93,9 @@ def relu(x):
 
 def leaky_relu(x, negative_slope: float = 1e-2):
     """``where(x >= 0, x, negative_slope * x)``; backward keeps ``pack_bits(x >= 0)``."""
-    if not isinstance(negative_slope, (int, float)):
+    if not isinstance(negative_slope, numbers.Real) or isinstance(negative_slope, bool):
         raise TypeError(f"leaky_relu: negative_slope must be a Python float, got "
-                        f"{type(negative_slope).__name__}")
+                        f"{type(negative_slope).__name__} {negative_slope!r}")
     return _call("leaky_relu", x, float(negative_slope))
 
 

@@ -3,7 +3,7 @@
 A boolean mask kept for the backward pass costs 1 byte per element as ``bool``. Packing 8
 booleans into one ``uint8`` cuts that to 1/8 byte per element. The packing must be a
 *reduction*: an elementwise code (``x > 0``) is fused by XLA into its backward consumer, and
-XLA then keeps the f32 input alive instead of the code (see DESIGN.md). Summing shifted bits
+XLA then keeps the f32 input alive instead of the code (see docs/design.md). Summing shifted bits
 over a trailing group axis of 8 is a reduce, so XLA materialises the packed bytes.
 
 Math. For a flat boolean vector ``b`` padded with zeros to a multiple of ``8``::

@@ -8,10 +8,12 @@ bytes) instead of keeping a mask or the scaled input.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmem.selective._core import check_float, is_zero, tag
@@ -55,8 +57,12 @@ def dropout(key, x, rate: float, *, deterministic: bool = False,
     ``deterministic=True`` or ``rate == 0`` this is the identity; ``rate == 1`` gives zeros.
     """
     check_float("dropout: x", x)
-    if not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-        raise ValueError(f"dropout: rate must be a float in [0, 1], got {rate!r}")
+    if (not isinstance(rate, numbers.Real) or isinstance(rate, (bool, np.bool_))
+            or not 0.0 <= rate <= 1.0):
+        raise ValueError(f"dropout: rate must be a Python float in [0, 1], got {rate!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"dropout: deterministic must be a Python bool (it selects the code "
+                        f"path at trace time), got {deterministic!r}")
     x = jnp.asarray(x)
     if deterministic or rate == 0.0:
         return x

@@ -38,7 +38,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import check_float, is_zero, struct, tag, zero_after
+from jaxmem.selective._core import (
+    as_int,
+    check_float,
+    int_tuple,
+    is_zero,
+    perturbed,
+    positive_int,
+    recipe,
+    struct,
+    tag,
+    value,
+    zero_after,
+)
 
 __all__ = [
     "bilinear",
@@ -105,13 +117,57 @@ def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
 _bilinear.defvjp(_bilinear_fwd, _bilinear_bwd, symbolic_zeros=True)
 
 
+# ------------------------------------------------- input recomputed from a norm's residuals
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, x, w, rec):
+    del name, x_struct, w_struct, dx_fn, rec_fn, rec
+    return fn(x, w)
+
+
+def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, x, w, rec):
+    """As ``_bilinear_fwd``, but ``x == rec_fn(*rec)`` and the producer of ``x`` (a
+    normalisation) keeps ``rec`` for its own backward: when it does (its input or scale is
+    differentiated), keep ``rec`` -- the very same residuals, stored once -- instead of ``x``."""
+    del x_struct, w_struct, dx_fn, rec_fn
+    y = fn(x.value, _after(w.value, x.value, name in _LATE_FWD))
+    shared = w.perturbed and (perturbed(rec[0]) or perturbed(rec[3]))
+    res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
+    res_rec = tuple(value(p) for p in rec) if shared else None
+    res_w = w.value if x.perturbed else None
+    return y, (res_x, res_rec, res_w)
+
+
+def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, res, g):
+    res_x, res_rec, res_w = res
+    if is_zero(g):
+        return None, None, None
+    if res_rec is not None:
+        # ``+ 0`` tied to ``g`` (exact): the recomputation runs in the backward pass.
+        xr, *rest = res_rec
+        res_x = rec_fn(xr + zero_after(g, xr.dtype), *rest)
+    dx, dw = _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, (res_x, res_w), g)
+    return dx, dw, None
+
+
+_bilinear_rec.defvjp(_bilinear_rec_fwd, _bilinear_rec_bwd, symbolic_zeros=True)
+
+
 def bilinear(fn: Callable[[Any, Any], Any], x, w, *, name: str = "bilinear", _dx_fn=None):
     """Apply ``fn(x, w)``, bilinear in ``(x, w)``, storing only what requested grads need.
 
     ``fn`` must be linear in each argument separately (dense, convolution, einsum, ...).
     Residuals: ``x`` (tagged ``jaxmem.selective.<name>.input``) iff ``w`` is
-    differentiated; ``w`` iff ``x`` is differentiated; nothing if neither.
+    differentiated; ``w`` iff ``x`` is differentiated; nothing if neither. When ``x`` is the
+    output of a selective normalisation (``jaxmem.selective.normalize`` and the norms built on
+    it) whose backward keeps its input, ``x`` is recomputed from those residuals in the
+    backward pass instead of being kept a second time (``dL/dW`` is unchanged: the same
+    ``x``, bit for bit). Under ``lax.scan`` this keeps one input-sized tensor per norm and
+    layer stacked instead of two.
     """
+    r = recipe(x)
+    if r is not None:
+        rec_fn, rec = r
+        return _bilinear_rec(fn, name, struct(x), struct(w), _dx_fn, rec_fn, x, w, rec)
     return _bilinear(fn, name, struct(x), struct(w), _dx_fn, x, w)
 
 
@@ -144,14 +200,25 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
     Extra keyword arguments (e.g. ``out_sharding``) are passed through to lax; ``None``
     values are dropped."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    name = "conv_general_dilated"
     ndim_sp = jnp.ndim(lhs) - 2
-    padding = _check_padding(padding, ndim_sp)
+    if ndim_sp < 1 or jnp.ndim(rhs) != jnp.ndim(lhs):
+        raise ValueError(f"{name}: lhs and rhs must have the same rank >= 3, got shapes "
+                         f"{jnp.shape(lhs)} and {jnp.shape(rhs)}")
+    padding = _check_padding(padding, ndim_sp, name)
+    window_strides = int_tuple(name, "window_strides", window_strides, ndim_sp)
+    if lhs_dilation is not None:
+        lhs_dilation = int_tuple(name, "lhs_dilation", lhs_dilation, ndim_sp)
+    if rhs_dilation is not None:
+        rhs_dilation = int_tuple(name, "rhs_dilation", rhs_dilation, ndim_sp)
+    feature_group_count = positive_int(name, "feature_group_count", feature_group_count)
+    batch_group_count = positive_int(name, "batch_group_count", batch_group_count)
     fn = functools.partial(
         lax.conv_general_dilated,
-        window_strides=tuple(window_strides),
+        window_strides=window_strides,
         padding=padding,
-        lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
-        rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
         dimension_numbers=dimension_numbers,
         feature_group_count=feature_group_count,
         batch_group_count=batch_group_count,
@@ -161,7 +228,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
     )
     dx_fn = None
     if not kwargs and preferred_element_type is None:
-        dx_fn = _phase_dx_fn(jnp.shape(lhs), jnp.shape(rhs), tuple(window_strides), padding,
+        dx_fn = _phase_dx_fn(jnp.shape(lhs), jnp.shape(rhs), window_strides, padding,
                              lhs_dilation, rhs_dilation, dimension_numbers,
                              feature_group_count, batch_group_count, precision)
     return bilinear(fn, lhs, rhs, name="conv", _dx_fn=dx_fn)
@@ -262,36 +329,45 @@ def _freeze(dn):
 _PAD_STRINGS = ("SAME", "VALID", "SAME_LOWER")
 
 
-def _check_padding(padding, ndim_sp: int):
+def _check_padding(padding, ndim_sp: int, fn: str = "conv"):
+    """``padding`` as an upper-case string or a tuple of ``ndim_sp`` (lo, hi) int pairs.
+
+    Ints may be negative (a crop), as in ``lax``."""
     if isinstance(padding, str):
         if padding.upper() not in _PAD_STRINGS:
             raise ValueError(
-                f"padding must be one of {_PAD_STRINGS}, an int, or a sequence of {ndim_sp} "
-                f"(low, high) pairs; got {padding!r}"
+                f"{fn}: padding must be one of {_PAD_STRINGS}, an int, or a sequence of "
+                f"{ndim_sp} (low, high) pairs; got {padding!r}"
             )
         return padding.upper()
-    if isinstance(padding, int) and not isinstance(padding, bool):
-        return tuple((padding, padding) for _ in range(ndim_sp))
+    i = as_int(padding)
+    if i is not None:
+        return tuple((i, i) for _ in range(ndim_sp))
     try:
         pads = list(padding)
     except TypeError:
-        raise ValueError(f"padding must be a string, an int or a sequence, got {padding!r}")
+        raise ValueError(f"{fn}: padding must be a string, an int or a sequence, got "
+                         f"{padding!r}") from None
     if len(pads) != ndim_sp:
         raise ValueError(
-            f"padding needs one entry per spatial dimension ({ndim_sp}), got {padding!r}"
+            f"{fn}: padding needs one entry per spatial dimension ({ndim_sp}), got {padding!r}"
         )
     out = []
     for p in pads:
-        if isinstance(p, int) and not isinstance(p, bool):
-            out.append((p, p))
-        else:
-            try:
-                lo, hi = p
-                out.append((int(lo), int(hi)))
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"each padding entry must be an int or a (low, high) pair, got {p!r}"
-                ) from None
+        i = as_int(p)
+        if i is not None:
+            out.append((i, i))
+            continue
+        try:
+            lo, hi = p
+        except (TypeError, ValueError):
+            lo = hi = None
+        lo, hi = as_int(lo), as_int(hi)
+        if lo is None or hi is None:
+            raise ValueError(
+                f"{fn}: each padding entry must be an int or a (low, high) pair of ints, got "
+                f"{p!r} in {padding!r}")
+        out.append((lo, hi))
     return tuple(out)
 
 
@@ -328,15 +404,6 @@ def dense(x, w, b=None, *, precision=None):
     return y
 
 
-def _tuple(v, n, what):
-    if isinstance(v, int) and not isinstance(v, bool):
-        return (v,) * n
-    v = tuple(v)
-    if len(v) != n or not all(isinstance(i, int) and i >= 1 for i in v):
-        raise ValueError(f"{what} must be a positive int or {n} positive ints, got {v!r}")
-    return v
-
-
 def _conv_dn(nsp: int):
     sp = "DHW"[-nsp:] if nsp <= 3 else None
     if sp is None:
@@ -363,15 +430,19 @@ def conv(x, w, b=None, *, strides: int | Sequence[int] = 1, padding: Any = "SAME
     if jnp.ndim(w) != nsp + 2:
         raise ValueError(f"conv: w must have {nsp + 2} dims (*kernel, Cin/groups, Cout), got "
                          f"{jnp.shape(w)}")
-    if jnp.shape(x)[-1] != jnp.shape(w)[-2] * feature_group_count:
+    groups = positive_int("conv", "feature_group_count", feature_group_count)
+    if jnp.shape(x)[-1] != jnp.shape(w)[-2] * groups:
         raise ValueError(
             f"conv: x has {jnp.shape(x)[-1]} channels but w expects "
             f"{jnp.shape(w)[-2]} x feature_group_count={feature_group_count}")
+    if jnp.shape(w)[-1] % groups:
+        raise ValueError(f"conv: feature_group_count={feature_group_count} must divide the "
+                         f"output channels w.shape[-1]={jnp.shape(w)[-1]}")
     y = conv_general_dilated(
-        x, w, _tuple(strides, nsp, "strides"), padding,
-        lhs_dilation=_tuple(input_dilation, nsp, "input_dilation"),
-        rhs_dilation=_tuple(dilation, nsp, "dilation"),
-        dimension_numbers=_conv_dn(nsp), feature_group_count=feature_group_count,
+        x, w, int_tuple("conv", "strides", strides, nsp), _check_padding(padding, nsp),
+        lhs_dilation=int_tuple("conv", "input_dilation", input_dilation, nsp),
+        rhs_dilation=int_tuple("conv", "dilation", dilation, nsp),
+        dimension_numbers=_conv_dn(nsp), feature_group_count=groups,
         precision=precision)
     if b is not None:
         y = y + b
@@ -391,7 +462,7 @@ def conv_transpose(x, w, b=None, *, strides: int | Sequence[int] = 1, padding: A
     if nsp not in (1, 2, 3) or jnp.ndim(w) != nsp + 2:
         raise ValueError(f"conv_transpose: x must be (N, *spatial, C) with 1-3 spatial dims "
                          f"and w (*kernel, Cin, Cout); got {jnp.shape(x)} and {jnp.shape(w)}")
-    padding = _check_padding(padding, nsp)
+    padding = _check_padding(padding, nsp, "conv_transpose")
     if padding == "SAME_LOWER":
         raise ValueError("conv_transpose: padding must be 'SAME', 'VALID' or explicit pairs")
     cin = jnp.shape(w)[-1] if transpose_kernel else jnp.shape(w)[-2]
@@ -399,9 +470,9 @@ def conv_transpose(x, w, b=None, *, strides: int | Sequence[int] = 1, padding: A
         raise ValueError(f"conv_transpose: x has {jnp.shape(x)[-1]} channels, w expects {cin}")
     fn = functools.partial(
         lax.conv_transpose,
-        strides=_tuple(strides, nsp, "strides"),
+        strides=int_tuple("conv_transpose", "strides", strides, nsp),
         padding=padding,
-        rhs_dilation=_tuple(dilation, nsp, "dilation"),
+        rhs_dilation=int_tuple("conv_transpose", "dilation", dilation, nsp),
         dimension_numbers=_conv_dn(nsp),
         transpose_kernel=transpose_kernel,
         precision=precision,

@@ -1,30 +1,83 @@
-"""Flax NNX drop-in: swap layers of an existing NNX module in place.
+"""Flax NNX drop-in: convert the layers of an existing NNX module in place.
 
-``convert(module)`` walks the module graph and, sharing the very same Variables:
+``convert(module)`` walks the module graph and re-classes each supported layer to a subclass
+of its own NNX class (same fields, same Variables; ``nnx.split``/``nnx.merge``, ``nnx.clone``,
+``nnx.jit``, ``nnx.scan``, ``nnx.vmap``, ``nnx.remat`` see an ordinary NNX module whose
+graphdef names the subclass):
 
-* gives every ``nnx.Linear`` the selective ``dot_general`` and every ``nnx.Conv`` the
-  selective ``conv_general_dilated`` (their own constructor hooks);
-* re-classes every ``nnx.BatchNorm`` / ``nnx.LayerNorm`` / ``nnx.RMSNorm`` / ``nnx.GroupNorm``
-  to a subclass whose ``__call__`` computes the same function with
-  :mod:`jaxmem.selective.norm` (running statistics updated as NNX does). ``mask=``,
-  ``axis_name`` and custom GroupNorm ``reduction_axes`` fall back to NNX's own code (exact
-  gradients, no saving) with a ``SelectiveFallbackWarning``.
+* ``nnx.Linear`` / ``nnx.LinearGeneral`` get the selective ``dot_general``, ``nnx.Conv`` the
+  selective ``conv_general_dilated``, ``nnx.Einsum`` a selective ``jnp.einsum``, and
+  ``nnx.Embed.attend`` a selective ``query @ embedding.T``: each stores its input only if the
+  weight is differentiated and its weight only if the input is (``y = f(x, W)`` is bilinear:
+  ``dL/dx`` needs ``W``, ``dL/dW`` needs ``x``). ``nnx.Embed.__call__`` is a gather whose
+  backward needs only the integer indices: there is nothing to save.
+* ``nnx.BatchNorm`` / ``nnx.LayerNorm`` / ``nnx.RMSNorm`` / ``nnx.GroupNorm`` compute the
+  same function with :mod:`jaxmem.selective.norm` (one input-sized residual; running
+  statistics updated as NNX does). ``BatchNorm(axis_name=...)`` takes its batch statistics
+  with ``lax.pmean`` over ``axis_name`` (NNX's formula).
+* ``nnx.Dropout`` uses :func:`jaxmem.selective.dropout`: ``y = where(m, x / (1 - rate), 0)``
+  with the same key and the same ``jax.random.bernoulli`` draw as NNX (identical outputs);
+  backward regenerates ``m`` from the key instead of storing it.
+
+A configuration the selective code cannot reproduce (``mask=``, a custom ``dot_general`` /
+``einsum_op``, ``out_sharding``, ...) runs NNX's own code -- exact gradients, no saving --
+with a :class:`SelectiveFallbackWarning`. Every converted layer reports what it did at trace
+time to ``jaxmem.report`` (``status`` ``'converted'``, ``'fallback'`` or
+``'nothing-to-save'``, with the reason).
 
 Inline activations (``nnx.relu(x)``) are functions, not modules: trace the model inside
-``jaxmem.selective.nnx.scope()`` (the scoped function patch) to get the 1-bit masks.
-``convert`` returns the module (modified in place) and raises ``TypeError`` for anything
-that is not an ``nnx.Module``.
+:func:`scope` to get the 1-bit masks. ``convert`` returns the module (modified in place) and
+raises ``TypeError`` for anything that is not an ``nnx.Module``.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
+from jaxmem.selective.dropout import dropout as _dropout_fn
 from jaxmem.selective.linen import SelectiveFallbackWarning, _axes_tuple, _warn_fallback
 from jaxmem.selective.patch import patch_functions as scope
 
-__all__ = ["SelectiveFallbackWarning", "convert", "scope"]
+__all__ = ["SelectiveFallbackWarning", "convert", "einsum", "scope"]
+
+_PATH_ATTR = "_jaxmem_path"
+
+
+# ------------------------------------------------------------------------------ report
+@functools.cache
+def _recorder():
+    try:
+        from jaxmem._glue.report import record
+    except ImportError:
+        return None
+    return record
+
+
+def _base(m) -> type:
+    """The NNX class a converted module derives from."""
+    cls = type(m)
+    return _BASE.get(cls, cls)
+
+
+def _record(m, status: str, reason: str = "") -> None:
+    rec = _recorder()
+    if rec is None:
+        return
+    rec(kind="module", target=f"flax.nnx.{_base(m).__name__}", technique="selective",
+        status=status, reason=reason, path=getattr(m, _PATH_ATTR, None))
+
+
+def _fallback(m, reason: str) -> None:
+    """Record and warn (once per class and reason) that ``m`` runs NNX's own code."""
+    _record(m, "fallback", reason)
+    _warn_fallback(m, reason)
 
 
 def _first(*vals):
@@ -34,27 +87,176 @@ def _first(*vals):
     return None
 
 
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+# ---------------------------------------------------------------- bilinear layers
+class _SelectiveLinear(nnx.Linear):
+    def __call__(self, inputs, out_sharding=None):
+        if self.dot_general is _lin.dot_general:
+            _record(self, "converted")
+        else:
+            _fallback(self, "custom dot_general")
+        return super().__call__(inputs, out_sharding=out_sharding)
+
+
+class _SelectiveLinearGeneral(nnx.LinearGeneral):
+    def __call__(self, inputs, out_sharding=None):
+        if self.dot_general is _lin.dot_general and self.dot_general_cls is None:
+            _record(self, "converted")
+        else:
+            _fallback(self, "custom dot_general")
+        return super().__call__(inputs, out_sharding=out_sharding)
+
+
+class _SelectiveConv(nnx.Conv):
+    def __call__(self, inputs, out_sharding=None):
+        if self.conv_general_dilated is _lin.conv_general_dilated:
+            _record(self, "converted")
+        else:
+            _fallback(self, "custom conv_general_dilated")
+        return super().__call__(inputs, out_sharding=out_sharding)
+
+
+def einsum(subscripts, x, w, *, precision=None, preferred_element_type=None,
+           out_sharding=None):
+    """Drop-in for ``jnp.einsum(subscripts, x, w)`` (as ``nnx.Einsum(einsum_op=...)``) that
+    stores ``x`` only if ``w`` is differentiated and ``w`` only if ``x`` is (an einsum of two
+    operands is linear in each). With ``out_sharding`` it is ``jnp.einsum`` itself."""
+    if out_sharding is not None:
+        return jnp.einsum(subscripts, x, w, precision=precision,
+                          preferred_element_type=preferred_element_type,
+                          out_sharding=out_sharding)
+    fn = functools.partial(jnp.einsum, subscripts, precision=precision,
+                           preferred_element_type=preferred_element_type)
+    return _lin.bilinear(fn, x, w, name="einsum")
+
+
+class _SelectiveEinsum(nnx.Einsum):
+    def __call__(self, inputs, einsum_str=None, out_sharding=None):
+        if self.einsum_op is not einsum:
+            _fallback(self, "custom einsum_op")
+        elif out_sharding is not None:
+            _fallback(self, "called with out_sharding=")
+        else:
+            _record(self, "converted")
+        return super().__call__(inputs, einsum_str, out_sharding=out_sharding)
+
+
+class _SelectiveEmbed(nnx.Embed):
+    def __call__(self, inputs, out_sharding=None):
+        _record(self, "nothing-to-save",
+                "a gather: its backward needs only the integer indices")
+        return super().__call__(inputs, out_sharding=out_sharding)
+
+    def attend(self, query, out_sharding=None):
+        """``query @ embedding.T`` (NNX's ``attend``) with selective residuals."""
+        why = None
+        if out_sharding is not None:
+            why = "attend called with out_sharding="
+        elif jnp.ndim(query) < 1:
+            why = "attend with a 0-d query"
+        if why is None:
+            q, emb = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+            if not (_is_float(q) and _is_float(emb)) or q.dtype != emb.dtype:
+                why = "attend with non-float or mixed-dtype operands"
+        if why:
+            _fallback(self, why)
+            return super().attend(query, out_sharding=out_sharding)
+        _record(self, "converted")
+        return _lin.dot_general(q, emb, (((q.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=q.dtype)
+
+
+# -------------------------------------------------------------------------- dropout
+class _SelectiveDropout(nnx.Dropout):
+    def __call__(self, inputs, *, deterministic=None, rngs=None):
+        det = _first(deterministic, self.deterministic)
+        why = None
+        if det is None or not isinstance(det, (bool, np.bool_)):
+            why = "deterministic is not a Python bool"
+        elif det or self.rate == 0.0:
+            _record(self, "nothing-to-save", "deterministic or rate 0: the identity")
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        elif not isinstance(self.rate, (int, float)) or not 0.0 < self.rate < 1.0:
+            why = f"rate {self.rate!r}"
+        elif not _is_float(inputs):
+            why = "non-float input"
+        elif not _unsharded(inputs):
+            why = "explicitly sharded input"
+        stream = _first(rngs, self.rngs)
+        if why is None and not isinstance(stream, (nnx.Rngs, nnx.RngStream, jax.Array)):
+            why = "no usable rngs"
+        if why:
+            _fallback(self, why)
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        # the key NNX's Dropout would draw, from the same stream
+        if isinstance(stream, nnx.Rngs):
+            key = stream[self.rng_collection]()
+        elif isinstance(stream, nnx.RngStream):
+            key = stream()
+        else:
+            key = stream
+        _record(self, "converted")
+        return _dropout_fn(key, inputs, float(self.rate),
+                           broadcast_dims=tuple(self.broadcast_dims))
+
+
+def _unsharded(x) -> bool:
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except (AttributeError, TypeError):
+        return True
+    return bool(getattr(mesh, "empty", True))
+
+
+# ---------------------------------------------------------------------------- norms
+def _why_norm(m, mask):
+    if mask is not None:
+        return "called with mask="
+    return None
+
+
+@functools.cache
+def _bn_takes_axis_name() -> bool:
+    return "axis_name" in inspect.signature(_norm.batch_norm).parameters
+
+
 class _SelectiveBatchNorm(nnx.BatchNorm):
     def __call__(self, x, use_running_average=None, *, mask=None):
         ura = _first(use_running_average, self.use_running_average)
-        why = _why(self, mask)
-        if why or ura is None:
-            if why:
-                _warn_fallback(self, why)
+        if ura is None:  # NNX raises its own error
             return super().__call__(x, use_running_average, mask=mask)
-        feat = (self.axis % x.ndim,) if isinstance(self.axis, int) else None
-        if feat is None or len(feat) != 1:
+        why = _why_norm(self, mask)
+        if why is None and not isinstance(self.axis, int):
+            why = "several feature axes"
+        if why is None and self.axis_name is not None and not ura and \
+                not _bn_takes_axis_name():
+            why = "axis_name set (cross-device statistics)"
+        if why is None and not _is_float(x):
+            why = "non-float input"
+        if why:
+            _fallback(self, why)
             return super().__call__(x, use_running_average, mask=mask)
+        _record(self, "converted")
+        ax = self.axis % x.ndim
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if self.bias is not None else None
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype)
         if ura:
             return _norm.batch_norm(x, scale, bias, mean, var, train=False, eps=self.epsilon,
-                                    axis=feat[0], dtype=self.dtype)[0]
+                                    axis=ax, dtype=self.dtype)[0]
+        extra = {}
+        if self.axis_name is not None:
+            extra = {"axis_name": self.axis_name, "axis_index_groups": self.axis_index_groups}
         y, new_m, new_v = _norm.batch_norm(
             x, scale, bias, mean, var, train=True, momentum=self.momentum, eps=self.epsilon,
-            axis=feat[0], dtype=self.dtype, fast_variance=self.use_fast_variance)
+            axis=ax, dtype=self.dtype, fast_variance=self.use_fast_variance, **extra)
+        # as NNX: the running statistics carry no gradient when they can be updated here
+        if self.mean._can_update or self.var._can_update:
+            new_m, new_v = jax.lax.stop_gradient(new_m), jax.lax.stop_gradient(new_v)
         self.mean[...] = new_m
         self.var[...] = new_v
         return y
@@ -62,10 +264,13 @@ class _SelectiveBatchNorm(nnx.BatchNorm):
 
 class _SelectiveLayerNorm(nnx.LayerNorm):
     def __call__(self, x, *, mask=None):
-        why = _why(self, mask)
+        why = _why_norm(self, mask)
+        if why is None and self.axis_name is not None:
+            why = "axis_name set (cross-device statistics)"
         if why:
-            _warn_fallback(self, why)
+            _fallback(self, why)
             return super().__call__(x, mask=mask)
+        _record(self, "converted")
         scale = self.scale[...] if self.scale else None
         bias = self.bias[...] if self.bias else None
         x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
@@ -77,10 +282,13 @@ class _SelectiveLayerNorm(nnx.LayerNorm):
 
 class _SelectiveRMSNorm(nnx.RMSNorm):
     def __call__(self, x, *, mask=None):
-        why = _why(self, mask)
+        why = _why_norm(self, mask)
+        if why is None and self.axis_name is not None:
+            why = "axis_name set (cross-device statistics)"
         if why:
-            _warn_fallback(self, why)
+            _fallback(self, why)
             return super().__call__(x, mask=mask)
+        _record(self, "converted")
         scale = self.scale[...] if self.scale else None
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
         red = _axes_tuple(self.reduction_axes)
@@ -91,14 +299,17 @@ class _SelectiveRMSNorm(nnx.RMSNorm):
 
 class _SelectiveGroupNorm(nnx.GroupNorm):
     def __call__(self, x, *, mask=None):
-        why = _why(self, mask)
+        why = _why_norm(self, mask)
+        if why is None and self.axis_name is not None:
+            why = "axis_name set (cross-device statistics)"
         if why is None and self.reduction_axes is not None:
             why = "custom reduction_axes"
         if why is None and (x.ndim < 2 or self.feature_axis not in (-1, x.ndim - 1)):
             why = "feature axis not last"
         if why:
-            _warn_fallback(self, why)
+            _fallback(self, why)
             return super().__call__(x, mask=mask)
+        _record(self, "converted")
         scale = self.scale[...] if self.scale else None
         bias = self.bias[...] if self.bias else None
         x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
@@ -106,39 +317,54 @@ class _SelectiveGroupNorm(nnx.GroupNorm):
                                 dtype=self.dtype, fast_variance=self.use_fast_variance)
 
 
-def _why(m, mask):
-    if mask is not None:
-        return "called with mask="
-    if getattr(m, "axis_name", None) is not None:
-        return "axis_name set (cross-device statistics)"
-    return None
+# --------------------------------------------------------------------------- convert
+_RECLASS = {
+    nnx.Linear: _SelectiveLinear,
+    nnx.LinearGeneral: _SelectiveLinearGeneral,
+    nnx.Conv: _SelectiveConv,
+    nnx.Einsum: _SelectiveEinsum,
+    nnx.Embed: _SelectiveEmbed,
+    nnx.Dropout: _SelectiveDropout,
+    nnx.BatchNorm: _SelectiveBatchNorm,
+    nnx.LayerNorm: _SelectiveLayerNorm,
+    nnx.RMSNorm: _SelectiveRMSNorm,
+    nnx.GroupNorm: _SelectiveGroupNorm,
+}
+_BASE = {v: k for k, v in _RECLASS.items()}
 
 
-_RECLASS = {nnx.BatchNorm: _SelectiveBatchNorm, nnx.LayerNorm: _SelectiveLayerNorm,
-            nnx.RMSNorm: _SelectiveRMSNorm, nnx.GroupNorm: _SelectiveGroupNorm}
+def _path_str(path) -> str:
+    return "/".join(str(p) for p in path)
 
 
 def convert(module: nnx.Module) -> nnx.Module:
-    """Swap supported layers of ``module`` in place (same Variables); returns ``module``."""
+    """Convert the supported layers of ``module`` in place (same Variables); returns it.
+
+    Idempotent. Only layers whose class is exactly one of NNX's (``nnx.Linear``,
+    ``nnx.LinearGeneral``, ``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed``, ``nnx.Dropout``,
+    ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.GroupNorm``) are
+    converted; user subclasses are left as they are.
+    """
     if not isinstance(module, nnx.Module):
         raise TypeError(
             "jaxmem.selective.nnx.convert expects a flax.nnx.Module, got "
             f"{type(module).__module__}.{type(module).__name__}; for flax.linen modules use "
             "jaxmem.selective.linen.convert")
-    for _, m in nnx.iter_graph(module):
+    for path, m in nnx.iter_graph(module):
         if not isinstance(m, nnx.Module):
             continue
-        if type(m) is nnx.Linear and m.dot_general is not None:
-            if m.dot_general is _lin.dot_general or _is_default(m.dot_general, "dot_general"):
-                m.dot_general = _lin.dot_general
-        elif type(m) is nnx.Conv:
-            if _is_default(m.conv_general_dilated, "conv_general_dilated"):
-                m.conv_general_dilated = _lin.conv_general_dilated
-        elif type(m) in _RECLASS:
-            m.__class__ = _RECLASS[type(m)]
+        cls = type(m)
+        if cls not in _RECLASS:  # already converted, or not an NNX layer we convert
+            continue
+        default_dot = (m.dot_general is jax.lax.dot_general if cls is nnx.Linear else
+                       cls is nnx.LinearGeneral and m.dot_general is None
+                       and m.dot_general_cls is None)
+        if default_dot:
+            m.dot_general = _lin.dot_general
+        elif cls is nnx.Conv and m.conv_general_dilated is jax.lax.conv_general_dilated:
+            m.conv_general_dilated = _lin.conv_general_dilated
+        elif cls is nnx.Einsum and m.einsum_op is jnp.einsum:
+            m.einsum_op = einsum
+        m.__class__ = _RECLASS[cls]
+        setattr(m, _PATH_ATTR, _path_str(path))
     return module
-
-
-def _is_default(fn, name):
-    import jax
-    return fn is getattr(jax.lax, name)

@@ -37,7 +37,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import check_float, is_zero, perturbed, tag, value, zero_after
+from jaxmem.selective._core import (
+    as_int,
+    check_eps,
+    check_float,
+    is_zero,
+    perturbed,
+    remember,
+    tag,
+    value,
+    zero_after,
+)
 
 __all__ = ["batch_norm", "group_norm", "layer_norm", "normalize", "rms_norm"]
 
@@ -97,7 +107,9 @@ def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale,
     y = _affine_out(xv, mu, rstd, sv, bv, out_dtype)
     need_x = perturbed(x) or perturbed(scale)
     res = (
-        tag(xv, "norm.input") if need_x else None,
+        # ``x`` arrives tagged ``norm.input`` (see ``normalize``); stored as is, it is the
+        # same residual as the one a following bilinear layer keeps (``_core.recipe``).
+        xv if need_x else None,
         mu if need_x else None,
         rstd if need_x else None,
         sv if perturbed(x) else None,
@@ -257,12 +269,23 @@ def normalize(x, scale=None, bias=None, *, axes: Sequence[int], feature_axes: Se
     pshape = tuple(x.shape[i] if i in feature_axes else 1 for i in range(x.ndim))
     scale = _param(scale, pshape, "scale", "normalize")
     bias = _param(bias, pshape, "bias", "normalize")
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    eps = check_eps("normalize", eps)
     _check_inv_mode(inv_mode)
     out_dtype = _out_dtype(x, scale, bias, dtype)
-    return _normalize(axes, (float(eps), inv_mode), bool(subtract_mean), bool(fast_variance),
-                      out_dtype, x, scale, bias)
+    x = tag(x, "norm.input")
+    y, mu, var = _normalize(axes, (eps, inv_mode), bool(subtract_mean), bool(fast_variance),
+                            out_dtype, x, scale, bias)
+    # ``y`` is recomputable from what this norm's backward keeps anyway: a bilinear layer
+    # applied to ``y`` keeps those instead of ``y`` (one input-sized residual, not two).
+    remember(y, functools.partial(_recompute_out, (eps, inv_mode), out_dtype),
+             (x, mu, var, scale, bias))
+    return y, mu, var
+
+
+def _recompute_out(eps, out_dtype, x, mu, var, scale, bias):
+    """The forward output of ``_normalize`` from its input and statistics, bit for bit:
+    ``(x - mu) * (rsqrt(var + eps) * scale) + bias``."""
+    return _affine_out(x, mu, _inv_std(var, *eps), scale, bias, out_dtype)
 
 
 def _check_inv_mode(inv_mode):
@@ -272,17 +295,23 @@ def _check_inv_mode(inv_mode):
 
 def layer_norm(x, scale=None, bias=None, *, axis=-1, eps: float = 1e-6, dtype=None,
                fast_variance: bool = True):
-    """Layer norm over ``axis`` (default the last); ``scale``/``bias`` have that axis' shape."""
+    """Layer norm over ``axis`` (default the last); ``scale``/``bias`` have that axis' shape.
+
+    ``y = (x - mean) / sqrt(var + eps) * scale + bias``, statistics over ``axis``."""
+    check_float("layer_norm: x", x)
+    check_eps("layer_norm", eps)
     x = jnp.asarray(x)
-    axes = _canon_axes(x.ndim, axis, "axis")
+    axes = _canon_axes(x.ndim, axis, "layer_norm: axis")
     return normalize(x, scale, bias, axes=axes, feature_axes=axes, eps=eps, dtype=dtype,
                      fast_variance=fast_variance)[0]
 
 
 def rms_norm(x, scale=None, *, axis=-1, eps: float = 1e-6, dtype=None):
     """RMS norm ``x / sqrt(mean(x^2) + eps) * scale`` over ``axis``."""
+    check_float("rms_norm: x", x)
+    check_eps("rms_norm", eps)
     x = jnp.asarray(x)
-    axes = _canon_axes(x.ndim, axis, "axis")
+    axes = _canon_axes(x.ndim, axis, "rms_norm: axis")
     return normalize(x, scale, None, axes=axes, feature_axes=axes, eps=eps,
                      subtract_mean=False, dtype=dtype)[0]
 
@@ -296,11 +325,13 @@ def group_norm(x, scale=None, bias=None, *, num_groups: int, eps: float = 1e-6, 
     x = jnp.asarray(x)
     if x.ndim < 2:
         raise ValueError(f"group_norm: x must be (N, ..., C), got shape {x.shape}")
+    check_eps("group_norm", eps)
     c = x.shape[-1]
-    if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
+    groups = as_int(num_groups)
+    if groups is None or groups < 1 or c % groups:
         raise ValueError(f"group_norm: num_groups must be a positive divisor of the channel "
                          f"count {c}, got {num_groups!r}")
-    xg = x.reshape(x.shape[:-1] + (num_groups, c // num_groups))
+    xg = x.reshape(x.shape[:-1] + (groups, c // groups))
     axes = tuple(range(1, xg.ndim - 2)) + (xg.ndim - 1,)
     out_dtype = _out_dtype(x, scale, bias, dtype)
     y = normalize(xg, None if scale is None else jnp.asarray(scale).reshape(-1),
@@ -310,11 +341,63 @@ def group_norm(x, scale=None, bias=None, *, num_groups: int, eps: float = 1e-6, 
     return y.reshape(x.shape)
 
 
+def _pmean_stats(x, red, fast_variance, axis_name, groups):
+    """Flax's cross-replica statistics: ``pmean`` of the per-device ``mean(x)`` and
+    ``mean(x^2)`` (fast variance: ``var = max(0, E[x^2] - E[x]^2)``) or of ``mean(x)`` then
+    ``mean((x - mu)^2)``; kept dims."""
+    xs = x.astype(_stat_dtype(x))
+    if fast_variance:
+        mus = lax.pmean(jnp.stack([jnp.mean(xs, red, keepdims=True),
+                                   jnp.mean(xs * xs, red, keepdims=True)]),
+                        axis_name, axis_index_groups=groups)
+        return mus[0], jnp.maximum(0.0, mus[1] - mus[0] * mus[0])
+    mu = lax.pmean(jnp.mean(xs, red, keepdims=True), axis_name, axis_index_groups=groups)
+    var = lax.pmean(jnp.mean(jnp.square(xs - mu), red, keepdims=True), axis_name,
+                    axis_index_groups=groups)
+    return mu, var
+
+
+def _match_vma(a, like):
+    """Under ``shard_map``: mark ``a`` (replicated statistics / parameters) as varying over
+    the manual axes ``like`` varies over, so the primitive's cotangents have its type (the
+    transpose of that cast sums over the axes, as autodiff of the module does)."""
+    if a is None:
+        return None
+    want, have = _varying(like), _varying(a)
+    missing = tuple(sorted(n for n in want if n not in have))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _varying(a):
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(t, "vma", ()))
+
+
+def _freeze_groups(groups):
+    if groups is None:
+        return None
+    try:
+        return tuple(tuple(int(i) for i in grp) for grp in groups)
+    except TypeError:
+        raise TypeError("batch_norm: axis_index_groups must be None or a sequence of "
+                        f"sequences of ints, got {groups!r}") from None
+
+
 def batch_norm(x, scale=None, bias=None, running_mean=None, running_var=None, *,
                train: bool, momentum: float = 0.99, eps: float = 1e-5, axis: int = -1,
                dtype=None, fast_variance: bool = True, inv_mode: str = "rsqrt",
-               unbiased_running_var: bool = False):
+               unbiased_running_var: bool = False, axis_name=None, axis_index_groups=None):
     """Batch norm over all axes but ``axis`` (the channel axis).
+
+    ``axis_name`` (with optional ``axis_index_groups``): cross-replica statistics under
+    ``pmap`` / ``shard_map`` / ``vmap(axis_name=...)``, Flax's formula: ``mu = pmean(mean(x))``,
+    ``var = max(0, pmean(mean(x^2)) - mu^2)`` (``fast_variance=False``:
+    ``var = pmean(mean((x - mu)^2))``); every device's batch must have the same size. The
+    statistics are differentiated by JAX (it transposes the collectives); the normalisation
+    with them is the affine primitive, which keeps ``x`` and per-channel numbers.
 
     ``train=True``: normalise with the batch statistics; returns
     ``(y, new_running_mean, new_running_var)`` with
@@ -332,15 +415,33 @@ def batch_norm(x, scale=None, bias=None, running_mean=None, running_var=None, *,
     c = x.shape[ax]
     red = tuple(i for i in range(x.ndim) if i != ax)
     pshape = tuple(c if i == ax else 1 for i in range(x.ndim))
-    if train:
+    if train and axis_name is not None:
+        groups = _freeze_groups(axis_index_groups)
+        s_ = _param(scale, pshape, "scale", "batch_norm")
+        b_ = _param(bias, pshape, "bias", "batch_norm")
+        if not isinstance(eps, (int, float)) or eps < 0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        _check_inv_mode(inv_mode)
+        # statistics by plain autodiff (JAX transposes the collectives); the normalisation
+        # with them is the affine primitive (x and per-channel numbers as residuals)
+        mu, var = _pmean_stats(x, red, bool(fast_variance), axis_name, groups)
+        odt = _out_dtype(x, s_, b_, dtype)
+        mu_, var_, s_, b_ = (_match_vma(a, x) for a in (mu, var, s_, b_))
+        y = _affine((float(eps), inv_mode), odt, x, mu_, var_, s_, b_)
+        mu, var = mu.reshape(c), var.reshape(c)
+        if running_mean is None or running_var is None:
+            return y, mu, var
+        n = (x.size // c) * (len(groups[0]) if groups else lax.psum(1, axis_name))
+    elif train:
         y, mu, var = normalize(x, scale, bias, axes=red, feature_axes=(ax,), eps=eps,
                                dtype=dtype, fast_variance=fast_variance, inv_mode=inv_mode)
         mu, var = mu.reshape(c), var.reshape(c)
         if running_mean is None or running_var is None:
             return y, mu, var
         n = x.size // c
+    if train:
         if unbiased_running_var:
-            if n <= 1:
+            if isinstance(n, int) and n <= 1:
                 raise ValueError("batch_norm: unbiased_running_var needs more than one value "
                                  f"per channel, input shape {x.shape}")
             var = var * (n / (n - 1))

@@ -1,29 +1,38 @@
-"""Scoped patching of inline activation / pooling functions (Flax glue, not the core).
+"""Inline activation / pooling functions of the selective part (Flax glue, not the core).
 
 Models call activations inline (``nn.relu(x)``, ``jax.nn.relu(x)``, ``nnx.relu(x)``) and
-pooling as a function (``nn.max_pool``). :func:`patch_functions` rebinds those module
-attributes to the selective versions for the duration of a ``with`` block and restores the
-originals on exit (re-entrant, lock-protected). Only attribute look-ups made while tracing
-inside the block are affected; a name imported into another module's namespace before
-(``from jax.nn import relu``) is not.
+pooling as a function (``nn.max_pool``, ``nnx.max_pool``). This module registers, on the one
+patch mechanism of :mod:`jaxmem._glue.patch`, what the selective part does with them inside
+a scope:
+
+* ``relu``, ``relu6``, ``hard_tanh``, ``leaky_relu`` (``jax.nn``, ``flax.linen``,
+  ``flax.nnx``): the 1-bit packed mask versions (exact);
+* ``max_pool`` (``flax.linen``, ``flax.nnx``): the packed-argmax version (exact);
+* ``avg_pool``: nothing to convert -- its backward is linear and keeps no residual -- so it
+  is reported as 'nothing-to-save' and runs Flax's own code.
+
+Only attribute look-ups made while tracing inside a scope are affected; a name imported into
+another module's namespace before (``from jax.nn import relu``) is not.
+:func:`patch_functions` is the selective-only functions scope, kept for compatibility.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxmem._glue import options as _options
+from jaxmem._glue import patch as _gpatch
 from jaxmem.selective import activation as _act
 from jaxmem.selective import pool as _pool
 
-__all__ = ["patch_functions", "patched_names"]
+__all__ = ["ACTIVATION_MODULES", "patch_functions", "patched_names"]
 
-_lock = threading.RLock()
-_depth = 0
-_saved: list[tuple[Any, str, Any]] = []
+#: modules whose activation attributes are dispatched
+ACTIVATION_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
+                      "flax.nnx.nn.activations")
+_POOL_MODULES = ("flax.linen", "flax.linen.pooling", "flax.nnx")
 _orig_leaky = jax.nn.leaky_relu
 
 
@@ -42,53 +51,46 @@ def _max_pool_adapter(orig):
     return max_pool
 
 
-def _table():
-    import flax.linen as nn
-    import flax.linen.activation as fla
-    import flax.linen.pooling as flp
-    import jax.nn as jnn
+def _floats_only(fn, orig):
+    def f(x, *args, **kwargs):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return orig(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+    return f
 
-    mods = [nn, fla, jnn]
-    try:
-        from flax import nnx
-        mods.append(nnx)
-    except ImportError:  # pragma: no cover
-        pass
-    table = []
-    for mod in mods:
-        for name, fn in (("relu", _act.relu), ("relu6", _act.relu6),
-                         ("hard_tanh", _act.hard_tanh), ("leaky_relu", _leaky_adapter)):
-            if hasattr(mod, name):
-                table.append((mod, name, fn))
-    orig_pool = flp.max_pool
-    for mod in (nn, flp):
-        table.append((mod, "max_pool", _max_pool_adapter(orig_pool)))
-    return table
+
+_ACTS = {"relu": _act.relu, "relu6": _act.relu6, "hard_tanh": _act.hard_tanh,
+         "leaky_relu": _leaky_adapter}
+
+
+def _register():
+    for name, fn in _ACTS.items():
+        _gpatch.register(
+            name, "selective", [f"{m}.{name}" for m in ACTIVATION_MODULES],
+            lambda opts, orig, fn=fn: _floats_only(fn, orig))
+    _gpatch.register("max_pool", "selective", [f"{m}.max_pool" for m in _POOL_MODULES],
+                     lambda opts, orig: _max_pool_adapter(orig))
+    _gpatch.register("avg_pool", "selective", [f"{m}.avg_pool" for m in _POOL_MODULES],
+                     lambda opts, orig: (None, "nothing-to-save",
+                                         "linear: the backward keeps no residual"))
+
+
+_register()
 
 
 def patched_names() -> list[str]:
-    """``'module.name'`` of every attribute :func:`patch_functions` rebinds."""
-    return [f"{m.__name__}.{n}" for m, n, _ in _table()]
+    """``'module.name'`` of every attribute the selective part dispatches."""
+    names = set(_ACTS) | {"max_pool", "avg_pool"}
+    return [t for t in _gpatch.dispatcher_targets() if t.rsplit(".", 1)[1] in names]
 
 
 @contextlib.contextmanager
 def patch_functions():
-    """Rebind inline ``relu``/``relu6``/``hard_tanh``/``leaky_relu`` (flax.linen, jax.nn,
-    flax.nnx) and ``max_pool`` (flax.linen) to the selective versions inside the block."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            _saved.clear()
-            for mod, name, fn in _table():
-                _saved.append((mod, name, getattr(mod, name)))
-                setattr(mod, name, fn)
-        _depth += 1
-    try:
+    """Convert inline ``relu``/``relu6``/``hard_tanh``/``leaky_relu`` (flax.linen, jax.nn,
+    flax.nnx) and ``max_pool`` to the selective versions inside the block: the functions
+    half of ``jaxmem.scope(selective=True, fewbit=None, attention=False)``."""
+    opts = _options.Options(selective=True, fewbit=None, attention=False,
+                            only=frozenset({"selective:functions", *_ACTS, "max_pool",
+                                            "avg_pool"}))
+    with _gpatch.scope_options(opts, label="jaxmem.selective.nnx.scope", linen=False):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for mod, name, old in reversed(_saved):
-                    setattr(mod, name, old)
-                _saved.clear()

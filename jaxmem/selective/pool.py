@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmem.selective._core import check_float, is_zero, tag
+from jaxmem.selective._core import as_int, check_float, int_tuple, is_zero, tag
 from jaxmem.selective.bits import pack_codes, unpack_codes
 
 __all__ = ["max_pool"]
@@ -37,8 +37,11 @@ def _nbits(positions: int) -> int:
 
 
 def _reduce(x, window, strides, pads):
-    init = jnp.array(-jnp.inf, x.dtype)
-    return lax.reduce_window(x, init, lax.max, (1,) + window + (1,), (1,) + strides + (1,),
+    # ``-inf`` as a Python float: ``lax.reduce_window`` recognises a constant identity and
+    # uses ``reduce_window_max`` (differentiable, so grad-of-grad works under ``jit``); a
+    # ``jnp`` array is a tracer under ``jit`` and selects the generic, non-differentiable
+    # ``reduce_window``.
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1,) + window + (1,), (1,) + strides + (1,),
                              ((0, 0),) + pads + ((0, 0),))
 
 
@@ -61,6 +64,9 @@ def _max_pool_fwd(window, strides, pads, x):
     y = _reduce(xv, window, strides, pads)
     if not x.perturbed:
         return y, (None, None)
+    if y.size == 0:  # nothing to route: the gradient is zero
+        return y, (pack_codes(jnp.zeros(y.shape, jnp.uint8), 1),
+                   _Shape((xv.shape, xv.dtype, y.shape)))
     xp = jnp.pad(xv, ((0, 0),) + pads + ((0, 0),), constant_values=-jnp.inf)
     positions = math.prod(window)
     code = jnp.zeros(y.shape, jnp.uint8)
@@ -84,6 +90,8 @@ def _max_pool_bwd(window, strides, pads, res, g):
     if packed is None or is_zero(g):
         return (None,)
     x_shape, x_dtype, y_shape = meta.v
+    if math.prod(y_shape) == 0:
+        return (jnp.zeros(x_shape, x_dtype),)
     code = unpack_codes(packed, _nbits(math.prod(window)), y_shape)
     nsp = len(window)
     out_sp = y_shape[1:-1]
@@ -125,41 +133,53 @@ def _max_pool_bwd(window, strides, pads, res, g):
 _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd, symbolic_zeros=True)
 
 
-def _tuple(v, n, what):
-    if isinstance(v, int) and not isinstance(v, bool):
-        v = (v,) * n
-    v = tuple(v)
-    if len(v) != n or not all(isinstance(i, int) and i >= 1 for i in v):
-        raise ValueError(f"max_pool: {what} must be {n} positive ints, got {v!r}")
-    return v
+def _pads(padding, x_shape, window, strides):
+    """``padding`` as one ``(lo, hi)`` int pair per spatial axis (strings resolved)."""
+    nsp = len(window)
+    msg = (f"max_pool: padding must be 'SAME', 'VALID' or {nsp} (lo, hi) int pairs, got "
+           f"{padding!r}")
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(msg)
+        return tuple(tuple(int(v) for v in p) for p in
+                     lax.padtype_to_pads(x_shape[1:-1], window, strides, padding.upper()))
+    try:
+        pairs = [tuple(p) for p in padding]
+    except TypeError:
+        raise ValueError(msg) from None
+    pads = tuple(tuple(as_int(v) for v in p) for p in pairs)
+    if len(pads) != nsp or any(len(p) != 2 or None in p for p in pads):
+        raise ValueError(msg)
+    for n, (lo, hi) in zip(x_shape[1:-1], pads):
+        if n + lo + hi < 0:
+            raise ValueError(f"max_pool: padding {padding!r} crops more than the spatial size "
+                             f"{tuple(x_shape[1:-1])} (padded sizes must be >= 0)")
+    return pads
 
 
 def max_pool(x, window_shape: Sequence[int], strides: Sequence[int] | None = None,
              padding="VALID"):
     """Max pooling with Flax semantics: ``x`` is ``(N, *spatial, C)``, the window covers the
-    spatial axes; ``padding`` is ``'VALID'``, ``'SAME'`` or one ``(lo, hi)`` pair per spatial
-    axis (padded with ``-inf``). Backward keeps only the packed argmax positions.
+    spatial axes, ``strides`` default to 1 (as ``flax.linen.max_pool``); ``padding`` is
+    ``'VALID'``, ``'SAME'`` or one ``(lo, hi)`` pair per spatial axis (padded with ``-inf``;
+    negative values crop). Backward keeps only the packed argmax positions.
     """
     check_float("max_pool: x", x)
     x = jnp.asarray(x)
     nsp = x.ndim - 2
     if nsp < 1:
         raise ValueError(f"max_pool: x must be (N, *spatial, C), got shape {x.shape}")
-    window = _tuple(window_shape, nsp, "window_shape")
-    strides = window if strides is None else _tuple(strides, nsp, "strides")
-    if isinstance(padding, str):
-        if padding.upper() not in ("SAME", "VALID"):
-            raise ValueError(f"max_pool: padding must be 'SAME', 'VALID' or {nsp} (lo, hi) "
-                             f"pairs, got {padding!r}")
-        pads = tuple(lax.padtype_to_pads(x.shape[1:-1], window, strides, padding.upper()))
-    else:
-        try:
-            pads = tuple((int(lo), int(hi)) for lo, hi in padding)
-        except (TypeError, ValueError):
-            raise ValueError(f"max_pool: padding must be 'SAME', 'VALID' or {nsp} (lo, hi) "
-                             f"pairs, got {padding!r}") from None
-        if len(pads) != nsp:
-            raise ValueError(f"max_pool: padding needs {nsp} (lo, hi) pairs, got {padding!r}")
-    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+    window = int_tuple("max_pool", "window_shape", window_shape, nsp)
+    # flax: ``strides = strides or (1,) * n`` (so ``None`` and ``()`` mean stride 1)
+    strides = (1,) * nsp if strides is None or (not isinstance(strides, int) and not
+                                                  len(tuple(strides))) else strides
+    strides = int_tuple("max_pool", "strides", strides, nsp)
+    pads = _pads(padding, x.shape, window, strides)
     _nbits(math.prod(window))
+    if any(lo < 0 or hi < 0 for lo, hi in pads):
+        # a negative pad crops: pad / crop outside the custom rule (``lax.pad``'s gradient is
+        # a slice and stores nothing), then pool the padded array without padding.
+        cfg = ((0, 0, 0),) + tuple((lo, hi, 0) for lo, hi in pads) + ((0, 0, 0),)
+        x = lax.pad(x, jnp.array(-jnp.inf, x.dtype), cfg)
+        pads = ((0, 0),) * nsp
     return _max_pool(window, strides, pads, x)

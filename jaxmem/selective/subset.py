@@ -15,7 +15,11 @@ state covers only the trainable leaves.
 A ``trainable`` filter is one of: ``True``/``False`` (everything / nothing), a callable
 ``(path, leaf) -> bool`` (``path`` is a ``jax.tree_util`` key path; see :func:`path_str`), a
 regular-expression string matched (``re.search``) against ``path_str(path)``, or a pytree of
-bools with the structure of the parameters (a prefix is allowed).
+bools with the structure of the parameters (a prefix is allowed). Boxed parameters
+(``nn.Partitioned``, ``nn.LogicallyPartitioned``, NNX ``Param``) have paths ending in
+``/value``; a regex is also matched against the path without that suffix, so
+``'Dense_0/kernel$'`` selects a boxed kernel. A filter that selects no leaf is an error in
+:func:`value_and_grad`, :func:`grad` and :func:`train_step` (it would train nothing).
 """
 from __future__ import annotations
 
@@ -52,14 +56,26 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
+def _layer_path(s: str) -> str:
+    """``'params/Dense_0/kernel'`` for the boxed ``'params/Dense_0/kernel/value'``."""
+    return s[:-len("/value")] if s.endswith("/value") else s
+
+
 def trainable_mask(params, trainable) -> Any:
     """A pytree of Python bools (same structure as ``params``) from a ``trainable`` filter."""
     if isinstance(trainable, bool):
         return jax.tree.map(lambda _: trainable, params)
     if isinstance(trainable, str):
-        pat = re.compile(trainable)
-        return jax.tree_util.tree_map_with_path(
-            lambda p, _: bool(pat.search(path_str(p))), params)
+        try:
+            pat = re.compile(trainable)
+        except re.error as e:
+            raise ValueError(f"trainable={trainable!r} is not a valid regular expression: "
+                             f"{e}") from None
+
+        def match(p, _):
+            s = path_str(p)
+            return bool(pat.search(s) or pat.search(_layer_path(s)))
+        return jax.tree_util.tree_map_with_path(match, params)
     if callable(trainable):
         def f(p, leaf):
             out = trainable(p, leaf)
@@ -82,6 +98,18 @@ def _as_bool(m):
     if not isinstance(m, bool):
         raise TypeError(f"trainable mask leaves must be Python bools, got {m!r}")
     return m
+
+
+def _check_selects(params, trainable, mask, who):
+    """Raise if ``trainable`` selects no leaf of ``params`` (nothing would be trained)."""
+    flags = jax.tree.leaves(mask)
+    if any(flags):
+        return
+    paths = [_layer_path(path_str(p)) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    shown = ", ".join(repr(p) for p in paths[:5]) + (", ..." if len(paths) > 5 else "")
+    raise ValueError(
+        f"{who}: trainable={trainable!r} selects none of the {len(paths)} parameter leaves, "
+        f"so nothing would be trained; parameter paths look like: {shown or '(no leaves)'}")
 
 
 def partition(params, trainable):
@@ -117,7 +145,9 @@ def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *,
         if not -len(args) <= argnums < len(args):
             raise ValueError(f"value_and_grad: argnums={argnums} but only {len(args)} "
                              "positional arguments were given")
-        t, f = partition(args[argnums], trainable)
+        mask = trainable_mask(args[argnums], trainable)
+        _check_selects(args[argnums], trainable, mask, "value_and_grad")
+        t, f = partition(args[argnums], mask)
 
         def inner(t_):
             a = list(args)
@@ -142,43 +172,60 @@ def grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *, trainable=Tru
 
 class TrainStep(NamedTuple):
     """``init(params) -> opt_state`` and ``step(params, opt_state, *batch) ->
-    (params, opt_state, loss)``; the optimizer state covers trainable leaves only."""
+    (params, opt_state, loss)`` (``(params, opt_state, loss, aux)`` with ``has_aux``); the
+    optimizer state covers trainable leaves only."""
 
     init: Callable
     step: Callable
 
 
-def train_step(loss_fn: Callable, optimizer, trainable=True, *, jit: bool = True) -> TrainStep:
-    """An optax training step for ``loss_fn(params, *batch) -> scalar`` that differentiates
-    and updates only the ``trainable`` leaves (frozen leaves are returned unchanged)."""
+def train_step(loss_fn: Callable, optimizer, trainable=True, *, has_aux: bool = False,
+               jit: bool = True) -> TrainStep:
+    """An optax training step for ``loss_fn(params, *batch) -> scalar`` (``-> (scalar, aux)``
+    with ``has_aux``, e.g. the new batch statistics of a train-mode BatchNorm) that
+    differentiates and updates only the ``trainable`` leaves (frozen leaves are returned
+    unchanged)."""
     import optax  # local: optax is only needed here
 
-    vg = value_and_grad(loss_fn, 0, trainable=trainable)
+    vg = value_and_grad(loss_fn, 0, has_aux=has_aux, trainable=trainable)
 
     def init(params):
-        t, _ = partition(params, trainable)
+        mask = trainable_mask(params, trainable)
+        _check_selects(params, trainable, mask, "train_step")
+        t, _ = partition(params, mask)
         return optimizer.init(t)
 
     def step(params, opt_state, *batch):
-        loss, g = vg(params, *batch)
+        out, g = vg(params, *batch)
         t, f = partition(params, trainable)
         updates, opt_state = optimizer.update(g, opt_state, t)
         t = optax.apply_updates(t, updates)
-        return combine(t, f), opt_state, loss
+        if has_aux:
+            loss, aux = out
+            return combine(t, f), opt_state, loss, aux
+        return combine(t, f), opt_state, out
 
     return TrainStep(init, jax.jit(step) if jit else step)
 
 
-def nnx_value_and_grad(fn: Callable, trainable=None, *, argnum: int = 0,
-                       has_aux: bool = False) -> Callable:
+def nnx_value_and_grad(fn: Callable, trainable=None, *, argnums: int = 0,
+                       has_aux: bool = False, argnum: int | None = None) -> Callable:
     """NNX form: ``flax.nnx.value_and_grad`` restricted to the state selected by the NNX
     filter ``trainable`` (e.g. ``nnx.Param``, ``nnx.PathContains('head')``, or a predicate).
 
     Only the selected Variables are differentiated (``nnx.DiffState``), so selective
-    primitives inside the model see the other weights as not perturbed.
+    primitives inside the model see the other weights as not perturbed. ``argnum`` is a
+    deprecated alias of ``argnums``.
     """
     from flax import nnx  # local: keeps `import jaxmem.selective` light
 
+    if argnum is not None:
+        import warnings
+        warnings.warn("nnx_value_and_grad: argnum is deprecated, use argnums",
+                      DeprecationWarning, stacklevel=2)
+        argnums = argnum
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise TypeError(f"nnx_value_and_grad: argnums must be an int, got {argnums!r}")
     if trainable is None:
         trainable = nnx.Param
-    return nnx.value_and_grad(fn, argnums=nnx.DiffState(argnum, trainable), has_aux=has_aux)
+    return nnx.value_and_grad(fn, argnums=nnx.DiffState(argnums, trainable), has_aux=has_aux)

@@ -287,3 +287,67 @@ def test_attention_compiled_bytes_slope():
 
     # the softmax that stores its output once: one (B, H, T, T) array fewer per layer
     assert fb - slope(fb_softmax) >= 0.95 * tt
+
+
+# ------------------------------------------------------------- masked rows and empty sizes
+
+def test_attention_causal_more_queries_than_keys_gradients():
+    """causal with T > S: the first T - S query rows have no key.  Their weights are uniform
+    (1 / S, as the masked softmax gives) and their dq is exactly 0; all gradients equal
+    autodiff of the model zoo arithmetic."""
+    with jax.enable_x64(True):
+        q = _rand(0, (2, 5, 2, 4), jnp.float64)
+        k, v = _rand(1, (2, 3, 2, 4), jnp.float64), _rand(2, (2, 3, 2, 4), jnp.float64)
+        ct = _rand(3, (2, 5, 2, 4), jnp.float64)
+        o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True),
+                            (q, k, v), ct)
+        o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(np.asarray(o[:, :2]),
+                                   np.asarray(jnp.broadcast_to(v.mean(1, keepdims=True),
+                                                               (2, 2, 2, 4))), rtol=1e-12)
+        assert np.all(np.asarray(grads[0][:, :2]) == 0)
+        for a, b in zip(grads, grads0):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("qs,ks", [((0, 3, 2, 4), (0, 3, 2, 4)), ((2, 0, 2, 4), (2, 3, 2, 4)),
+                                   ((2, 3, 2, 4), (2, 0, 2, 4))])
+def test_attention_zero_size(qs, ks):
+    """Empty batch, T = 0 or S = 0 (zeros out, like plain JAX) forward and backward."""
+    q, k = _rand(0, qs), _rand(1, ks)
+    for causal in (False, True):
+        o, grads = _vjp_all(lambda q, k, v, c=causal: fewbit.attention(q, k, v, causal=c),
+                            (q, k, k), jnp.ones(qs))
+        o0, grads0 = _vjp_all(lambda q, k, v, c=causal: _ref_attention(q, k, v, c),
+                              (q, k, k), jnp.ones(qs))
+        assert o.shape == qs
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))
+        for a, b in zip(grads, grads0):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_attention_bias_and_mask_match_jax():
+    """bias/mask of the public attention against jax.nn.dot_product_attention (float64)."""
+    with jax.enable_x64(True):
+        q, k, v = (_rand(i, (2, 4, 3, 5), jnp.float64) for i in range(3))
+        bias = _rand(3, (1, 3, 4, 4), jnp.float64)
+        mask = jnp.asarray(np.random.default_rng(4).random((2, 1, 4, 4)) > 0.5)
+        mask = mask.at[1, 0, 2].set(False)
+        ct = _rand(5, (2, 4, 3, 5), jnp.float64)
+        o, grads = _vjp_all(lambda q, k, v, b: fewbit.attention(q, k, v, bias=b, mask=mask),
+                            (q, k, v, bias), ct)
+        o0, grads0 = _vjp_all(lambda q, k, v, b: jax.nn.dot_product_attention(
+            q, k, v, bias=b, mask=mask), (q, k, v, bias), ct)
+        # JAX's softmax runs in float32 even for float64 inputs
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-6, atol=1e-7)
+        for a, b in zip(grads, grads0):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert np.all(np.asarray(grads[0][1, 2]) == 0)
+    with pytest.raises(TypeError, match="mask must be a boolean"):
+        fewbit.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                         mask=jnp.ones((4, 4)))
+    with pytest.raises(ValueError, match="bias of shape"):
+        fewbit.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                         bias=jnp.ones((5, 4)))

@@ -116,11 +116,19 @@ def test_restore_on_exception_nested_and_errors():
         assert jax.nn.gelu is not orig
         raise RuntimeError("boom")
     assert jax.nn.gelu is orig and nn.gelu is orig and nnx.gelu is orig
+    x = jnp.linspace(-3.0, 3.0, 16)
+
+    def dgelu():
+        return np.asarray(jax.grad(lambda x: jnp.sum(jax.nn.gelu(x)))(x))
+
+    def dgelu_bits(bits):
+        return np.asarray(jax.grad(lambda x: jnp.sum(fewbit.gelu(x, bits=bits, approximate=True)))(x))
+
     with fewbit.patch_activations(bits=3):
-        outer = jax.nn.gelu
-        with fewbit.patch_activations(bits=1):
-            assert jax.nn.gelu is not outer
-        assert jax.nn.gelu is outer
+        np.testing.assert_array_equal(dgelu(), dgelu_bits(3))
+        with fewbit.patch_activations(bits=1):  # inner overrides outer
+            np.testing.assert_array_equal(dgelu(), dgelu_bits(1))
+        np.testing.assert_array_equal(dgelu(), dgelu_bits(3))
     assert jax.nn.gelu is orig
     with pytest.raises(ValueError, match="cannot patch"):
         with fewbit.patch_activations(activations=["softmax"]):

@@ -8,7 +8,7 @@ import pytest
 from test_schedule_core import _random_weighted_graph, brute_force_peak, random_graph
 
 from jaxmem.schedule import Graph, optimize, simulate, validate_plan
-from jaxmem.schedule.analysis import antichain_lower_bound, cut_lower_bound
+from jaxmem.schedule.bounds import antichain_lower_bound, cut_lower_bound
 from jaxmem.schedule.order import best_greedy_order, improve_order
 from jaxmem.schedule.relocate import (
     _candidate_blocks,

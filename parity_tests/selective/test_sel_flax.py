@@ -105,11 +105,18 @@ def test_linen_convert_flax_builtin_norms_and_dropout():
 
 def test_scope_is_restored_and_reentrant():
     before = (jax.nn.relu, nn.relu, nn.max_pool)
+    x = jnp.linspace(-1.0, 1.0, 8)
+
+    def traced(fn):
+        return str(jax.make_jaxpr(fn)(x))
+
+    plain = traced(jax.nn.relu)
     with SL.scope():
         with SL.scope():
-            assert jax.nn.relu is S.relu
-        assert nn.relu is S.relu
+            assert traced(jax.nn.relu) == traced(S.relu)
+        assert traced(nn.relu) == traced(S.relu)
     assert (jax.nn.relu, nn.relu, nn.max_pool) == before
+    assert traced(jax.nn.relu) == plain
 
 
 def test_converters_reject_wrong_models():
@@ -140,7 +147,9 @@ def test_nnx_convert_shares_variables_and_matches():
     ga = nnx.grad(f)(a)
     with SN.scope():
         gb = nnx.grad(f)(b)
-    _close_trees_rel(nnx.state(ga), nnx.state(gb), 1e-4)
+    # the conv bias feeds a train-mode batch norm: its gradient is 0 in exact math and
+    # f32 rounding noise of a few 1e-5 in both implementations
+    _close_trees_rel(nnx.state(ga), nnx.state(gb), 1e-4, atol=1e-4)
     np.testing.assert_allclose(a.bn.mean[...], b.bn.mean[...], rtol=1e-6)
     vg = S.nnx_value_and_grad(f, nnx.All(nnx.Param, nnx.PathContains("l")))
     with SN.scope():

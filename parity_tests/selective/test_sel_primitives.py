@@ -337,7 +337,7 @@ def test_half_precision(dtype):
         assert a.dtype == dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
-    p = jax.grad(lambda x: jnp.sum(S.max_pool(x, (2, 2)).astype(jnp.float32)))(x)
+    p = jax.grad(lambda x: jnp.sum(S.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32)))(x)
     q = jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32)))(x)
     np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(q, np.float32))
 

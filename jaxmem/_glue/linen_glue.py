@@ -1,0 +1,113 @@
+"""The Linen method interceptor every scope pushes (see :mod:`jaxmem._glue.patch`).
+
+For each intercepted Linen method call it
+* notes the module path (for the report and for functions called inside),
+* swaps module fields that hold a convertible function (``act: Callable = nn.relu``,
+  ``functools.partial(nn.gelu, approximate=False)``) for the converted one during the call
+  (the module itself is restored afterwards; nothing of the caller is mutated),
+* for ``__call__`` outside ``init``: runs the first registered handler whose part is enabled
+  (attention, then selective, then fewbit), else the module's own code.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from jaxmem._glue import options as _options
+from jaxmem._glue import patch as _patch
+from jaxmem._glue import report as _report
+
+__all__ = ["interceptor"]
+
+_SKIP_FIELDS = ("parent", "name")
+
+
+def _path(m) -> str:
+    try:
+        return "/".join(str(p) for p in m.scope.path) if m.scope is not None else ""
+    except Exception:  # pragma: no cover - unbound / odd scopes
+        return ""
+
+
+def _field_swaps(m):
+    out = []
+    for f in dataclasses.fields(m):
+        if f.name in _SKIP_FIELDS:
+            continue
+        v = getattr(m, f.name, None)
+        if v is None or not callable(v) or isinstance(v, type):
+            continue
+        try:
+            rep = _patch.replacement_for(v)
+        except Exception:  # pragma: no cover - exotic callables
+            rep = None
+        if rep is not None:
+            out.append((f.name, v, rep))
+    return out
+
+
+@contextlib.contextmanager
+def _swapped(m, swaps):
+    for name, _, rep in swaps:
+        object.__setattr__(m, name, rep)
+    try:
+        yield
+    finally:
+        for name, old, _ in reversed(swaps):
+            object.__setattr__(m, name, old)
+
+
+def _enabled(opts, part):
+    if opts is None:
+        return False
+    return {"attention": opts.attention, "selective": opts.selective,
+            "fewbit": opts.fewbit is not None}[part]
+
+
+def _has_enabled_handler(m):
+    cls = type(m).__name__
+    for part, match, meth, _ in _patch._MODULE_RULES:
+        if meth == "__call__" and match(m):
+            return _enabled(_options.lookup(cls, (part, f"{part}:modules")), part)
+    return False
+
+
+def interceptor(next_fun, args, kwargs, context):
+    m = context.module
+    path = _path(m)
+    with _report.at_path(path):
+        if not _options.stack() and not _report.collecting():
+            return next_fun(*args, **kwargs)
+        handled = context.method_name == "__call__" and _has_enabled_handler(m)
+        # a module with its own handler knows its fields (e.g. attention_fn)
+        swaps = _field_swaps(m) if _options.stack() and not handled else []
+        with _swapped(m, swaps):
+            method = context.method_name
+            cls = type(m).__name__
+            initializing = m.is_initializing()
+            for part, match, meth, handler in _patch._MODULE_RULES:
+                if meth != method or not match(m):
+                    continue
+                opts = _options.lookup(cls, (part, f"{part}:modules"))
+                target = cls if method == "__call__" else f"{cls}.{method}"
+                if opts is None:
+                    if not initializing:
+                        _report.record(kind="module", target=target, technique=part,
+                                       status="fallback", reason="outside jaxmem.scope")
+                    return next_fun(*args, **kwargs)
+                if not _enabled(opts, part):
+                    if not initializing:
+                        status = ("approximate-not-allowed" if part == "fewbit"
+                                  else "fallback")
+                        why = "fewbit=None" if part == "fewbit" else f"{part}=False"
+                        _report.record(kind="module", target=target, technique=part,
+                                       status=status, reason=why)
+                    return next_fun(*args, **kwargs)
+                if initializing:
+                    return next_fun(*args, **kwargs)
+                return handler(m, next_fun, args, kwargs)
+            if (method == "__call__" and type(m).__module__.startswith("flax.")
+                    and not initializing):
+                _report.record(kind="module", target=cls, technique="", status="unsupported",
+                               reason="jaxmem has no conversion for this layer")
+            return next_fun(*args, **kwargs)

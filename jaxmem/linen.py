@@ -1,0 +1,106 @@
+"""``jaxmem.linen.convert``: the one way in for Flax Linen models.
+
+``convert(model)`` returns a real Linen Module: an instance of a subclass of the model's
+class (same ``__name__`` and fields, so the parameter tree and Flax's auto-names such as
+``Dense_0`` do not change) whose methods run inside :func:`jaxmem.scope` with the given
+options. It is usable as a submodule and with ``init`` / ``apply`` / ``bind`` /
+``tabulate`` / ``clone`` and Flax's lifted transforms (``nn.jit``, ``nn.scan``,
+``nn.remat``).
+
+Example::
+
+    model = jaxmem.linen.convert(MyResNet(), fewbit=None)   # exact techniques only
+    variables = model.init(key, x)                          # same tree as MyResNet().init
+    grads = jax.grad(loss)(variables["params"])             # smaller residuals
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+
+from jaxmem._glue import options as _options
+from jaxmem._glue import patch as _gpatch
+
+__all__ = ["convert", "is_converted", "options_of"]
+
+_BASE_METHODS = frozenset(dir(nn.Module)) - {"__call__"}
+
+
+def _method_names(cls):
+    names = []
+    for klass in cls.__mro__:
+        if klass is nn.Module or not issubclass(klass, nn.Module):
+            continue
+        for name, v in vars(klass).items():
+            if name in names or name == "setup" or not callable(v) or isinstance(
+                    v, (type, staticmethod, classmethod)):
+                continue
+            if name.startswith("_") and name != "__call__":
+                continue
+            if name in _BASE_METHODS:
+                continue
+            names.append(name)
+    return names
+
+
+def _wrap_method(sub_ref, name, fn, opts, label):
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        with _gpatch.scope_options(opts, label=label):
+            return getattr(super(sub_ref[0], self), name)(*args, **kwargs)
+    # the parent's method is already Flax-wrapped (state handling); keep ours plain
+    method.method_handler_wrapped = True
+    return method
+
+
+@functools.lru_cache(maxsize=None)
+def _converted_class(cls, opts):
+    label = f"jaxmem.linen.convert({cls.__name__})"
+    sub_ref = []
+    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls}
+    for name in _method_names(cls):
+        ns[name] = _wrap_method(sub_ref, name, getattr(cls, name), opts, label)
+    sub = type(cls)(cls.__name__, (cls,), ns)
+    sub_ref.append(sub)
+    return sub
+
+
+def is_converted(model) -> bool:
+    """Whether ``model`` (a Linen Module) comes from :func:`convert`."""
+    return getattr(type(model), "_jaxmem_options", None) is not None
+
+
+def options_of(model):
+    """The :class:`jaxmem._glue.options.Options` a converted model runs with (else None)."""
+    return getattr(type(model), "_jaxmem_options", None)
+
+
+def convert(model, *, selective: bool = True, fewbit: int | None = None,
+            attention: bool = True) -> nn.Module:
+    """A Linen Module with the same fields and parameter tree as ``model`` whose every method
+    call traces inside ``jaxmem.scope(selective=..., fewbit=..., attention=...)``.
+
+    selective: exact selective-differentiation layers, 1-bit ReLU-family masks.
+    fewbit: ``None`` (exact techniques only) or 1..4: few-bit residuals for smooth
+      activations (approximate gradients, opt-in).
+    attention: Flax's attention computed with jaxmem's exact memory-efficient attention.
+    ``model`` itself is not modified. Raises ``TypeError`` for anything that is not a
+    ``flax.linen.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            "jaxmem.linen.convert: model must be a flax.linen.Module, got "
+            f"{type(model).__module__}.{type(model).__name__}; for flax.nnx modules use "
+            "jaxmem.nnx.convert")
+    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
+    return _convert_with(model, opts)
+
+
+def _convert_with(model, opts):
+    base = getattr(type(model), "_jaxmem_base", type(model))
+    sub = _converted_class(base, opts)
+    import dataclasses
+    attrs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
+    return sub(**attrs)

@@ -1,0 +1,109 @@
+"""``jaxmem.nnx.convert``: the one way in for Flax NNX modules.
+
+``convert(module)`` converts the module's layers with the selective part
+(:func:`jaxmem.selective.nnx.convert`) and the attention part
+(``jaxmem.fewbit.flax_attention.nnx_convert_attention``, when available), and makes calls of
+the root run inside :func:`jaxmem.scope` (inline functions such as ``nnx.relu``,
+``nnx.gelu``, ``nnx.max_pool``, and activations held as attributes, are converted while
+tracing). ``copy=True`` (default) converts a clone and leaves ``module`` untouched;
+``copy=False`` converts in place (same Variables) and returns it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+from flax import nnx as _nnx
+
+from jaxmem._glue import options as _options
+from jaxmem._glue import patch as _gpatch
+
+__all__ = ["convert", "is_converted"]
+
+
+def _field_swaps(root):
+    swaps = []
+    for _, m in _nnx.iter_graph(root):
+        if not isinstance(m, _nnx.Module):
+            continue
+        for name, v in list(vars(m).items()):
+            if name.startswith("_") or isinstance(v, (_nnx.Module, _nnx.Variable, type)):
+                continue
+            if not callable(v):
+                continue
+            try:
+                rep = _gpatch.replacement_for(v)
+            except Exception:  # pragma: no cover - exotic callables
+                rep = None
+            if rep is not None:
+                swaps.append((m, name, v, rep))
+    return swaps
+
+
+@contextlib.contextmanager
+def _swapped(swaps):
+    for m, name, _, rep in swaps:
+        object.__setattr__(m, name, rep)
+    try:
+        yield
+    finally:
+        for m, name, old, _ in reversed(swaps):
+            object.__setattr__(m, name, old)
+
+
+@functools.lru_cache(maxsize=None)
+def _converted_class(cls, opts):
+    label = f"jaxmem.nnx.convert({cls.__name__})"
+    holder = []
+
+    def __call__(self, *args, **kwargs):
+        with _gpatch.scope_options(opts, label=label, linen=True):
+            with _swapped(_field_swaps(self)):
+                return super(holder[0], self).__call__(*args, **kwargs)
+
+    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__, "__call__": __call__, "_jaxmem_options": opts,
+          "_jaxmem_base": cls}
+    sub = type(cls)(cls.__name__, (cls,), ns)
+    holder.append(sub)
+    return sub
+
+
+def is_converted(module) -> bool:
+    return getattr(type(module), "_jaxmem_options", None) is not None
+
+
+def convert(module, *, selective: bool = True, fewbit: int | None = None,
+            attention: bool = True, copy: bool = True):
+    """Convert an ``nnx.Module`` (see the module docstring); returns the converted module.
+
+    selective / fewbit / attention: as :func:`jaxmem.scope`. ``copy=True``: a converted
+    clone (``module`` untouched); ``copy=False``: in place, same Variables.
+    """
+    if not isinstance(module, _nnx.Module):
+        raise TypeError(
+            "jaxmem.nnx.convert: module must be a flax.nnx.Module, got "
+            f"{type(module).__module__}.{type(module).__name__}; for flax.linen modules use "
+            "jaxmem.linen.convert")
+    if not isinstance(copy, bool):
+        raise TypeError(f"jaxmem.nnx.convert: copy must be True or False, got {copy!r}")
+    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
+    m = _nnx.clone(module) if copy else module
+    if selective:
+        from jaxmem.selective import nnx as _sel_nnx
+        _sel_nnx.convert(m)
+    if attention:
+        try:
+            fa = importlib.import_module("jaxmem.fewbit.flax_attention")
+        except ImportError:
+            fa = None
+        hook = getattr(fa, "nnx_convert_attention", None)
+        if hook is not None:
+            hook(m)
+    if not callable(getattr(type(m), "__call__", None)):
+        return m
+    base = getattr(type(m), "_jaxmem_base", type(m))
+    m.__class__ = _converted_class(base, opts) if base is type(m) else _converted_class(
+        base, opts)
+    return m

@@ -1,0 +1,339 @@
+"""Flax's attention computed by jaxmem's exact core (jaxmem.fewbit.flax_attention).
+
+Forward: Flax's own arithmetic, bit-for-bit on CPU.  Gradients: Flax's autodiff gradients
+(float32 rtol 1e-5, float64 1e-10), with masks, bias, attention dropout (the keep mask
+regenerated from the key), fully masked rows.  Memory: no ``T x S`` residual.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals
+
+from jaxmem.fewbit import flax_attention as fa
+from jaxmem.measure import compiled_memory
+
+B, T, S, H, D = 2, 5, 4, 3, 4
+
+
+def _rand(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+def _inputs(dtype=jnp.float32):
+    q, k, v = _rand(0, (B, T, H, D), dtype), _rand(1, (B, S, H, D), dtype), \
+        _rand(2, (B, S, H, D), dtype)
+    bias = _rand(3, (1, H, T, S), dtype)
+    mask = jnp.asarray(np.random.default_rng(4).random((B, 1, T, S)) > 0.4)
+    mask = mask.at[0, 0, 1].set(False)               # one fully masked query row
+    return q, k, v, bias, mask, _rand(5, (B, T, H, D), dtype)
+
+
+CASES = {
+    "bias_mask": {"bias": True, "mask": True},
+    "dropout": {"dropout_rate": 0.3},
+    "dropout_full_bias_mask": {"dropout_rate": 0.3, "broadcast_dropout": False,
+                               "bias": True, "mask": True},
+    "dropout_deterministic": {"dropout_rate": 0.3, "deterministic": True, "mask": True},
+}
+
+
+def _call(fn, case, q, k, v, bias, mask, rng, **extra):
+    kw = dict(case)
+    kw["bias"] = bias if kw.pop("bias", False) else None
+    kw["mask"] = mask if kw.pop("mask", False) else None
+    if kw.get("dropout_rate"):
+        kw["dropout_rng"] = rng
+    return fn(q, k, v, **kw, **extra)
+
+
+def _vjp(f, args, ct):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(ct)
+
+
+def _compare(mine, flax, args, ct, rtol=1e-5, atol=1e-6, exact=True):
+    o, grads = jax.jit(lambda a, c: _vjp(mine, a, c))(args, ct)
+    o0, grads0 = jax.jit(lambda a, c: _vjp(flax, a, c))(args, ct)
+    if exact:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))
+    else:
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=rtol, atol=atol)
+    for a, b in zip(grads, grads0):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_drop_in_matches_flax_float32(flavour, name):
+    q, k, v, bias, mask, ct = _inputs()
+    rng = jax.random.PRNGKey(7) if flavour == "linen" else jax.random.key(7)
+    mine, ref = ((fa.dot_product_attention, nn.dot_product_attention) if flavour == "linen"
+                 else (fa.nnx_dot_product_attention, nnx.dot_product_attention))
+    case = CASES[name]
+    _compare(lambda q, k, v, b: _call(mine, case, q, k, v, b, mask, rng),
+             lambda q, k, v, b: _call(ref, case, q, k, v, b, mask, rng),
+             (q, k, v, bias), ct)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_nnx_is_causal(dropout):
+    q, k, v, _, mask, ct = _inputs()
+    kw = {"is_causal": True, "mask": mask, "dropout_rate": dropout,
+          "dropout_rng": jax.random.key(1)}
+    _compare(lambda q, k, v: fa.nnx_dot_product_attention(q, k, v, **kw),
+             lambda q, k, v: nnx.dot_product_attention(q, k, v, **kw), (q, k, v), ct)
+
+
+@pytest.mark.slow
+def test_float64_gradients_equal_flax():
+    with jax.enable_x64(True):
+        q, k, v, bias, mask, ct = _inputs(jnp.float64)
+        for mine, ref, rng in [(fa.dot_product_attention, nn.dot_product_attention,
+                                jax.random.PRNGKey(3)),
+                               (fa.nnx_dot_product_attention, nnx.dot_product_attention,
+                                jax.random.key(3))]:
+            for case in (CASES["bias_mask"], CASES["dropout_full_bias_mask"]):
+                if ref is nnx.dot_product_attention and case is CASES["bias_mask"]:
+                    continue    # nnx/JAX: float32 softmax even for float64 (covered above)
+                _compare(lambda q, k, v, b, f=mine, c=case, r=rng:
+                         _call(f, c, q, k, v, b, mask, r),
+                         lambda q, k, v, b, f=ref, c=case, r=rng:
+                         _call(f, c, q, k, v, b, mask, r),
+                         (q, k, v, bias), ct, rtol=1e-10, atol=1e-12, exact=False)
+
+
+def test_fully_masked_rows_uniform_and_no_query_gradient():
+    """Flax's masked softmax gives a row with no key uniform weights 1/S; no score of that
+    row depends on q or k, so its dq is 0 -- the drop-in returns exactly that."""
+    q, k, v, _, _, ct = _inputs()
+    mask = jnp.ones((B, 1, T, S), bool).at[:, :, 2].set(False)
+    o, vjp = jax.vjp(lambda q, k, v: fa.dot_product_attention(q, k, v, mask=mask), q, k, v)
+    np.testing.assert_allclose(np.asarray(o[:, 2]), np.asarray(jnp.mean(v, axis=1)),
+                               rtol=1e-6)
+    dq = vjp(ct)[0]
+    assert np.all(np.asarray(dq[:, 2]) == 0)
+    _compare(lambda q, k, v: fa.dot_product_attention(q, k, v, mask=mask),
+             lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask), (q, k, v), ct)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16])
+def test_low_precision_forward_equal_flax(dtype):
+    q, k, v, _, mask, _ = _inputs(dtype)
+    for mine, ref, kw in [
+            (fa.dot_product_attention, nn.dot_product_attention, {}),
+            (fa.dot_product_attention, nn.dot_product_attention,
+             {"force_fp32_for_softmax": True}),
+            (fa.nnx_dot_product_attention, nnx.dot_product_attention, {})]:
+        o = jax.jit(lambda q, k, v, f=mine, kw=kw: f(q, k, v, mask=mask, **kw))(q, k, v)
+        o0 = jax.jit(lambda q, k, v, f=ref, kw=kw: f(q, k, v, mask=mask, **kw))(q, k, v)
+        assert o.dtype == o0.dtype
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o0, np.float32))
+        g = jax.jit(jax.grad(lambda q, f=mine, kw=kw: jnp.sum(
+            f(q, k, v, mask=mask, **kw).astype(jnp.float32))))(q)
+        g0 = jax.jit(jax.grad(lambda q, f=ref, kw=kw: jnp.sum(
+            f(q, k, v, mask=mask, **kw).astype(jnp.float32))))(q)
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g0, np.float32),
+                                   rtol=5e-2, atol=5e-2)
+
+
+def test_fallbacks_run_flax():
+    q, k, v, _, mask, _ = _inputs()
+    # custom einsums: Flax's function
+    ein = jnp.einsum
+    o = fa.dot_product_attention(q, k, v, mask=mask, qk_attn_weights_einsum=ein,
+                                 attn_weights_value_einsum=ein)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(nn.dot_product_attention(
+        q, k, v, mask=mask)))
+    # grouped-query attention (nnx): Flax's function
+    kg, vg = k[:, :, :1], v[:, :, :1]
+    np.testing.assert_array_equal(np.asarray(fa.nnx_dot_product_attention(q, kg, vg)),
+                                  np.asarray(nnx.dot_product_attention(q, kg, vg)))
+    with pytest.raises(ValueError, match="key and value lengths must match"):
+        fa.dot_product_attention(q, k, v[:, :2])
+
+
+def test_dropout_mask_is_not_a_residual():
+    """Only the key, q, k, v, mask and O(T) row statistics are saved: nothing (T, S)."""
+    q, k, v, _, mask, _ = _inputs()
+    t_s = (T, S)
+
+    def f(q, k, v):
+        return jnp.sum(fa.dot_product_attention(q, k, v, mask=mask, dropout_rate=0.4,
+                                                dropout_rng=jax.random.PRNGKey(0),
+                                                broadcast_dropout=False))
+
+    def f0(q, k, v):
+        return jnp.sum(nn.dot_product_attention(q, k, v, mask=mask, dropout_rate=0.4,
+                                                dropout_rng=jax.random.PRNGKey(0),
+                                                broadcast_dropout=False))
+
+    def big(fun):
+        return [a.shape for a, why in saved_residuals(fun, q, k, v)
+                if jnp.issubdtype(a.dtype, jnp.floating) and tuple(a.shape[-2:]) == t_s]
+
+    assert big(f0)                 # Flax keeps (B, H, T, S) arrays ...
+    assert not big(f)              # ... the drop-in none
+
+
+@pytest.mark.xla_cpu
+def test_compiled_bytes_slope_with_dropout():
+    """Per stacked attention layer with dropout, at least one float32 (B, H, T, T) array
+    fewer in XLA's plan."""
+    b, t, h, d = 2, 64, 4, 8
+
+    def step(fn, n):
+        def loss(x):
+            for i in range(n):
+                x = x + fn(x, x, x, dropout_rate=0.2, dropout_rng=jax.random.PRNGKey(i))
+                x = jnp.tanh(x)
+            return jnp.sum(x)
+        return compiled_memory(jax.grad(loss), _rand(0, (b, t, h, d))).total_bytes
+
+    def slope(fn):
+        return (step(fn, 4) - step(fn, 2)) / 2
+
+    tt = b * h * t * t * 4
+    assert slope(nn.dot_product_attention) - slope(fa.dot_product_attention) >= 0.95 * tt
+
+
+@pytest.mark.slow
+def test_under_jit_vmap_scan_checkpoint():
+    q, k, v, _, mask, _ = _inputs()
+    rng = jax.random.PRNGKey(2)
+
+    def loss_of(fn):
+        def loss(q, k, v):
+            return jnp.sum(jnp.sin(fn(q, k, v, mask=mask, dropout_rate=0.2, dropout_rng=rng)))
+        return loss
+
+    def grads(loss):
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def close(a, b):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+    ref = grads(loss_of(nn.dot_product_attention))
+    mine = loss_of(fa.dot_product_attention)
+    close(grads(mine), ref)
+    close(grads(jax.checkpoint(mine)), ref)
+
+    def per_example(fn):
+        return lambda q, k, v: jnp.sum(jax.vmap(
+            lambda q, k, v, m: fn(q, k, v, mask=m))(q, k, v, mask))
+
+    close(grads(per_example(fa.dot_product_attention)),
+          grads(per_example(nn.dot_product_attention)))
+
+    def scanned(fn):
+        def loss(q, k, v):
+            out, _ = jax.lax.scan(lambda c, _: (fn(c, k, v, mask=mask), None), q, None,
+                                  length=2)
+            return jnp.sum(jnp.sin(out))
+        return loss
+
+    close(grads(scanned(fa.dot_product_attention)), grads(scanned(nn.dot_product_attention)))
+
+
+# ------------------------------------------------------------------------- module hooks
+
+def _interceptor(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.MultiHeadDotProductAttention)
+            and context.method_name == "__call__"):
+        return fa.linen_attention_handler(context.module, next_fun, args, kwargs)
+    return next_fun(*args, **kwargs)
+
+
+def _cores(fn, *args):
+    """Number of custom_vjp calls in a fresh trace of ``fn`` (a new function object each
+    time: JAX caches traces per function, and the interceptor is not part of the key)."""
+    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args)).count("custom_vjp")
+
+
+def test_linen_handler_converts_default_attention_with_dropout():
+    x = _rand(0, (2, 6, 8))
+    m = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.3, deterministic=False)
+    p = m.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x)
+    mask = nn.make_causal_mask(x[..., 0])
+
+    def loss(p):
+        return jnp.sum(m.apply(p, x, mask=mask, rngs={"dropout": jax.random.PRNGKey(2)}) ** 2)
+
+    def value_and_grad(p):       # a fresh function: traced inside or outside the scope
+        return jax.jit(jax.value_and_grad(lambda p: loss(p)))(p)
+
+    y0, g0 = value_and_grad(p)
+    before = _cores(loss, p)
+    with nn.intercept_methods(_interceptor):
+        assert _cores(loss, p) == before + 1
+        y, g = value_and_grad(p)
+    assert _cores(loss, p) == before
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
+        np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5), g, g0)
+    assert m.attention_fn is nn.dot_product_attention
+
+
+def test_linen_handler_leaves_custom_attention_fn_decode_and_sow():
+    x = _rand(0, (2, 6, 8))
+    calls = []
+
+    def custom(q, k, v, **kw):
+        calls.append(1)
+        return nn.dot_product_attention(q, k, v, **kw)
+
+    for m, kw in [(nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=custom), {}),
+                  (nn.MultiHeadDotProductAttention(num_heads=2), {"sow_weights": True})]:
+        p = m.init(jax.random.PRNGKey(0), x)
+
+        def run(p, m=m, kw=kw):
+            return m.apply(p, x, mutable=["intermediates"], **kw)[0]
+
+        before = _cores(run, p)
+        with nn.intercept_methods(_interceptor):
+            assert _cores(run, p) == before
+    assert calls
+
+
+def test_nnx_convert_attention():
+    x = _rand(0, (2, 6, 8))
+
+    def custom(*args, **kwargs):
+        return nnx.dot_product_attention(*args, **kwargs)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.MultiHeadAttention(2, 8, dropout_rate=0.2, decode=False,
+                                            keep_rngs=False, rngs=rngs)
+            self.custom = nnx.MultiHeadAttention(2, 8, decode=False,
+                                                 attention_fn=custom,
+                                                 rngs=rngs)
+            self.c = nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs)
+
+        def __call__(self, x, key):
+            y = self.a(x, deterministic=False, rngs=nnx.Rngs(dropout=key))
+            return self.c(self.custom(y))
+
+    def grads(net):
+        gd, params, rest = nnx.split(net, nnx.Param, ...)
+
+        def loss(params, rest, x):
+            return jnp.sum(nnx.merge(gd, params, rest)(x, jax.random.key(4)) ** 2)
+        return jax.grad(loss)(params, rest, x), jax.make_jaxpr(loss)(params, rest, x)
+
+    net = Net(nnx.Rngs(0))
+    g0, jp0 = grads(net)
+    fa.nnx_convert_attention(net)
+    assert net.custom.attention_fn is custom          # a custom attention_fn: left alone
+    g, jp = grads(net)
+    assert str(jp).count("custom_vjp") == str(jp0).count("custom_vjp") + 2
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
+        np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5), g, g0)
+    with pytest.raises(TypeError, match="flax.nnx.Module"):
+        fa.nnx_convert_attention(nn.Dense(3))

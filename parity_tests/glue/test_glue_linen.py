@@ -1,0 +1,227 @@
+"""jaxmem.linen.convert: a real Linen Module, the same parameter tree, the same outputs and
+gradients; the Linen fixes (caller kwargs, field activations, Dropout eval, Embed / Einsum /
+DenseGeneral)."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem.measure import residual_bytes
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _x(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+def _close(a, b, rtol=RTOL, atol=ATOL):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v),
+                                                         rtol=rtol, atol=atol), a, b)
+
+
+class Block(nn.Module):
+    act: Callable = nn.relu
+    features: int = 8
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(self.features)(x)
+        h = self.act(h)
+        h = nn.BatchNorm(use_running_average=not train)(h)
+        h = nn.Dropout(0.25)(h, deterministic=not train)
+        return nn.Dense(self.features)(h)
+
+
+class Enc(nn.Module):
+    def setup(self):
+        self.d = nn.Dense(4)
+
+    def __call__(self, x):
+        return self.d(x)
+
+    def encode(self, x):
+        return nn.relu(self.d(x)) * 2.0
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = Block(act=nn.relu)(x, train)
+        x = Block(act=functools.partial(nn.leaky_relu, negative_slope=0.2))(x, train=train)
+        return nn.Dense(1)(nn.gelu(x))
+
+
+X = _x(0, (6, 5))
+
+
+def _grads(model, variables, x, train=False):
+    def loss(p):
+        out = model.apply({**variables, "params": p}, x, train,
+                          rngs={"dropout": jax.random.PRNGKey(3)},
+                          mutable=["batch_stats"] if train else False)
+        y = out[0] if train else out
+        return jnp.sum(jnp.sin(y))
+    return jax.value_and_grad(loss)(variables["params"])
+
+
+def test_convert_is_real_module_with_same_tree():
+    net = Net()
+    conv = jaxmem.linen.convert(net)
+    assert isinstance(conv, Net) and isinstance(conv, nn.Module)
+    assert type(conv).__name__ == "Net" and conv is not net and type(net) is Net
+    v0 = net.init(jax.random.PRNGKey(0), X)
+    v1 = conv.init(jax.random.PRNGKey(0), X)
+    _close(v0, v1, 0, 0)
+    _close(_grads(net, v0, X), _grads(conv, v0, X))
+    _close(_grads(net, v0, X, True), _grads(conv, v0, X, True))
+    # clone keeps the conversion; bind works; tabulate works
+    assert jaxmem.linen.is_converted(conv.clone())
+    bound = conv.bind(v0)
+    np.testing.assert_allclose(np.asarray(bound(X)), np.asarray(net.apply(v0, X)), RTOL, ATOL)
+    assert "Dense_0" in conv.tabulate(jax.random.PRNGKey(0), X)
+    with pytest.raises(TypeError, match="flax.linen.Module"):
+        jaxmem.linen.convert(object())
+    with pytest.raises(ValueError, match="fewbit"):
+        jaxmem.linen.convert(net, fewbit=7)
+
+
+def test_converted_other_method_and_as_submodule():
+    enc = jaxmem.linen.convert(Enc())
+    v = Enc().init(jax.random.PRNGKey(0), X)
+    np.testing.assert_allclose(np.asarray(enc.apply(v, X, method="encode")),
+                               np.asarray(Enc().apply(v, X, method="encode")), RTOL, ATOL)
+    jaxpr = str(jax.make_jaxpr(lambda p: enc.apply(p, X, method="encode"))(v))
+    assert "custom_vjp" in jaxpr  # the method ran inside the scope
+
+    class Outer(nn.Module):
+        inner: nn.Module
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(self.inner(x))
+
+    o0, o1 = Outer(Block()), Outer(jaxmem.linen.convert(Block()))
+    v0 = o0.init(jax.random.PRNGKey(1), X)
+    _close(v0, o1.init(jax.random.PRNGKey(1), X), 0, 0)
+    _close(jax.grad(lambda p: jnp.sum(o0.apply(p, X) ** 2))(v0),
+           jax.grad(lambda p: jnp.sum(o1.apply(p, X) ** 2))(v0))
+    # the converted inner module really converts: its residuals are smaller
+    r0 = residual_bytes(lambda p: jnp.sum(o0.apply(p, X) ** 2), v0)
+    r1 = residual_bytes(lambda p: jnp.sum(o1.apply(p, X) ** 2), v0)
+    assert r1.activation_bytes < r0.activation_bytes
+
+
+@pytest.mark.parametrize("lift", ["jit", "remat", "scan"])
+def test_lifted_transforms(lift):
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, c, _=None):
+            c = nn.relu(nn.Dense(5)(c))
+            return (c, None) if lift == "scan" else c
+
+    if lift == "scan":
+        class M(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                s = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=3)
+                return s()(x, None)[0]
+        model = M()
+    else:
+        t = nn.jit(Layer) if lift == "jit" else nn.remat(Layer)
+        model = t()
+    conv = jaxmem.linen.convert(model)
+    v = model.init(jax.random.PRNGKey(0), X)
+    _close(v, conv.init(jax.random.PRNGKey(0), X), 0, 0)
+    f = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, X))))(v)  # noqa: E731
+    _close(f(model), f(conv))
+    # the converted model traces the selective ReLU (a custom_vjp)
+    assert "custom_vjp" in str(jax.make_jaxpr(lambda p: conv.apply(p, X))(v))
+
+
+def test_field_activations_and_partials_converted():
+    """1 of 17 ReLUs of a ResNet were converted: the ones held in fields were not."""
+    net = Net()
+    v = net.init(jax.random.PRNGKey(0), X)
+    rep = jaxmem.report(lambda p: jax.grad(
+        lambda p: jnp.sum(jaxmem.linen.convert(net).apply(p, X)))(p), v)
+    fields = [e for e in rep.entries if e.target.startswith("field")]
+    assert [e.status for e in fields] == ["converted", "converted"]
+    assert {e.path for e in fields} == {"Block_0", "Block_1"}
+    # the partial keeps its keyword (negative_slope=0.2): gradients equal the original
+    _close(_grads(net, v, X), _grads(jaxmem.linen.convert(net), v, X))
+
+
+def test_caller_kwargs_not_mutated_dropout_eval_and_rate_zero():
+    """Regression: the Dropout/BatchNorm handlers popped keywords out of the caller's dict,
+    so the fallback ran without them ("Parameter 'deterministic' must be passed")."""
+    x = _x(1, (4, 3))
+    kw = {"deterministic": True}
+    with jaxmem.scope():
+        y = nn.Dropout(0.3).apply({}, x, **kw)
+        y0 = nn.Dropout(0.0).apply({}, x, deterministic=False)
+    assert kw == {"deterministic": True}
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y0), np.asarray(x))
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x, **kw):
+            return nn.BatchNorm(axis_name=None)(nn.Dropout(0.0)(x, **kw), **kw2)
+
+    kw2 = {"use_running_average": True}
+    m = M()
+    v = m.init(jax.random.PRNGKey(0), x, deterministic=True)
+    out = jaxmem.linen.convert(m).apply(v, x, deterministic=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(m.apply(v, x, deterministic=True)),
+                               RTOL, ATOL)
+    assert kw2 == {"use_running_average": True}
+
+
+@pytest.mark.parametrize("layer,inp", [
+    (lambda: nn.DenseGeneral((2, 3), axis=(-2, -1)), lambda: _x(2, (4, 3, 5))),
+    (lambda: nn.DenseGeneral(4, axis=1, batch_dims=0), lambda: _x(3, (2, 3, 5))),
+    (lambda: nn.Einsum((5, 3, 4), "abd,dch->abch"), lambda: _x(4, (2, 3, 5))),
+])
+def test_dense_general_and_einsum_equal_and_smaller(layer, inp):
+    x = inp()
+    m = layer()
+    v = m.init(jax.random.PRNGKey(0), x)
+    conv = jaxmem.linen.convert(m)
+    f = lambda mod, p, x: jnp.sum(jnp.sin(mod.apply(p, x)))  # noqa: E731
+    _close(jax.grad(f, (1, 2))(m, v, x), jax.grad(f, (1, 2))(conv, v, x))
+    # weights frozen, input differentiated: no input-sized residual of the kernel product
+    r0 = residual_bytes(lambda x: f(m, v, x), x)
+    r1 = residual_bytes(lambda x: f(conv, v, x), x)
+    assert r1.activation_bytes <= r0.activation_bytes
+    rep = jaxmem.report(lambda x: f(conv, v, x), x)
+    assert [e.status for e in rep.entries if e.kind == "module"] == ["converted"]
+
+
+def test_embed_call_nothing_to_save_and_attend_converted():
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tok):
+            e = nn.Embed(11, 6)
+            return e.attend(jnp.tanh(e(tok)))
+
+    tok = jnp.asarray(np.random.default_rng(5).integers(0, 11, (3, 4)))
+    m = LM()
+    v = m.init(jax.random.PRNGKey(0), tok)
+    conv = jaxmem.linen.convert(m)
+    f = lambda mod, p: jnp.sum(jnp.sin(mod.apply(p, tok)))  # noqa: E731
+    _close(jax.grad(f, 1)(m, v), jax.grad(f, 1)(conv, v))
+    np.testing.assert_allclose(np.asarray(conv.apply(v, tok)), np.asarray(m.apply(v, tok)),
+                               RTOL, ATOL)
+    rep = jaxmem.report(lambda p: f(conv, p), v)
+    st = {e.target: e.status for e in rep.entries if e.kind == "module"}
+    assert st == {"Embed": "nothing-to-save", "Embed.attend": "converted"}

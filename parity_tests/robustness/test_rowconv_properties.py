@@ -1,0 +1,178 @@
+"""Property-based checks of jaxmem.rowconv: tiled == untiled, outputs and gradients.
+
+Random conv stacks (convs with random kernels, strides, dilations and paddings, pools,
+activations, affine layers, residual blocks) on random NHWC shapes (batch 0 and size-1
+height/width included), any tile count the stack admits, both modes, a separate backward
+tile count: ``rowconv.apply(rows=n)`` must equal ``rows=1`` (the plain stack) in its output
+and in the gradients with respect to the parameters and the input (float64: 1e-10;
+float32: 1e-5).  Non-elementwise ``Act`` functions are refused; elementwise ones pass.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from jaxmem import rowconv as rc
+
+SETTINGS = {"max_examples": 12, "deadline": None, "derandomize": True,
+            "suppress_health_check": [HealthCheck.function_scoped_fixture,
+                                      HealthCheck.filter_too_much]}
+
+
+@pytest.fixture
+def x64():
+    """``ctx(dtype)``: a context enabling x64 for float64; the global flag is restored."""
+    before = bool(jax.config.jax_enable_x64)
+
+    def ctx(dtype):
+        return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+
+    yield ctx
+    jax.config.update("jax_enable_x64", before)
+    assert bool(jax.config.jax_enable_x64) == before
+
+
+ACTS = (jax.nn.relu, jax.nn.gelu, jnp.tanh, jax.nn.silu, jax.nn.leaky_relu)
+rc.Act(jax.nn.relu)  # builds the table of known activations outside the strategies
+PADS = ("SAME", "VALID", 0, 1, ((0, 2), (1, 0)), ((2, 1), (0, 1)))
+
+
+@st.composite
+def conv(draw, c):
+    f = draw(st.integers(1, 3))
+    return rc.Conv(f, (draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                   strides=(draw(st.integers(1, 2)), draw(st.integers(1, 2))),
+                   kernel_dilation=(draw(st.integers(1, 2)), draw(st.integers(1, 2))),
+                   padding=draw(st.sampled_from(PADS)), use_bias=draw(st.booleans())), f
+
+
+@st.composite
+def stacks(draw):
+    c = draw(st.integers(1, 3))
+    shape = (draw(st.sampled_from([0, 1, 2])), draw(st.integers(1, 14)),
+             draw(st.integers(1, 5)), c)
+    layers = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["conv", "conv", "pool", "act", "affine", "residual"]))
+        if kind == "conv":
+            layer, c = draw(conv(c))
+        elif kind == "pool":
+            w = (draw(st.integers(1, 3)), draw(st.integers(1, 2)))
+            layer = rc.Pool(draw(st.sampled_from(["max", "avg"])), w,
+                            draw(st.sampled_from([None, 1, (2, 1)])),
+                            draw(st.sampled_from(["VALID", "SAME", ((1, 0), (0, 1))])))
+        elif kind == "act":
+            layer = rc.Act(draw(st.sampled_from(ACTS)))
+        elif kind == "affine":
+            layer = rc.Affine(c)
+        else:
+            k = draw(st.integers(1, 3))
+            branch = [rc.Conv(c, k, padding="SAME"), rc.Act(draw(st.sampled_from(ACTS)))]
+            layer = rc.Residual(branch, draw(st.sampled_from([None, [rc.Affine(c)]])))
+        layers.append(layer)
+    try:
+        out = rc.output_shape(layers, shape)
+    except ValueError:  # an empty output map: not a stack
+        assume(False)
+    return layers, shape, out
+
+
+def _params(layers, shape, dtype, seed):
+    params = rc.init(layers, jax.random.PRNGKey(seed), shape, dtype)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), max(1, len(leaves)))
+    return jax.tree.unflatten(tree, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
+                                     for k, p in zip(keys, leaves)])
+
+
+def _run(layers, params, x, rows, mode, rows_bp):
+    def loss(p, x):
+        y = rc.apply(layers, p, x, rows=rows, mode=mode, rows_bp=rows_bp)
+        w = jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape) * 0.37)
+        return jnp.sum(y * w), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
+    return y, g
+
+
+@settings(**SETTINGS)
+@given(stack=stacks(), mode=st.sampled_from(["overlap", "share"]),
+       dtype=st.sampled_from(["float64", "float32"]), data=st.data())
+def test_tiled_equals_untiled_outputs_and_gradients(x64, stack, mode, dtype, data):
+    layers, shape, out = stack
+    top = rc.segment_rows(layers, shape, 64, mode)[0]
+    assume(top > 1)
+    rows = data.draw(st.integers(2, top), label="rows")
+    rows_bp = data.draw(st.sampled_from([None, 1, top]), label="rows_bp")
+    with x64(dtype):
+        params = _params(layers, shape, dtype, seed=rows)
+        x = jax.random.normal(jax.random.PRNGKey(3), shape, dtype)
+        y1, g1 = _run(layers, params, x, 1, mode, None)
+        yn, gn = _run(layers, params, x, rows, mode, rows_bp)
+        assert yn.shape == y1.shape == out and yn.dtype == x.dtype
+        tol = 1e-10 if dtype == "float64" else 1e-5
+        for a, b in zip(jax.tree.leaves((yn, gn)), jax.tree.leaves((y1, g1))):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            scale = 1.0 + float(np.max(np.abs(b), initial=0.0))
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype,mode", [("bfloat16", "overlap"), ("float16", "share")])
+def test_tiled_half_precision_close_to_untiled(dtype, mode):
+    layers = [rc.Conv(3, 3), rc.Act(jax.nn.relu), rc.Pool("max", 2), rc.Conv(2, 3),
+              rc.Act(jax.nn.gelu)]
+    shape = (1, 12, 4, 2)
+    params = _params(layers, shape, dtype, 0)
+    x = jax.random.normal(jax.random.PRNGKey(1), shape, dtype)
+    y1, g1 = _run(layers, params, x, 1, mode, None)
+    rows = rc.segment_rows(layers, shape, 3, mode)[0]
+    assert rows > 1
+    yn, gn = _run(layers, params, x, rows, mode, None)
+    assert yn.dtype == x.dtype
+    for a, b in zip(jax.tree.leaves((yn, gn)), jax.tree.leaves((y1, g1))):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=3e-2 * (1 + np.max(np.abs(b))))
+
+
+NON_ELEMENTWISE = (
+    lambda a: (lambda x: x / (1e-3 + jnp.sqrt(jnp.mean(x * x, axis=a, keepdims=True)))),
+    lambda a: (lambda x: jnp.cumsum(x, axis=a)),
+    lambda a: (lambda x: jnp.flip(x, axis=a)),
+    lambda a: (lambda x: x - jnp.max(x, axis=a, keepdims=True)),
+    lambda a: (lambda x: jnp.roll(x, 1, axis=a)),
+)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(make=st.sampled_from(NON_ELEMENTWISE), axis=st.sampled_from([0, 1, 2, 3, (1, 2)]))
+def test_act_refuses_non_elementwise(make, axis):
+    if make is NON_ELEMENTWISE[4] and isinstance(axis, tuple):
+        axis = 1
+    with pytest.raises(ValueError, match="not elementwise|could not be applied"):
+        rc.Act(make(axis))
+
+
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(a=st.floats(0.1, 3), b=st.floats(-2, 2), fn=st.sampled_from(ACTS + (jnp.sin,)))
+def test_act_accepts_elementwise_compositions(a, b, fn):
+    f = jax.jit(lambda x: a * fn(x + b) - b)
+    layer = rc.Act(f)  # probed (an unknown callable) and accepted
+    x = jnp.linspace(-3, 3, 2 * 6 * 3 * 2).reshape(2, 6, 3, 2)
+    y = rc.apply([layer], [{}], x, rows=3)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(f(x)), rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(v=st.one_of(st.floats(allow_nan=True), st.booleans(), st.text(max_size=2),
+                   st.integers(-3, 0), st.just(None), st.lists(st.floats(), max_size=2)))
+def test_rows_of_the_wrong_kind_are_refused(v):
+    layers = [rc.Conv(2, 3), rc.Act(jax.nn.relu)]
+    params = rc.init(layers, jax.random.PRNGKey(0), (1, 8, 4, 2))
+    with pytest.raises((TypeError, ValueError), match="rows"):
+        rc.apply(layers, params, jnp.ones((1, 8, 4, 2)), rows=v)
