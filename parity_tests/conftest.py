@@ -12,8 +12,18 @@ Two settings make that a test of the same math:
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property-based suites: deterministic in CI, and no health-check failure just because a
+# shared 2-core machine generates examples slowly (the tests assert behaviour, not speed).
+settings.register_profile("jaxmem", deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.function_scoped_fixture])
+settings.load_profile("jaxmem")
 
 
 def _jax_has_gpu() -> bool:
@@ -69,3 +79,16 @@ def jax_device(request):
 @pytest.fixture(params=["cpu"] + (["cuda"] if TORCH_CUDA else []))
 def torch_device(request):
     return request.param
+
+
+@pytest.fixture
+def x64():
+    """``ctx(dtype)``: a context enabling x64 for float64; the global flag is restored."""
+    before = bool(jax.config.jax_enable_x64)
+
+    def ctx(dtype):
+        return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+
+    yield ctx
+    jax.config.update("jax_enable_x64", before)
+    assert bool(jax.config.jax_enable_x64) == before

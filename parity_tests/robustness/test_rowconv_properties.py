@@ -9,8 +9,6 @@ float32: 1e-5).  Non-elementwise ``Act`` functions are refused; elementwise ones
 """
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,21 +19,9 @@ from hypothesis import strategies as st
 from jaxmem import rowconv as rc
 
 SETTINGS = {"max_examples": 12, "deadline": None, "derandomize": True,
-            "suppress_health_check": [HealthCheck.function_scoped_fixture,
+            "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                       HealthCheck.filter_too_much]}
 
-
-@pytest.fixture
-def x64():
-    """``ctx(dtype)``: a context enabling x64 for float64; the global flag is restored."""
-    before = bool(jax.config.jax_enable_x64)
-
-    def ctx(dtype):
-        return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
-
-    yield ctx
-    jax.config.update("jax_enable_x64", before)
-    assert bool(jax.config.jax_enable_x64) == before
 
 
 ACTS = (jax.nn.relu, jax.nn.gelu, jnp.tanh, jax.nn.silu, jax.nn.leaky_relu)
