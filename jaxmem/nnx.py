@@ -32,10 +32,7 @@ def _field_swaps(root):
                 continue
             if not callable(v):
                 continue
-            try:
-                rep = _gpatch.replacement_for(v)
-            except Exception:  # pragma: no cover - exotic callables
-                rep = None
+            rep = _gpatch.replacement_for(v)
             if rep is not None:
                 swaps.append((m, name, v, rep))
     return swaps

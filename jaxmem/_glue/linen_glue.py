@@ -37,10 +37,7 @@ def _field_swaps(m):
         v = getattr(m, f.name, None)
         if v is None or not callable(v) or isinstance(v, type):
             continue
-        try:
-            rep = _patch.replacement_for(v)
-        except Exception:  # pragma: no cover - exotic callables
-            rep = None
+        rep = _patch.replacement_for(v)
         if rep is not None:
             out.append((f.name, v, rep))
     return out

@@ -190,9 +190,9 @@ def replacement_for(fn, options=None):
         return functools.partial(inner, *fn.args, **fn.keywords)
     try:
         orig = getattr(fn, "_jaxmem_original", fn)
-        name = _ORIGINALS.get(id(orig))
-    except TypeError:  # pragma: no cover
+    except Exception:  # pragma: no cover - exotic callables whose __getattr__ raises
         return None
+    name = _ORIGINALS.get(id(orig))
     if name is None:
         return None
     opts = options if options is not None else _options.lookup(name, _parts_of(name))
