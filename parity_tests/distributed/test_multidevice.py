@@ -1,0 +1,22 @@
+"""Runs ``parity_tests/distributed/multidevice`` on 8 CPU devices in a fresh process."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = 900
+
+
+def test_multidevice_suite():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    env["JAXMEM_MULTIDEVICE"] = "1"
+    env.pop("PYTEST_XDIST_WORKER", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+           str(HERE / "multidevice")]
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    out = proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, f"multidevice suite failed (rc {proc.returncode}):\n{out}"
