@@ -8,6 +8,8 @@ Submodules (imported lazily, so ``import jaxmem`` stays cheap and never imports 
 - :mod:`jaxmem.rowconv`   — row-centric (row-tiled) convolution training, exact gradients.
 - :mod:`jaxmem.schedule`  — ILP operator ordering and tensor placement over jaxprs.
 - :mod:`jaxmem.models`    — reference Flax models (twins of ``torch_ref.models``).
+- :mod:`jaxmem.distributed` — DP/FSDP/TP train steps on a ``Mesh``, collectives accounting.
+- :mod:`jaxmem.planner`   — :func:`jaxmem.plan`: fit a training step into a memory budget.
 
 The one way in for Flax: :func:`jaxmem.linen.convert`, :func:`jaxmem.nnx.convert`,
 :func:`jaxmem.scope` (context manager), :func:`jaxmem.report` (what was converted and why).
@@ -20,8 +22,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench",
-               "linen", "nnx")
+               "linen", "nnx", "distributed", "planner")
 _ATTRS = {"scope": ("jaxmem._glue.patch", "scope"),
+          "plan": ("jaxmem.planner", "plan"),
           "report": ("jaxmem._glue.report", "report"),
           "Report": ("jaxmem._glue.report", "Report"),
           "NothingConvertedWarning": ("jaxmem._glue.report", "NothingConvertedWarning")}

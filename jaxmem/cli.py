@@ -12,8 +12,7 @@ combined ``<out>/report.md`` and ``<out>/summary.json``.
 Section outcomes and the exit code:
 
 * **ok** — the section ran.
-* **skipped** — its module does not exist yet (technique not implemented); exit code unaffected.
-* **failed** — its module exists but importing or running it raised. The traceback goes to
+* **failed** — importing or running its module raised. The traceback goes to
   ``<out>/<name>.error.txt``; the remaining sections still run (so one broken technique does
   not hide the others) and the command exits with status **1**. ``--fail-fast`` stops at
   the first failure instead.
@@ -71,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--list", action="store_true", help="list the sections and exit")
     b.add_argument("--fail-fast", action="store_true",
                    help="stop at the first failing section (default: run all, exit 1 at the end)")
+    sub.add_parser("plan", add_help=False,
+                   help="fit your own training step into a memory budget "
+                        "(jaxmem plan module:function --budget 512MiB; see jaxmem plan --help)")
     return p
 
 
@@ -78,15 +80,6 @@ def _split(value: str | None) -> list[str] | None:
     if value is None:
         return None
     return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _module_status(module: str) -> str:
-    import importlib.util
-
-    try:
-        return "available" if importlib.util.find_spec(module) is not None else "not implemented"
-    except ModuleNotFoundError:
-        return "not implemented"
 
 
 def _list(console: Any) -> int:
@@ -97,21 +90,15 @@ def _list(console: Any) -> int:
     t = Table(title="jaxmem bench sections (run in this order)", title_justify="left")
     t.add_column("section")
     t.add_column("module")
-    t.add_column("status")
     for name, mod in SECTIONS.items():
-        t.add_row(name, mod, _module_status(mod))
+        t.add_row(name, mod)
     console.print(t)
     return 0
 
 
 def _run_section(module: str, quick: bool, models: list[str] | None, progress: Any):
-    """Import and run one section. Returns (status, section_or_None, reason)."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
-            return "skipped", None, f"{module} does not exist yet"
-        raise
+    """Import and run one section; returns ``("ok", section, "")``, raises on failure."""
+    mod = importlib.import_module(module)
     run = getattr(mod, "run", None)
     if not callable(run):
         raise TypeError(f"{module} has no run(quick, models, progress) function")
@@ -182,8 +169,6 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
                 bar.console.print(rich_table(section))
                 for n in section.notes:
                     bar.console.print(f"  [dim]- {n}[/dim]")
-            elif status == "skipped":
-                bar.console.print(f"[yellow]{name}: skipped ({reason})[/yellow]")
             else:
                 bar.console.print(f"[red]{name}: FAILED — {reason}[/red] "
                                   f"(traceback: {os.path.join(out, name + '.error.txt')})")
@@ -212,11 +197,9 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
                    "total_seconds": total, "sections": results}, f, indent=2)
         f.write("\n")
     failed = [r["name"] for r in results if r["status"] == "failed"]
-    skipped = [r["name"] for r in results if r["status"] == "skipped"]
     console.print(
         f"\n[bold]report:[/bold] {report}  ({total:.1f} s; "
-        f"{len(results) - len(failed) - len(skipped)} ok, {len(skipped)} skipped, "
-        f"{len(failed)} failed)"
+        f"{len(results) - len(failed)} ok, {len(failed)} failed)"
     )
     return 1 if failed else 0
 
@@ -225,6 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxmem`` console script; returns the exit status."""
     from rich.console import Console
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # the planner parses its own arguments
+        from jaxmem.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     console = Console()

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/make_fewbit_tables.py [names...]
 
-For every activation in ``jaxmem.fewbit.activations.ACTIVATIONS``: derivative by JAX
+For every activation in ``jaxmem.fewbit.activations.TABLE_ACTIVATIONS``: derivative by JAX
 autodiff in float64, ``jaxmem.fewbit.fit`` with the defaults (uniform weight on [-10, 10],
 grid 4096, DP + eq.-5 refinement; symmetric for even derivatives).  Deterministic.
 """
@@ -13,7 +13,7 @@ import pathlib
 import sys
 import time
 
-from jaxmem.fewbit.activations import ACTIVATIONS, numpy_derivative
+from jaxmem.fewbit.activations import TABLE_ACTIVATIONS, numpy_derivative
 from jaxmem.fewbit.fit import fit
 
 SETTINGS = dict(interval=(-10.0, 10.0), weight="uniform", grid=4096, refine=True)
@@ -21,7 +21,7 @@ OUT = pathlib.Path(__file__).resolve().parents[1] / "jaxmem" / "fewbit" / "table
 
 
 def make(name: str) -> dict:
-    act = ACTIVATIONS[name]
+    act = TABLE_ACTIVATIONS[name]
     d = numpy_derivative(act.fn)
     doc = {
         "name": name,
@@ -45,7 +45,7 @@ def make(name: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    names = argv or sorted(ACTIVATIONS)
+    names = argv or sorted(TABLE_ACTIVATIONS)
     OUT.mkdir(parents=True, exist_ok=True)
     for name in names:
         t = time.time()

@@ -33,7 +33,7 @@ from jaxmem._glue import options as _options
 from jaxmem._glue import report as _report
 
 __all__ = ["PARTS", "dispatcher_targets", "observing", "register", "register_module",
-           "replacement_for", "scope"]
+           "replacement_for", "scan_policy", "scope"]
 
 #: parts in the order they are tried on one layer / function
 PARTS = ("attention", "selective", "fewbit")
@@ -111,6 +111,7 @@ def _ensure_rules():
     for modname in ("jaxmem.selective.patch", "jaxmem.fewbit.linen", "jaxmem._glue.attention",
                     "jaxmem.selective.linen"):
         importlib.import_module(modname)
+    _register_scan()
 
 
 # ----------------------------------------------------------------------------- choice
@@ -209,6 +210,123 @@ def replacement_for(fn, options=None):
 
     converted._jaxmem_original = orig
     return converted
+
+
+# ------------------------------------------------------------------ scan over layers
+#: Primitives whose result a converted scan body recomputes in the backward pass instead of
+#: stacking it: elementwise arithmetic and layout changes, none of which makes its result
+#: smaller than its largest input (comparisons give ``bool`` and slices crop: those are kept).
+_RECOMPUTED = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate", "conj", "copy", "cos", "cosh",
+    "digamma", "div", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "imag",
+    "integer_pow", "iota", "lgamma", "log", "log1p", "logistic", "max", "min", "mul", "neg",
+    "nextafter", "not", "or", "pow", "real", "rem", "reshape", "rev", "round", "rsqrt",
+    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
+    "sinh", "sqrt", "square", "squeeze", "sub", "tan", "tanh", "transpose", "xor",
+})
+
+
+def scan_policy(prim, *avals, **params) -> bool:
+    """The ``jax.checkpoint`` policy of a scan body traced inside a scope: ``True`` = keep.
+
+    Keeps what JAX's autodiff keeps (every named residual -- jaxmem's
+    ``jaxmem.selective.*`` tags included --, matmuls, convolutions, reductions, gathers,
+    comparisons, slices, narrowing casts) except the results of elementwise and layout
+    primitives (``_RECOMPUTED``, widening casts), which are recomputed from what is kept.
+    That is what XLA's fusion does in an unrolled network; under ``lax.scan`` the residuals
+    are stacked per layer as JAX chose them and XLA cannot recompute across the loop, so
+    without this policy a scanned network keeps, e.g., both a softmax's exponentials and
+    its output, or every intermediate of a tanh-GELU, once per layer.
+    """
+    name = getattr(prim, "name", "")
+    if name == "convert_element_type" and avals:
+        import numpy as np
+        new = params.get("new_dtype")
+        try:
+            return np.dtype(new).itemsize < np.dtype(avals[0].dtype).itemsize
+        except TypeError:  # extended dtypes (keys): keep
+            return True
+    return name not in _RECOMPUTED
+
+
+def _unguarded(f):
+    """``f`` with the dispatcher's re-entry guard lifted while it is traced, so the layers and
+    functions inside a scan body are converted as they are outside it."""
+
+    @functools.wraps(f)
+    def body(*args, **kwargs):
+        token = _busy.set(False)
+        try:
+            return f(*args, **kwargs)
+        finally:
+            _busy.reset(token)
+
+    return body
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for u in (v if isinstance(v, (tuple, list)) else (v,)):
+            j = getattr(u, "jaxpr", u)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _has_remat(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("remat2", "checkpoint"):
+            return True
+        if any(_has_remat(j) for j in _subjaxprs(eqn)):
+            return True
+    return False
+
+
+def _scan_body(f):
+    """The body ``lax.scan`` traces in place of ``f``.
+
+    ``f`` is traced exactly once, inside the scan's own trace (a Flax scan body advances
+    Flax's per-call state, e.g. dropout keys, every time it is called: it must not be called
+    an extra time), to a jaxpr. If that jaxpr already holds a ``jax.checkpoint``
+    (``nn.remat``, ``nnx.remat``, a user's checkpoint) it runs as written -- an enclosing
+    policy would store what the user's remat recomputes; otherwise it runs under
+    ``jax.checkpoint(policy=scan_policy)``. The report gets one entry saying which.
+    """
+    import jax
+    from jax.extend.core import jaxpr_as_fun
+
+    @functools.wraps(f)
+    def body(*args):
+        closed, out_shape = jax.make_jaxpr(_unguarded(f), return_shape=True)(*args)
+        out_tree = jax.tree.structure(out_shape)
+
+        def run(*a):
+            return jax.tree.unflatten(out_tree, jaxpr_as_fun(closed)(*jax.tree.leaves(a)))
+
+        if _has_remat(closed.jaxpr):
+            _report.record(kind="function", target="jax.lax.scan", technique="selective",
+                           status="nothing-to-save",
+                           reason="body already under jax.checkpoint: kept as written")
+            return run(*args)
+        _report.record(kind="function", target="jax.lax.scan", technique="selective",
+                       status="converted",
+                       reason="body under jax.checkpoint(policy=scan_policy): elementwise "
+                              "values recomputed, not stacked")
+        return jax.checkpoint(run, policy=scan_policy, prevent_cse=False)(*args)
+
+    return body
+
+
+def _scan_rule(opts, orig):
+    def scan(f, init, xs=None, *args, **kwargs):
+        if not callable(f):  # let lax.scan raise its own error
+            return orig(f, init, xs, *args, **kwargs)
+        return orig(_scan_body(f), init, xs, *args, **kwargs)
+    return scan
+
+
+def _register_scan():
+    register("scan", "selective", ["jax.lax.scan"], _scan_rule, records=True)
 
 
 # ------------------------------------------------------------------------ installation

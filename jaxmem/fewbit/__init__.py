@@ -6,84 +6,50 @@ optimal piecewise-constant approximation of ``f'`` on the code's bin.
 
 Functional core:  :func:`fit` (DP + refinement), :func:`pack` / :func:`unpack`,
 named ops (:func:`gelu`, :func:`silu`, ...), :func:`make_activation` (any elementwise fn).
+The ReLU family (:func:`relu`, :func:`relu6`, :func:`hard_tanh`, :func:`leaky_relu`) is exact
+with a 1-bit mask and is the very same op as ``jaxmem.selective.relu`` & co.
 Exact companions for transformer blocks (:mod:`jaxmem.fewbit.attention`): :func:`attention`
 (flash-style backward, no ``T x T`` residual) and :func:`softmax` (stores its output once).
 Flax glue: :mod:`jaxmem.fewbit.linen` (:func:`patch_activations`, :func:`activation_fn`),
 :func:`patch_softmax`, :func:`patch_attention`.
+
+Registries: :data:`TABLE_ACTIVATIONS` (name -> :class:`~jaxmem.fewbit.activations.Activation`,
+the activations with shipped tables)
+and :data:`MASK_ACTIVATIONS` (the exact 1-bit ones).  Aliases: ``swish`` = ``silu``,
+``soft_sign`` = ``softsign``.
 """
-from .activations import ACTIVATIONS, MASK_ACTIVATIONS
+from . import ops
+from .activations import MASK_ACTIVATIONS, TABLE_ACTIVATIONS
 from .attention import attention, patch_attention, patch_softmax, softmax
 from .factory import check_elementwise, make_activation
 from .fit import Fit, approximation_error, fit, gaussian_weight, uniform_weight
 from .linen import activation_fn, patch_activations
-from .ops import (
-    activation,
-    celu,
-    elu,
-    fewbit_op,
-    gelu,
-    hard_swish,
-    hard_tanh,
-    leaky_relu,
-    log_sigmoid,
-    mask_op,
-    mish,
-    relu,
-    relu6,
-    selu,
-    sigmoid,
-    silu,
-    soft_sign,
-    softplus,
-    softsign,
-    swish,
-    tanh,
-)
+from .ops import *  # the named few-bit ops (ops.__all__)
 from .pack import codes, pack, packed_shape, unpack
 from .tables import Table, load_table, table_names
 
 __all__ = [
-    "ACTIVATIONS",
     "MASK_ACTIVATIONS",
+    "TABLE_ACTIVATIONS",
     "Fit",
     "Table",
-    "activation",
     "activation_fn",
     "approximation_error",
     "attention",
-    "celu",
     "check_elementwise",
     "codes",
-    "elu",
-    "fewbit_op",
     "fit",
     "gaussian_weight",
-    "gelu",
-    "hard_swish",
-    "hard_tanh",
-    "leaky_relu",
     "load_table",
-    "log_sigmoid",
     "make_activation",
-    "mask_op",
-    "mish",
     "pack",
     "packed_shape",
     "patch_activations",
     "patch_attention",
     "patch_softmax",
-    "relu",
-    "relu6",
-    "selu",
-    "sigmoid",
-    "silu",
-    "soft_sign",
     "softmax",
-    "softplus",
-    "softsign",
-    "swish",
     "table_names",
-    "tanh",
     "uniform_weight",
     "unpack",
 ]
+__all__ += ops.__all__

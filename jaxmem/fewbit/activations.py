@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ACTIVATIONS", "MASK_ACTIVATIONS", "Activation", "get_activation"]
+__all__ = ["TABLE_ACTIVATIONS", "MASK_ACTIVATIONS", "Activation", "get_activation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ def _gelu_tanh(x):
     return _JAX_GELU(x, approximate=True)
 
 
-ACTIVATIONS: dict[str, Activation] = {
+TABLE_ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in [
         Activation("gelu", _gelu_erf, False, "gelu(x)"),
@@ -79,10 +79,10 @@ MASK_ACTIVATIONS: dict[str, tuple[Callable, Callable, float, float]] = {
 def get_activation(name: str) -> Activation:
     """Look up a registered activation, with a clear error for unknown names."""
     try:
-        return ACTIVATIONS[name]
+        return TABLE_ACTIVATIONS[name]
     except (KeyError, TypeError):
         raise ValueError(
-            f"unknown activation {name!r}; known: {sorted(ACTIVATIONS)} "
+            f"unknown activation {name!r}; known: {sorted(TABLE_ACTIVATIONS)} "
             f"(1-bit exact: {sorted(MASK_ACTIVATIONS)} and leaky_relu)"
         ) from None
 

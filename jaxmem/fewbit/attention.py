@@ -28,22 +28,23 @@ change what is stored:
   :func:`jaxmem.fewbit.patch_activations`.
 
 Recomputations in a backward pass carry a data dependency on the incoming cotangent
-(``_after``) so XLA cannot hoist them into the forward pass and keep their result alive
-(the same trick :mod:`jaxmem.selective.norm` documents; ``lax.optimization_barrier`` is
-dropped by the CPU pipeline -- measured).  Every claim is checked with the compiled-bytes
-slope in ``parity_tests/fewbit/test_fewbit_attention.py``.
+(``jaxmem._prims.ties.tie``: exact, local to each shard, so no added communication under
+sharding) so XLA cannot hoist them into the forward pass and keep their result alive
+(``lax.optimization_barrier`` is dropped by the CPU pipeline -- measured).  Every claim is
+checked with the compiled-bytes slope in ``parity_tests/fewbit/test_fewbit_attention.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-import importlib
 import math
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from jaxmem._prims.ties import tie
 
 __all__ = ["SOFTMAX_MODULES", "AttentionSpec", "attention", "attention_core", "patch_attention",
            "patch_softmax", "softmax"]
@@ -67,20 +68,6 @@ def _check_float(x, who: str, arg: str):
 def _stat_dtype(dtype):
     """float32 for bf16/f16/f32 scores, float64 under x64."""
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def _after(g, dtype):
-    """A scalar zero of ``dtype`` that data-depends on ``g`` (keeps recomputation in bwd).
-
-    ``where(isfinite(g0), g0, 0) * 0`` is 0 also when ``g0`` is inf/NaN (so a non-finite
-    cotangent element does not leak into unrelated gradients); XLA does not fold ``x * 0``
-    for floats, so the dependency survives.  An empty ``g`` gives a plain zero (there is
-    nothing to recompute).
-    """
-    if g.size == 0:
-        return jnp.zeros((), dtype)
-    first = (jax.lax.reshape(g, (g.size,))[:1] if g.ndim else g.reshape(1))[0]
-    return (jnp.where(jnp.isfinite(first), first, jnp.zeros_like(first)) * 0).astype(dtype)
 
 
 def _axes(axis, ndim: int, who: str) -> tuple[int, ...]:
@@ -239,16 +226,6 @@ def _dropout_multiplier(rng, spec: AttentionSpec, key_ndim: int, w_shape, dtype)
     return keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
 
 
-def _key_after(rng, z):
-    """``rng`` with a data dependency on the zero ``z`` (so the dropout mask is regenerated
-    in the backward pass, not kept from the forward pass)."""
-    zi = (z != 0).astype(jnp.uint32)
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(jax.random.key_data(rng) + zi,
-                                        impl=jax.random.key_impl(rng))
-    return rng + zi
-
-
 def _unbroadcast(g, shape, dtype):
     """Sum ``g`` down to ``shape`` (the transpose of broadcasting), cast to ``dtype``."""
     shape = tuple(shape)
@@ -290,22 +267,18 @@ def _bwd_precision(p):
 
 
 def _core_bwd(spec, res, do):
-    # * every residual enters through ``+ z`` (a zero that depends on ``do``), so nothing
-    #   below is scheduled into the forward pass; XLA fuses ``q + z`` with q's producer;
+    # * every residual (the dropout key too: its mask is regenerated here) is tied to ``do``,
+    #   so nothing below is scheduled into the forward pass;
     # * ``P = exp(s - m) / den`` from the stored row max and row sum: a fully masked row
     #   (all scores equal to the fill value) gets ``1 / S`` like the forward's softmax.
-    q, k, v, bias, mask, rng, m, den = res
-    z = _after(do, q.dtype)
-    q, k, v = q + z, k + z, v + z
-    if bias is not None and jnp.issubdtype(bias.dtype, jnp.inexact):
-        bias = bias + z.astype(bias.dtype)
+    q, k, v, bias, mask, rng, m, den = tie(res, do)
     s, keep, pre = _scores(q, k, bias, mask, spec)
     p = jnp.exp(s.astype(m.dtype) - m) / den                        # recomputed softmax
     wd = jnp.dtype(spec.weights_dtype) if spec.weights_dtype is not None else s.dtype
     w = p.astype(wd)
     mult = None
     if spec.dropout_rate > 0.0:
-        mult = _dropout_multiplier(_key_after(rng, z), spec, k.ndim, s.shape, q.dtype)
+        mult = _dropout_multiplier(rng, spec, k.ndim, s.shape, q.dtype)
         w = w * mult
     prec = _bwd_precision(spec.pv_precision)
     dv = jnp.einsum("...hqk,...qhd->...khd", w, do.astype(jnp.result_type(w, v)),
@@ -441,20 +414,14 @@ def patch_softmax(modules: Sequence[str] = SOFTMAX_MODULES) -> Iterator[dict]:
     from jaxmem._glue import options as _options
     from jaxmem._glue import patch as _gpatch
 
+    from .linen import _module_attributes
+
     modules = tuple(modules)
     only = (frozenset({"softmax"}) if set(modules) == set(SOFTMAX_MODULES)
             else frozenset(f"{m}.softmax" for m in modules))
     opts = _options.Options(selective=False, fewbit=None, attention=True, only=only)
     with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_softmax", linen=False):
-        patched = {}
-        for modname in modules:
-            try:
-                mod = importlib.import_module(modname)
-            except ImportError:
-                continue
-            if getattr(mod, "softmax", None) is not None:
-                patched[f"{modname}.softmax"] = mod.softmax
-        yield patched
+        yield _module_attributes(modules, ("softmax",))
 
 
 # --------------------------------------------------------------- Linen model-zoo switch

@@ -16,7 +16,7 @@ import numpy as np
 from .activations import numpy_derivative
 from .fit import Fit, check_finite_derivative, fit
 from .ops import fewbit_op
-from .pack import _check_bits
+from jaxmem._prims.checks import check_bits as _check_bits
 
 __all__ = ["check_elementwise", "fit_function", "make_activation"]
 

@@ -42,9 +42,10 @@ from collections.abc import Callable, Iterable, Iterator
 import jax
 import jax.numpy as jnp
 
+from jaxmem._prims.checks import check_bits
+
 from . import ops
 from .factory import make_activation
-from .pack import _check_bits
 
 __all__ = ["PATCHABLE", "PATCH_MODULES", "activation_fn", "patch_activations"]
 
@@ -155,7 +156,7 @@ def patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
     from jaxmem._glue import options as _options
     from jaxmem._glue import patch as _gpatch
 
-    bits = _check_bits(bits)
+    bits = check_bits(bits)
     names = tuple(PATCHABLE if activations is None else activations)
     unknown = [n for n in names if n not in _ORIG]
     if unknown:
@@ -167,14 +168,21 @@ def patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
         only = frozenset(f"{m}.{n}" for m in modules for n in names)
     opts = _options.Options(selective=False, fewbit=bits, attention=False, only=only)
     with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_activations", linen=False):
-        patched = {}
-        for modname in modules:
-            try:
-                mod = importlib.import_module(modname)
-            except ImportError:
-                continue
-            for attr in names:
-                cur = getattr(mod, attr, None)
-                if cur is not None:
-                    patched[f"{modname}.{attr}"] = cur
-        yield patched
+        yield _module_attributes(modules, names)
+
+
+def _module_attributes(modules: Iterable[str], names: Iterable[str]) -> dict[str, Callable]:
+    """``{"module.attr": current value}`` for each importable module of ``modules`` and each
+    attribute of ``names`` it has (what a patch scope yields: the dispatchers in place)."""
+    names = tuple(names)
+    found = {}
+    for modname in modules:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for attr in names:
+            cur = getattr(mod, attr, None)
+            if cur is not None:
+                found[f"{modname}.{attr}"] = cur
+    return found

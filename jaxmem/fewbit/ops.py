@@ -16,8 +16,10 @@ compares false; for symmetric tables ``±inf`` in the top bin of ``|x|``).  The 
 ``f(x)`` as JAX computes it (so ``NaN`` in gives ``NaN`` out); the backward stays finite for
 finite ``dy``.
 
-The ReLU family is exact with a 1-bit mask (the derivative takes two values); those ops use
-the same packing with ``code = predicate(x)``.
+The ReLU family (``relu``, ``relu6``, ``hard_tanh``, ``leaky_relu``, and :func:`mask_op` for
+any ``f`` whose derivative takes two values) is exact with a 1-bit mask; those are the shared
+ops of :mod:`jaxmem._prims.mask` (``jaxmem.selective.relu`` is the same function).  Aliases:
+``swish`` = ``silu`` and ``soft_sign`` = ``softsign`` (``jax.nn``'s spellings).
 """
 from __future__ import annotations
 
@@ -28,8 +30,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .activations import _JAX_LEAKY_RELU, MASK_ACTIVATIONS, get_activation
-from .pack import _check_bits, pack, unpack
+from jaxmem._prims.bitpack import pack, unpack
+from jaxmem._prims.checks import check_bits
+from jaxmem._prims.codes import bin_codes
+from jaxmem._prims.mask import (  # the exact 1-bit ops, re-exported
+    MASKED,
+    check_floating,
+    hard_tanh,
+    leaky_relu,
+    mask_op,
+    named,
+    relu,
+    relu6,
+)
+
+from .activations import get_activation
 from .tables import load_table
 
 __all__ = [
@@ -56,18 +71,6 @@ __all__ = [
     "tanh",
 ]
 
-_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
-
-
-def _check_input(x, name: str):
-    x = jnp.asarray(x)
-    if not any(x.dtype == d for d in _FLOATS):
-        raise TypeError(
-            f"few-bit {name}: x must be float32, bfloat16 or float16 (float64 under x64), "
-            f"got dtype {x.dtype}"
-        )
-    return x
-
 
 def _backward(dy, c, levels: np.ndarray):
     lv = jnp.asarray(levels, dtype=jnp.float32)
@@ -77,28 +80,17 @@ def _backward(dy, c, levels: np.ndarray):
 
 @functools.cache
 def _build(fn: Callable, name: str, bits: int, borders: tuple, levels: tuple,
-           symmetric: bool, predicate: Callable | None) -> Callable:
+           symmetric: bool) -> Callable:
     """The custom_vjp op for one (f, table); cached so repeated calls share one function."""
     b32 = np.asarray(borders, dtype=np.float32)
     l32 = np.asarray(levels, dtype=np.float32)
-
-    def code(x):
-        if predicate is not None:
-            return predicate(x).astype(jnp.uint8)
-        xf = x.astype(jnp.float32)
-        if symmetric:
-            xf = jnp.abs(xf)
-        c = jnp.zeros(x.shape, jnp.uint8)
-        for v in b32:
-            c = c + (xf >= v).astype(jnp.uint8)
-        return c
 
     @jax.custom_vjp
     def op(x):
         return fn(x)
 
     def fwd(x):
-        return fn(x), pack(code(x), bits)
+        return fn(x), pack(bin_codes(x, b32, symmetric=symmetric), bits)
 
     def bwd(res, dy):
         c = unpack(res, bits, dy.shape)
@@ -106,9 +98,8 @@ def _build(fn: Callable, name: str, bits: int, borders: tuple, levels: tuple,
 
     op.defvjp(fwd, bwd)
 
-    def apply(x):
-        x = _check_input(x, name)
-        return op(x)
+    def apply(x: jax.Array) -> jax.Array:
+        return op(check_floating(f"few-bit {name}", x))
 
     apply.__name__ = f"fewbit_{name}_{bits}bit"
     apply.__doc__ = f"few-bit {name} ({bits}-bit backward): exact forward, dy * levels[code(x)]."
@@ -140,8 +131,9 @@ def _table_array(values, name: str, n: int, bits: int) -> tuple:
     return tuple(float(v) for v in a)
 
 
-def fewbit_op(fn: Callable, borders: Sequence[float], levels: Sequence[float], bits: int, *,
-              symmetric: bool = False, name: str = "activation") -> Callable:
+def fewbit_op(fn: Callable[[jax.Array], jax.Array], borders: Sequence[float],
+              levels: Sequence[float], bits: int, *, symmetric: bool = False,
+              name: str = "activation") -> Callable[[jax.Array], jax.Array]:
     """Few-bit version of elementwise ``fn`` with the given table.
 
     ``borders``: ``2**bits - 1`` finite values, non-decreasing in float32 (equal borders
@@ -150,7 +142,7 @@ def fewbit_op(fn: Callable, borders: Sequence[float], levels: Sequence[float], b
     """
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
-    bits = _check_bits(bits)
+    bits = check_bits(bits)
     borders = _table_array(borders, "borders", 2**bits - 1, bits)
     levels = _table_array(levels, "levels", 2**bits, bits)
     b32 = np.asarray(borders, dtype=np.float32)
@@ -160,41 +152,25 @@ def fewbit_op(fn: Callable, borders: Sequence[float], levels: Sequence[float], b
             f"borders must be sorted ascending (in float32); borders[{i}] = {borders[i]!r} > "
             f"borders[{i + 1}] = {borders[i + 1]!r}"
         )
-    return _build(fn, name, bits, borders, levels, bool(symmetric), None)
+    return _build(fn, name, bits, borders, levels, bool(symmetric))
 
 
-def _check_level(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a Python float, got {v!r}")
-    v = float(v)
-    if not np.isfinite(np.float32(v)):
-        raise ValueError(f"{name} must be finite in float32, got {v!r}")
-    return v
+def activation(name: str, bits: int = 3) -> Callable[[jax.Array], jax.Array]:
+    """The few-bit op of a registered activation with its shipped table.
 
-
-def mask_op(fn: Callable, predicate: Callable, low: float, high: float, *,
-            name: str = "mask") -> Callable:
-    """Exact 1-bit op for ``f`` with ``f'(x) = high if predicate(x) else low``."""
-    if not callable(fn) or not callable(predicate):
-        raise TypeError("mask_op: fn and predicate must be callables")
-    return _build(fn, name, 1, (), (_check_level(low, "low"), _check_level(high, "high")),
-                  False, predicate)
-
-
-def activation(name: str, bits: int = 3) -> Callable:
-    """The few-bit op of a registered activation with its shipped table."""
-    bits = _check_bits(bits)
-    if name in MASK_ACTIVATIONS:
-        fn, pred, lo, hi = MASK_ACTIVATIONS[name]
-        return mask_op(fn, pred, lo, hi, name=name)
+    ``relu``, ``relu6`` and ``hard_tanh`` are exact at any ``bits`` (their 1-bit mask op).
+    """
+    bits = check_bits(bits)
+    if name in MASKED:
+        return named(name)
     act = get_activation(name)
     t = load_table(name, bits)
-    return _build(act.fn, name, bits, t.borders, t.levels, t.symmetric, None)
+    return _build(act.fn, name, bits, t.borders, t.levels, t.symmetric)
 
 
 # ---------------------------------------------------------------- named activations
 
-def gelu(x, bits: int = 3, approximate: bool = False):
+def gelu(x: jax.Array, bits: int = 3, approximate: bool = False) -> jax.Array:
     """GELU, exact forward (erf form, or tanh form if ``approximate``), few-bit backward.
 
     Note: ``approximate=False`` is the default here (``jax.nn.gelu`` defaults to True).
@@ -202,131 +178,65 @@ def gelu(x, bits: int = 3, approximate: bool = False):
     return activation("gelu_tanh" if approximate else "gelu", bits)(x)
 
 
-def silu(x, bits: int = 3):
-    """SiLU/Swish ``x * sigmoid(x)`` with a few-bit backward."""
+def silu(x: jax.Array, bits: int = 3) -> jax.Array:
+    """SiLU ``x * sigmoid(x)`` with a few-bit backward (alias :func:`swish`)."""
     return activation("silu", bits)(x)
 
 
+#: alias of :func:`silu` (``jax.nn.swish``'s name)
 swish = silu
 
 
-def sigmoid(x, bits: int = 3):
+def sigmoid(x: jax.Array, bits: int = 3) -> jax.Array:
     """Sigmoid with a few-bit backward (symmetric table: code of ``|x|``)."""
     return activation("sigmoid", bits)(x)
 
 
-def tanh(x, bits: int = 3):
+def tanh(x: jax.Array, bits: int = 3) -> jax.Array:
     """Tanh with a few-bit backward (symmetric table: code of ``|x|``)."""
     return activation("tanh", bits)(x)
 
 
-def selu(x, bits: int = 3):
+def selu(x: jax.Array, bits: int = 3) -> jax.Array:
     """SELU with a few-bit backward."""
     return activation("selu", bits)(x)
 
 
-def softplus(x, bits: int = 3):
+def softplus(x: jax.Array, bits: int = 3) -> jax.Array:
     """Softplus ``log(1 + e^x)`` with a few-bit backward."""
     return activation("softplus", bits)(x)
 
 
-def elu(x, bits: int = 3):
+def elu(x: jax.Array, bits: int = 3) -> jax.Array:
     """ELU (alpha = 1) with a few-bit backward."""
     return activation("elu", bits)(x)
 
 
-def celu(x, bits: int = 3):
+def celu(x: jax.Array, bits: int = 3) -> jax.Array:
     """CELU (alpha = 1) with a few-bit backward."""
     return activation("celu", bits)(x)
 
 
-def mish(x, bits: int = 3):
+def mish(x: jax.Array, bits: int = 3) -> jax.Array:
     """Mish ``x * tanh(softplus(x))`` with a few-bit backward."""
     return activation("mish", bits)(x)
 
 
-def softsign(x, bits: int = 3):
-    """Softsign ``x / (1 + |x|)`` with a few-bit backward (symmetric table)."""
+def softsign(x: jax.Array, bits: int = 3) -> jax.Array:
+    """Softsign ``x / (1 + |x|)`` with a few-bit backward (symmetric table; alias
+    :func:`soft_sign`)."""
     return activation("softsign", bits)(x)
 
 
+#: alias of :func:`softsign` (``jax.nn.soft_sign``'s name)
 soft_sign = softsign
 
 
-def log_sigmoid(x, bits: int = 3):
+def log_sigmoid(x: jax.Array, bits: int = 3) -> jax.Array:
     """``log(sigmoid(x))`` with a few-bit backward."""
     return activation("log_sigmoid", bits)(x)
 
 
-def hard_swish(x, bits: int = 3):
+def hard_swish(x: jax.Array, bits: int = 3) -> jax.Array:
     """Hard-Swish ``x * relu6(x + 3) / 6`` with a few-bit backward."""
     return activation("hard_swish", bits)(x)
-
-
-def relu(x):
-    """ReLU, exact gradient from a packed 1-bit mask ``x > 0``."""
-    return activation("relu")(x)
-
-
-def relu6(x):
-    """ReLU6, exact gradient from a packed 1-bit mask ``0 < x < 6``."""
-    return activation("relu6")(x)
-
-
-def hard_tanh(x):
-    """Hard-tanh, exact gradient from a packed 1-bit mask ``-1 <= x <= 1``."""
-    return activation("hard_tanh")(x)
-
-
-@functools.cache
-def _leaky(slope: float) -> Callable:
-    return mask_op(lambda x: _JAX_LEAKY_RELU(x, slope), lambda x: x >= 0, slope, 1.0,
-                   name=f"leaky_relu_{slope}")
-
-
-@jax.custom_vjp
-def _split_sign(x):
-    """``(where(x >= 0, x, 0), where(x >= 0, 0, x))``; the VJP keeps a 1-bit packed mask."""
-    m = x >= 0
-    zero = jnp.zeros((), x.dtype)
-    return jnp.where(m, x, zero), jnp.where(m, zero, x)
-
-
-def _split_sign_fwd(x):
-    return _split_sign(x), pack((x >= 0).astype(jnp.uint8), 1)
-
-
-def _split_sign_bwd(res, g):
-    dpos, dneg = g
-    m = unpack(res, 1, dpos.shape) > 0
-    return (jnp.where(m, dpos, dneg),)
-
-
-_split_sign.defvjp(_split_sign_fwd, _split_sign_bwd)
-
-
-def leaky_relu(x, negative_slope: float = 0.01):
-    """Leaky ReLU ``where(x >= 0, x, slope * x)``; exact gradient from a 1-bit mask ``x >= 0``.
-
-    ``negative_slope``: a Python/NumPy float (one cached op), or a JAX array (traced under
-    jit/vmap/grad, scalar or broadcastable to ``x``, cast to ``x.dtype``).  With an array slope
-    ``y = pos(x) + slope * neg(x)`` where ``(pos, neg)`` split ``x`` by sign and keep only the
-    packed mask: ``dx = dy * where(x >= 0, 1, slope)`` and ``dslope = Σ dy * neg(x)`` (to
-    differentiate the slope autodiff keeps ``neg(x)``; otherwise only the mask and the slope).
-    """
-    if isinstance(negative_slope, bool):
-        raise TypeError(f"leaky_relu: negative_slope must be a float, got {negative_slope!r}")
-    if isinstance(negative_slope, (int, float, np.integer, np.floating)):
-        return _leaky(_check_level(negative_slope, "negative_slope"))(x)
-    s = jnp.asarray(negative_slope)
-    if not (jnp.issubdtype(s.dtype, jnp.floating) or jnp.issubdtype(s.dtype, jnp.integer)):
-        raise TypeError(f"leaky_relu: negative_slope must be real, got dtype {s.dtype}")
-    x = _check_input(x, "leaky_relu")
-    try:
-        if jnp.broadcast_shapes(s.shape, x.shape) != x.shape:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"leaky_relu: negative_slope of shape {s.shape} does not broadcast to "
-                         f"x of shape {x.shape}") from None
-    pos, neg = _split_sign(x)
-    return pos + s.astype(x.dtype) * neg

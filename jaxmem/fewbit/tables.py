@@ -18,6 +18,8 @@ from importlib import resources
 
 import numpy as np
 
+from jaxmem._prims.checks import check_bits
+
 __all__ = ["Table", "load_table", "table_document", "table_names"]
 
 
@@ -42,12 +44,6 @@ class Table:
         return np.asarray(self.levels, dtype=np.float32)
 
 
-def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 4:
-        raise ValueError(f"bits must be an integer in 1..4, got {bits!r}")
-    return int(bits)
-
-
 def table_names() -> list[str]:
     """Names of the shipped tables."""
     root = resources.files("jaxmem.fewbit") / "tables"
@@ -67,7 +63,7 @@ def table_document(name: str) -> dict:
 @functools.cache
 def load_table(name: str, bits: int) -> Table:
     """The shipped table of ``name`` at ``bits`` bits per element."""
-    bits = _check_bits(bits)
+    bits = check_bits(bits)
     doc = table_document(name)
     entry = doc["bits"][str(bits)]
     return Table(

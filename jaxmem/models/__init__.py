@@ -13,26 +13,25 @@ Models (see each docstring for the exact layout):
 * :class:`ResNet` / :func:`resnet18` / :func:`resnet50` -- BasicBlock / Bottleneck, BatchNorm.
 * :class:`GPT` / :class:`GPTConfig` -- GPT-2-style decoder with a tied LM head.
 * :class:`ViT` / :class:`ViTConfig` / :func:`vit_tiny` -- ViT encoder.
-* :class:`BatchNorm` -- BatchNorm with torch's running-variance rule (unbiased).
+* :class:`TorchBatchNorm` -- BatchNorm with torch's running-variance rule (unbiased).
 * ``jaxmem.models.nnx`` -- Flax NNX versions of ConvChain and MLP.
 """
-from .batchnorm import BatchNorm
+from .batchnorm import TorchBatchNorm
 from .convchain import ConvChain, conv_chain
 from .gpt import GPT, GPTConfig, gpt
-from .mlp import ACTIVATIONS, MLP
+from .mlp import MLP, MLP_ACTIVATIONS
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet34, resnet50, resnet101
 from .transformer import Block, MLPBlock, SelfAttention
 from .vgg import VGG, VGG_CFGS, VGGFeatures, vgg, vgg11, vgg16, vgg_features
 from .vit import ViT, ViTConfig, vit_tiny
 
 __all__ = [
-    "ACTIVATIONS",
     "GPT",
     "MLP",
+    "MLP_ACTIVATIONS",
     "VGG",
     "VGG_CFGS",
     "BasicBlock",
-    "BatchNorm",
     "Block",
     "Bottleneck",
     "ConvChain",
@@ -40,6 +39,7 @@ __all__ = [
     "MLPBlock",
     "ResNet",
     "SelfAttention",
+    "TorchBatchNorm",
     "VGGFeatures",
     "ViT",
     "ViTConfig",

@@ -1,4 +1,4 @@
-"""BatchNorm whose statistics match ``torch.nn.BatchNorm2d`` exactly.
+"""TorchBatchNorm: a BatchNorm whose statistics match ``torch.nn.BatchNorm2d`` exactly.
 
 Forward (train mode), over every axis but the last (features) one, with ``n`` the number of
 elements reduced per feature::
@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 
-class BatchNorm(nn.Module):
+class TorchBatchNorm(nn.Module):
     """Torch-exact BatchNorm over the last axis (NHWC / NC inputs).
 
     Attributes:
@@ -45,7 +45,7 @@ class BatchNorm(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
         if not 0.0 <= self.momentum <= 1.0:
-            raise ValueError(f"BatchNorm: momentum must be in [0, 1] (flax convention), got {self.momentum}")
+            raise ValueError(f"TorchBatchNorm: momentum must be in [0, 1] (flax convention), got {self.momentum}")
         feat = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (feat,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (feat,), jnp.float32)
@@ -61,7 +61,7 @@ class BatchNorm(nn.Module):
                 n *= x.shape[a]
             if n <= 1:
                 raise ValueError(
-                    "BatchNorm: train=True needs more than 1 value per channel "
+                    "TorchBatchNorm: train=True needs more than 1 value per channel "
                     f"(input shape {x.shape}), as torch.nn.BatchNorm2d")
             mu = jnp.mean(xs, axis=axes)
             var = jnp.mean(jnp.square(xs - mu), axis=axes)

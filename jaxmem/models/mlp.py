@@ -11,7 +11,7 @@ from typing import Any
 
 import flax.linen as nn
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "none")
+MLP_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "none")
 
 
 def apply_activation(name: str, x):
@@ -33,7 +33,7 @@ def apply_activation(name: str, x):
         return nn.sigmoid(x)
     if name == "none":
         return x
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    raise ValueError(f"activation must be one of {MLP_ACTIVATIONS}, got {name!r}")
 
 
 class MLP(nn.Module):
@@ -41,7 +41,7 @@ class MLP(nn.Module):
 
     Attributes:
       features: output width of each Dense layer; the last entry is the output size.
-      activation: one of ``ACTIVATIONS`` ('relu' default; 'gelu' = erf GELU).
+      activation: one of ``MLP_ACTIVATIONS`` ('relu' default; 'gelu' = erf GELU).
       use_bias: Dense biases.
       dtype: computation dtype.
 
@@ -57,8 +57,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         if len(self.features) == 0:
             raise ValueError("MLP: features must name at least one layer width")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"MLP: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"MLP: activation must be one of {MLP_ACTIVATIONS}, got {self.activation!r}")
         n = len(self.features)
         for i, f in enumerate(self.features):
             x = nn.Dense(int(f), use_bias=self.use_bias, dtype=self.dtype, name=f"dense_{i}")(x)
@@ -67,4 +67,4 @@ class MLP(nn.Module):
         return x
 
 
-__all__ = ["ACTIVATIONS", "MLP", "apply_activation"]
+__all__ = ["MLP", "MLP_ACTIVATIONS", "apply_activation"]

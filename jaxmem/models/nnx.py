@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .convchain import chain_kernel_init
-from .mlp import ACTIVATIONS
+from .mlp import MLP_ACTIVATIONS
 
 
 class ConvChainNNX(nnx.Module):
@@ -64,7 +64,7 @@ def _act(name: str, x):
         return nnx.sigmoid(x)
     if name == "none":
         return x
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    raise ValueError(f"activation must be one of {MLP_ACTIVATIONS}, got {name!r}")
 
 
 class MLPNNX(nnx.Module):
@@ -75,8 +75,8 @@ class MLPNNX(nnx.Module):
                  rngs: nnx.Rngs):
         if len(features) == 0:
             raise ValueError("MLPNNX: features must name at least one layer width")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"MLPNNX: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"MLPNNX: activation must be one of {MLP_ACTIVATIONS}, got {activation!r}")
         self.n, self.activation = len(features), activation
         d = in_features
         for i, f in enumerate(features):

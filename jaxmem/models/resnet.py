@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ._common import check_channels, scaled
-from .batchnorm import BatchNorm
+from .batchnorm import TorchBatchNorm
 
 BLOCKS = ("basic", "bottleneck")
 STEMS = ("imagenet", "cifar")
@@ -48,13 +48,13 @@ class BasicBlock(nn.Module):
     def __call__(self, x, train: bool = False):
         identity = x
         out = _conv(self.planes, 3, self.stride, 1, self.dtype, "conv1")(x)
-        out = BatchNorm(dtype=self.dtype, name="bn1")(out, train)
+        out = TorchBatchNorm(dtype=self.dtype, name="bn1")(out, train)
         out = nn.relu(out)
         out = _conv(self.planes, 3, 1, 1, self.dtype, "conv2")(out)
-        out = BatchNorm(dtype=self.dtype, name="bn2")(out, train)
+        out = TorchBatchNorm(dtype=self.dtype, name="bn2")(out, train)
         if self.downsample:
             identity = _conv(self.planes, 1, self.stride, 0, self.dtype, "downsample_conv")(x)
-            identity = BatchNorm(dtype=self.dtype, name="downsample_bn")(identity, train)
+            identity = TorchBatchNorm(dtype=self.dtype, name="downsample_bn")(identity, train)
         return nn.relu(out + identity)
 
 
@@ -72,16 +72,16 @@ class Bottleneck(nn.Module):
     def __call__(self, x, train: bool = False):
         identity = x
         out = _conv(self.planes, 1, 1, 0, self.dtype, "conv1")(x)
-        out = BatchNorm(dtype=self.dtype, name="bn1")(out, train)
+        out = TorchBatchNorm(dtype=self.dtype, name="bn1")(out, train)
         out = nn.relu(out)
         out = _conv(self.planes, 3, self.stride, 1, self.dtype, "conv2")(out)
-        out = BatchNorm(dtype=self.dtype, name="bn2")(out, train)
+        out = TorchBatchNorm(dtype=self.dtype, name="bn2")(out, train)
         out = nn.relu(out)
         out = _conv(self.planes * 4, 1, 1, 0, self.dtype, "conv3")(out)
-        out = BatchNorm(dtype=self.dtype, name="bn3")(out, train)
+        out = TorchBatchNorm(dtype=self.dtype, name="bn3")(out, train)
         if self.downsample:
             identity = _conv(self.planes * 4, 1, self.stride, 0, self.dtype, "downsample_conv")(x)
-            identity = BatchNorm(dtype=self.dtype, name="downsample_bn")(identity, train)
+            identity = TorchBatchNorm(dtype=self.dtype, name="downsample_bn")(identity, train)
         return nn.relu(out + identity)
 
 
@@ -121,7 +121,7 @@ class ResNet(nn.Module):
             x = _conv(c0, 7, 2, 3, self.dtype, "conv1")(x)
         else:
             x = _conv(c0, 3, 1, 1, self.dtype, "conv1")(x)
-        x = BatchNorm(dtype=self.dtype, name="bn1")(x, train)
+        x = TorchBatchNorm(dtype=self.dtype, name="bn1")(x, train)
         x = nn.relu(x)
         if self.stem == "imagenet":
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))

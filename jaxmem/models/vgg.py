@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ._common import scaled
-from .batchnorm import BatchNorm
+from .batchnorm import TorchBatchNorm
 
 VGG_CFGS: dict[str, tuple] = {
     "vgg11": (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
@@ -60,7 +60,7 @@ class VGGFeatures(nn.Module):
             x = nn.Conv(scaled(item, self.width), (3, 3), padding=((1, 1), (1, 1)),
                         use_bias=True, dtype=self.dtype, name=f"conv_{i}")(x)
             if self.batch_norm:
-                x = BatchNorm(dtype=self.dtype, name=f"bn_{i}")(x, train)
+                x = TorchBatchNorm(dtype=self.dtype, name=f"bn_{i}")(x, train)
             x = nn.relu(x)
             i += 1
         return x
@@ -72,7 +72,7 @@ class VGG(nn.Module):
     Attributes:
       cfg: trunk layout (ints and ``'M'``), e.g. ``VGG_CFGS['vgg16']``.
       width: channel multiplier for the trunk and the hidden head layers.
-      batch_norm: BatchNorm (torch-exact, :class:`BatchNorm`) after every conv.
+      batch_norm: :class:`TorchBatchNorm` (torch-exact BatchNorm) after every conv.
       num_classes: output size.
       hidden: widths of the hidden head layers before scaling by ``width`` (default (512,)).
       dtype: computation dtype.

@@ -35,9 +35,9 @@ def _conv_from(features, kernel_size, strides, padding, dilation, use_bias, grou
                   dilation if dilation is not None else 1, padding, use_bias, groups)
 
 
-def to_rowconv(module) -> Any:
+def to_rowconv(module: Any) -> L.Layer:
     """A rowconv layer for one Linen/NNX module, activation function or rowconv layer."""
-    if isinstance(module, L.LAYER_TYPES):
+    if isinstance(module, L._LAYER_TYPES):
         return module
     if isinstance(module, nn.Conv):
         return _conv_from(module.features, module.kernel_size, module.strides, module.padding,
@@ -69,7 +69,7 @@ class RowSequential(nn.Module):
     rows_bp: Any = None
 
     @nn.compact
-    def __call__(self, x, rng=None):
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         check_input(x)
         rl = [to_rowconv(m) for m in self.layers]
         shape = x.shape
@@ -103,7 +103,7 @@ class RowVGGFeatures(nn.Module):
     checkpoints_at_pools: bool = True
 
     @nn.compact
-    def __call__(self, x, train: bool = False):
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         check_input(x)
         rl = vgg_layers(self.cfg, self.width, self.checkpoints_at_pools)
         shape = x.shape
@@ -132,11 +132,12 @@ class RowVGGFeatures(nn.Module):
 class NNXRowSequential(nnx.Module):
     """NNX: row-tiled sequence of ``nnx.Conv`` modules, activations and rowconv layers."""
 
-    def __init__(self, *layers, rows=1, mode="overlap", rows_bp=None):
+    def __init__(self, *layers: Any, rows: int | Sequence[int] = 1, mode: str = "overlap",
+                 rows_bp: int | Sequence[int] | None = None):
         self.layers = nnx.List(list(layers)) if hasattr(nnx, "List") else list(layers)
         self.rows, self.mode, self.rows_bp = rows, mode, rows_bp
 
-    def __call__(self, x, rng=None):
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         rl, params = [], []
         for m in self.layers:
             layer = to_rowconv(m)
@@ -146,7 +147,7 @@ class NNXRowSequential(nnx.Module):
                 if m.use_bias:
                     p["bias"] = m.bias[...]
                 params.append(p)
-            elif isinstance(layer, L.LAYER_TYPES) and not isinstance(layer, L.Act):
+            elif isinstance(layer, L._LAYER_TYPES) and not isinstance(layer, L.Act):
                 raise TypeError("NNXRowSequential: parametrised rowconv layers need NNX "
                                 "modules; use nnx.Conv (or RowSequential for Linen)")
             else:

@@ -31,14 +31,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
-from .layers import Checkpoint, Residual, RowMap, check_layer
+from jaxmem._prims.tree import walk
+
+from .layers import Checkpoint, Layer, Residual, Shape, _check_layer, _RowMap
+
+__all__ = ["HaloReport", "halos"]  # the rest is rowconv's internal geometry
 
 # ----------------------------------------------------------------------------- static geometry
 
 
-def check_shape(shape, name: str = "input_shape") -> tuple:
+def check_shape(shape: Sequence[int], name: str = "input_shape") -> Shape:
     """An NHWC shape as a tuple of 4 ints (batch >= 0, height/width/channels >= 1)."""
     try:
         t = tuple(shape)
@@ -54,13 +59,13 @@ def check_shape(shape, name: str = "input_shape") -> tuple:
 
 
 @dataclasses.dataclass
-class Geom:
+class _Geom:
     """Static geometry of one layer on a given input shape."""
 
     layer: Any
     in_shape: tuple
     out_shape: tuple
-    rowmap: RowMap | None = None  # None for Residual
+    rowmap: _RowMap | None = None  # None for Residual
     pad_w: tuple = (0, 0)
     branch: list | None = None
     shortcut: list | None = None  # None: identity
@@ -72,12 +77,13 @@ class Geom:
         return rm is not None and (rm.keff > 1 or rm.stride > 1 or rm.lo or rm.hi)
 
 
-def geometry(layers, input_shape, path=(), start=0) -> list[Geom]:
+def geometry(layers: Sequence[Layer], input_shape: Sequence[int], path: tuple = (),
+             start: int = 0) -> list[_Geom]:
     """Per-layer static geometry (shapes, row maps); Checkpoint markers are not allowed."""
     out = []
     shape = check_shape(input_shape) if not path else tuple(input_shape)
     for i, layer in enumerate(layers, start):
-        check_layer(layer, f"layers[{i}]")
+        _check_layer(layer, f"layers[{i}]")
         if isinstance(layer, Checkpoint):
             raise ValueError("Checkpoint markers are handled by tiled.split_segments")
         if isinstance(layer, Residual):
@@ -87,16 +93,16 @@ def geometry(layers, input_shape, path=(), start=0) -> list[Geom]:
             so = shape if not s else s[-1].out_shape
             if bo != so:
                 raise ValueError(f"layers[{i}] Residual: branch output {bo} != shortcut {so}")
-            out.append(Geom(layer, shape, bo, None, (0, 0), b, s, path + (i,)))
+            out.append(_Geom(layer, shape, bo, None, (0, 0), b, s, path + (i,)))
             shape = bo
         else:
             rm, pad_w, oshape = layer.geometry(shape)
-            out.append(Geom(layer, shape, oshape, rm, pad_w, path=path + (i,)))
+            out.append(_Geom(layer, shape, oshape, rm, pad_w, path=path + (i,)))
             shape = oshape
     return out
 
 
-def total_stride(geoms) -> int:
+def total_stride(geoms: Sequence[_Geom]) -> int:
     s = 1
     for g in geoms:
         if g.rowmap is not None:
@@ -110,7 +116,7 @@ def total_stride(geoms) -> int:
 
 
 @dataclasses.dataclass
-class Iv:
+class _Iv:
     """Rows ``[S*o + c, S*o + c + L)`` of some map, for the tile starting at output row o."""
 
     S: int
@@ -122,25 +128,25 @@ class Iv:
 
 
 @dataclasses.dataclass
-class OvNode:
-    geom: Geom
-    iv_in: Iv
-    iv_out: Iv
+class _OvNode:
+    geom: _Geom
+    iv_in: _Iv
+    iv_out: _Iv
     branch: list | None = None
     shortcut: list | None = None
     off_b: int = 0
     off_s: int = 0
 
 
-def _need(geoms, iv_out: Iv):
+def _need(geoms, iv_out: _Iv):
     """Backward pass: per-layer plan nodes and the interval the sequence needs."""
     nodes = []
     iv = iv_out
     for g in reversed(geoms):
         if g.rowmap is not None:
             rm = g.rowmap
-            iv_in = Iv(iv.S * rm.stride, iv.c * rm.stride - rm.lo, (iv.L - 1) * rm.stride + rm.keff)
-            nodes.append(OvNode(g, iv_in, iv))
+            iv_in = _Iv(iv.S * rm.stride, iv.c * rm.stride - rm.lo, (iv.L - 1) * rm.stride + rm.keff)
+            nodes.append(_OvNode(g, iv_in, iv))
         else:
             bn, ivb = _need(g.branch, iv)
             if g.shortcut is None:
@@ -150,19 +156,19 @@ def _need(geoms, iv_out: Iv):
             assert ivb.S == ivs.S
             c0 = min(ivb.c, ivs.c)
             end = max(ivb.c + ivb.L, ivs.c + ivs.L)
-            iv_in = Iv(ivb.S, c0, end - c0)
-            nodes.append(OvNode(g, iv_in, iv, bn, sn, ivb.c - c0, ivs.c - c0))
+            iv_in = _Iv(ivb.S, c0, end - c0)
+            nodes.append(_OvNode(g, iv_in, iv, bn, sn, ivb.c - c0, ivs.c - c0))
         iv = iv_in
     nodes.reverse()
     return nodes, iv
 
 
-def overlap_plan(geoms, tile_rows: int):
+def overlap_plan(geoms: Sequence[_Geom], tile_rows: int) -> tuple[list[_OvNode], _Iv]:
     """(nodes, input interval) for tiles of ``tile_rows`` output rows."""
-    return _need(geoms, Iv(1, 0, tile_rows))
+    return _need(geoms, _Iv(1, 0, tile_rows))
 
 
-def overlap_starts(h_out: int, rows: int):
+def overlap_starts(h_out: int, rows: int) -> tuple[int, list[int]]:
     """Tile size T and the start row of each of the ``rows`` tiles (last one shifted up)."""
     T = -(-h_out // rows)
     n = -(-h_out // T)
@@ -173,8 +179,8 @@ def overlap_starts(h_out: int, rows: int):
 
 
 @dataclasses.dataclass
-class ShNode:
-    geom: Geom
+class _ShNode:
+    geom: _Geom
     e_in: int  # input stream offset
     T_in: int
     c_out: int  # output stream offset
@@ -203,12 +209,12 @@ def _stream(geoms, e: int, T_in: int, slots: list):
                 c = min(0, math.floor((e + rm.lo + rm.stride - rm.keff) / rm.stride))
                 h = e - c * rm.stride + rm.lo
                 win = (T_out - 1) * rm.stride + rm.keff
-                node = ShNode(g, e, T_in, c, T_out, max(h, 0), max(-h, 0), win)
+                node = _ShNode(g, e, T_in, c, T_out, max(h, 0), max(-h, 0), win)
                 if node.carry > 0:
                     node.slot = len(slots)
                     slots.append(("rows", g.in_shape, node.carry))
             else:
-                node = ShNode(g, e, T_in, e, T_out)
+                node = _ShNode(g, e, T_in, e, T_out)
             nodes.append(node)
             e, T_in = node.c_out, T_out
         else:
@@ -218,7 +224,7 @@ def _stream(geoms, e: int, T_in: int, slots: list):
             else:
                 sn, cs, Ts = _stream(g.shortcut, e, T_in, slots)
             cm = min(cb, cs)
-            node = ShNode(g, e, T_in, cm, Tb, branch=bn, shortcut=sn,
+            node = _ShNode(g, e, T_in, cm, Tb, branch=bn, shortcut=sn,
                           delay_b=cb - cm, delay_s=cs - cm)
             if node.delay_b:
                 node.slot_b = len(slots)
@@ -231,7 +237,8 @@ def _stream(geoms, e: int, T_in: int, slots: list):
     return nodes, e, T_in
 
 
-def share_plan(geoms, rows: int):
+def share_plan(geoms: Sequence[_Geom], rows: int
+               ) -> tuple[list[_ShNode], list, int, int, int, int]:
     """(nodes, carry slots, T_out, n_tiles, e_out, T_in) for ``rows`` tiles in share mode."""
     S = total_stride(geoms)
     probe_slots: list = []
@@ -276,26 +283,26 @@ class HaloReport:
     max_rows: int
 
 
-def receptive_field(geoms) -> int:
+def receptive_field(geoms: Sequence[_Geom]) -> int:
     _, iv = overlap_plan(geoms, 1)
     return iv.L
 
 
-def max_rows(geoms, mode: str = "overlap") -> int:
+def _max_rows(geoms, mode: str = "overlap") -> int:
     """Largest row count whose input tile is at least as tall as its halo."""
     h_out = geoms[-1].out_shape[1]
     lo, hi = 1, h_out  # the check is monotone in n: bisect
     while lo < hi:
         mid = (lo + hi + 1) // 2
         try:
-            check_rows(geoms, mid, mode)
+            _check_rows(geoms, mid, mode)
             lo = mid
         except ValueError:
             hi = mid - 1
     return lo
 
 
-def as_rows(v, name: str = "rows") -> int:
+def as_rows(v: Any, name: str = "rows") -> int:
     """``v`` as a Python int >= 1 (NumPy integers accepted); TypeError for bools, floats and
     anything else, ValueError below 1."""
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
@@ -306,7 +313,7 @@ def as_rows(v, name: str = "rows") -> int:
     return int(v)
 
 
-def check_rows(geoms, rows: int, mode: str):
+def _check_rows(geoms, rows: int, mode: str):
     h_out = geoms[-1].out_shape[1]
     rows = as_rows(rows)
     if rows > h_out:
@@ -331,7 +338,7 @@ def check_rows(geoms, rows: int, mode: str):
                 "stack into segments with rowconv.Checkpoint()")
     elif mode == "share":
         nodes, slots, T, n, e_out, T_in = share_plan(geoms, rows)
-        for nd in _walk_share(nodes):
+        for nd in walk(nodes):
             if nd.carry > nd.T_in:
                 raise ValueError(
                     f"rows={rows}: a layer carries {nd.carry} boundary rows but its tile has only "
@@ -341,22 +348,14 @@ def check_rows(geoms, rows: int, mode: str):
         raise ValueError(f"mode must be 'overlap' or 'share', got {mode!r}")
 
 
-def _walk_share(nodes):
-    for nd in nodes:
-        yield nd
-        if nd.branch is not None:
-            yield from _walk_share(nd.branch)
-            if nd.shortcut:
-                yield from _walk_share(nd.shortcut)
-
-
-def halos(layers, input_shape, rows: int, mode: str = "overlap") -> HaloReport:
+def halos(layers: Sequence[Layer], input_shape: Sequence[int], rows: int,
+          mode: str = "overlap") -> HaloReport:
     """Per-tile row ranges of a (checkpoint-free) layer stack; see the module docstring."""
     rows = as_rows(rows)
     geoms = geometry(layers, input_shape)
     if not geoms:
         raise ValueError("layers is empty")
-    check_rows(geoms, rows, mode)
+    _check_rows(geoms, rows, mode)
     H = geoms[0].in_shape[1]
     h_out = geoms[-1].out_shape[1]
     rf = receptive_field(geoms)
@@ -382,4 +381,4 @@ def halos(layers, input_shape, rows: int, mode: str = "overlap") -> HaloReport:
                 layer_rows.append([(i * nd.T_in + nd.e_in, (i + 1) * nd.T_in + nd.e_in)
                                    for i in range(n)])
             halo.append(nd.carry)
-    return HaloReport(mode, rows, T, inp, layer_rows, halo, rf, max_rows(geoms, mode))
+    return HaloReport(mode, rows, T, inp, layer_rows, halo, rf, _max_rows(geoms, mode))

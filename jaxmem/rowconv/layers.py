@@ -19,16 +19,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .ops import conv2d
+from .ops import _conv2d
 
 Padding = Any  # "SAME" | "VALID" | int | ((lo, hi), (lo, hi)) | (int, int)
+Shape = tuple[int, ...]  # NHWC
+Params = dict[str, Any]  # one layer's parameters (arrays by name)
+
+__all__ = ["Act", "Affine", "BatchNorm", "Checkpoint", "Conv", "Dropout", "Layer", "Pool",
+           "Residual", "RowLayer", "apply_layers", "init_layers", "output_shape"]
 
 
 def _pair(v, name: str) -> tuple[int, int]:
@@ -45,7 +50,7 @@ def _pair(v, name: str) -> tuple[int, int]:
     return t
 
 
-def resolve_padding(padding: Padding, in_hw, keff_hw, strides, name="padding"):
+def _resolve_padding(padding: Padding, in_hw, keff_hw, strides, name="padding"):
     """((lo_h, hi_h), (lo_w, hi_w)) for an op with effective window ``keff_hw``."""
     if isinstance(padding, str):
         p = padding.upper()
@@ -80,7 +85,7 @@ def resolve_padding(padding: Padding, in_hw, keff_hw, strides, name="padding"):
 
 
 @dataclasses.dataclass(frozen=True)
-class RowMap:
+class _RowMap:
     """How a layer maps rows along H: out row j needs in rows [j*s - lo, j*s - lo + keff)."""
 
     keff: int
@@ -105,13 +110,13 @@ class Conv:
     use_bias: bool = True
     feature_group_count: int = 1
 
-    def geometry(self, in_shape):
+    def geometry(self, in_shape: Shape) -> tuple[_RowMap, tuple[int, int], Shape]:
         B, H, W, C = in_shape
         kh, kw = _pair(self.kernel_size, "Conv.kernel_size")
         sh, sw = _pair(self.strides, "Conv.strides")
         dh, dw = _pair(self.kernel_dilation, "Conv.kernel_dilation")
         keff = (dh * (kh - 1) + 1, dw * (kw - 1) + 1)
-        pads = resolve_padding(self.padding, (H, W), keff, (sh, sw), "Conv.padding")
+        pads = _resolve_padding(self.padding, (H, W), keff, (sh, sw), "Conv.padding")
         Ho = (H + pads[0][0] + pads[0][1] - keff[0]) // sh + 1
         Wo = (W + pads[1][0] + pads[1][1] - keff[1]) // sw + 1
         if Ho < 1 or Wo < 1:
@@ -121,10 +126,10 @@ class Conv:
             raise ValueError(
                 f"Conv.feature_group_count={self.feature_group_count} must divide the input "
                 f"channels ({C}) and features ({self.features})")
-        rm = RowMap(keff[0], sh, pads[0][0], pads[0][1], 0.0)
+        rm = _RowMap(keff[0], sh, pads[0][0], pads[0][1], 0.0)
         return rm, pads[1], (B, Ho, Wo, self.features)
 
-    def init(self, key, in_shape, dtype=jnp.float32):
+    def init(self, key: jax.Array, in_shape: Shape, dtype: Any = jnp.float32) -> Params:
         kh, kw = _pair(self.kernel_size, "Conv.kernel_size")
         cin = in_shape[-1] // self.feature_group_count
         fan_in = kh * kw * cin
@@ -135,11 +140,12 @@ class Conv:
             p["bias"] = jnp.zeros((self.features,), dtype)
         return p
 
-    def apply_window(self, p, x, pad_h, pad_w):
+    def apply_window(self, p: Params, x: jax.Array, pad_h: tuple[int, int],
+                     pad_w: tuple[int, int]) -> jax.Array:
         """Convolution with padding (pad_h, pad_w); pad_h=(0,0) on a tile window."""
         sh, sw = _pair(self.strides, "Conv.strides")
         dh, dw = _pair(self.kernel_dilation, "Conv.kernel_dilation")
-        y = conv2d(x, p["kernel"].astype(x.dtype), (sh, sw), (tuple(pad_h), tuple(pad_w)),
+        y = _conv2d(x, p["kernel"].astype(x.dtype), (sh, sw), (tuple(pad_h), tuple(pad_w)),
                    (dh, dw), self.feature_group_count)
         if self.use_bias:
             y = y + p["bias"].astype(y.dtype)
@@ -159,28 +165,29 @@ class Pool:
         if self.kind not in ("max", "avg"):
             raise ValueError(f"Pool.kind must be 'max' or 'avg', got {self.kind!r}")
 
-    def geometry(self, in_shape):
+    def geometry(self, in_shape: Shape) -> tuple[_RowMap, tuple[int, int], Shape]:
         B, H, W, C = in_shape
         wh, ww = _pair(self.window, "Pool.window")
         sh, sw = _pair(self.strides if self.strides is not None else self.window, "Pool.strides")
-        pads = resolve_padding(self.padding, (H, W), (wh, ww), (sh, sw), "Pool.padding")
+        pads = _resolve_padding(self.padding, (H, W), (wh, ww), (sh, sw), "Pool.padding")
         Ho = (H + sum(pads[0]) - wh) // sh + 1
         Wo = (W + sum(pads[1]) - ww) // sw + 1
         if Ho < 1 or Wo < 1:
             raise ValueError(f"Pool{wh, ww} on input {in_shape} (NHWC: height {H}, width {W}) "
                              "gives an empty output")
         pv = -jnp.inf if self.kind == "max" else 0.0
-        return RowMap(wh, sh, pads[0][0], pads[0][1], pv), pads[1], (B, Ho, Wo, C)
+        return _RowMap(wh, sh, pads[0][0], pads[0][1], pv), pads[1], (B, Ho, Wo, C)
 
-    def init(self, key, in_shape, dtype=jnp.float32):
+    def init(self, key: jax.Array, in_shape: Shape, dtype: Any = jnp.float32) -> Params:
         return {}
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         """Untiled pooling (so a Pool also works inside ``nn.Sequential``)."""
         rm, pad_w, _ = self.geometry(x.shape)
         return self.apply_window({}, x, (rm.lo, rm.hi), pad_w)
 
-    def apply_window(self, p, x, pad_h, pad_w):
+    def apply_window(self, p: Params, x: jax.Array, pad_h: tuple[int, int],
+                     pad_w: tuple[int, int]) -> jax.Array:
         wh, ww = _pair(self.window, "Pool.window")
         sh, sw = _pair(self.strides if self.strides is not None else self.window, "Pool.strides")
         pads = ((0, 0), tuple(pad_h), tuple(pad_w), (0, 0))
@@ -193,10 +200,10 @@ class Pool:
 
 
 class _Pointwise:
-    def geometry(self, in_shape):
-        return RowMap(1, 1, 0, 0, 0.0), (0, 0), tuple(in_shape)
+    def geometry(self, in_shape: Shape) -> tuple[_RowMap, tuple[int, int], Shape]:
+        return _RowMap(1, 1, 0, 0, 0.0), (0, 0), tuple(in_shape)
 
-    def init(self, key, in_shape, dtype=jnp.float32):
+    def init(self, key: jax.Array, in_shape: Shape, dtype: Any = jnp.float32) -> Params:
         return {}
 
 
@@ -267,7 +274,8 @@ class Act(_Pointwise):
         if not self.elementwise:
             _require_elementwise(self.fn)
 
-    def apply_window(self, p, x, pad_h=None, pad_w=None):
+    def apply_window(self, p: Params, x: jax.Array, pad_h: tuple[int, int] | None = None,
+                     pad_w: tuple[int, int] | None = None) -> jax.Array:
         return self.fn(x)
 
 
@@ -277,11 +285,12 @@ class Affine(_Pointwise):
 
     features: int
 
-    def init(self, key, in_shape, dtype=jnp.float32):
+    def init(self, key: jax.Array, in_shape: Shape, dtype: Any = jnp.float32) -> Params:
         return {"scale": jnp.ones((self.features,), dtype),
                 "bias": jnp.zeros((self.features,), dtype)}
 
-    def apply_window(self, p, x, pad_h=None, pad_w=None):
+    def apply_window(self, p: Params, x: jax.Array, pad_h: tuple[int, int] | None = None,
+                     pad_w: tuple[int, int] | None = None) -> jax.Array:
         return x * p["scale"].astype(x.dtype) + p["bias"].astype(x.dtype)
 
 
@@ -299,12 +308,13 @@ class BatchNorm(_Pointwise):
     use_running_average: bool = True
     epsilon: float = 1e-5
 
-    def init(self, key, in_shape, dtype=jnp.float32):
+    def init(self, key: jax.Array, in_shape: Shape, dtype: Any = jnp.float32) -> Params:
         f = (self.features,)
         return {"scale": jnp.ones(f, dtype), "bias": jnp.zeros(f, dtype),
                 "mean": jnp.zeros(f, dtype), "var": jnp.ones(f, dtype)}
 
-    def apply_window(self, p, x, pad_h=None, pad_w=None):
+    def apply_window(self, p: Params, x: jax.Array, pad_h: tuple[int, int] | None = None,
+                     pad_w: tuple[int, int] | None = None) -> jax.Array:
         if not self.use_running_average:
             # Whole-batch statistics (used by the untiled path only).
             axes = (0, 1, 2)
@@ -331,7 +341,7 @@ class Dropout(_Pointwise):
         if not 0.0 <= self.rate < 1.0:
             raise ValueError(f"Dropout.rate must be in [0, 1), got {self.rate}")
 
-    def apply_rows(self, x, key, row0):
+    def apply_rows(self, x: jax.Array, key: jax.Array | None, row0: Any) -> jax.Array:
         """Dropout on rows [row0, row0 + x.shape[1]) of the full map."""
         if self.deterministic or self.rate == 0.0:
             return x
@@ -364,11 +374,34 @@ class Checkpoint:
     layers before and after it are row-tiled separately."""
 
 
-LAYER_TYPES = (Conv, Pool, Act, Affine, BatchNorm, Dropout, Residual, Checkpoint)
+@runtime_checkable
+class RowLayer(Protocol):
+    """What a row-tileable layer implements (``Conv``, ``Pool``, ``Act``, ``Affine``,
+    ``BatchNorm``, ``Dropout``); ``Residual`` and ``Checkpoint`` are structure, not layers.
+
+    * ``geometry(in_shape) -> (row_map, pad_w, out_shape)``: output row ``j`` needs input rows
+      ``[j*s - lo, j*s - lo + k_eff)`` (the row map's ``stride``, ``lo``, ``keff``; pointwise
+      layers have ``k_eff = s = 1, lo = 0``), ``pad_w`` the padding along W;
+    * ``init(key, in_shape, dtype) -> params``;
+    * ``apply_window(params, x, pad_h, pad_w) -> y``: the layer on a window of input rows
+      with VALID padding along H (``pad_h = (0, 0)``) or on the whole map with its own
+      padding. ``Dropout`` instead has ``apply_rows(x, key, row0)``: its mask depends on
+      the global row index, so a tile needs ``row0``.
+    """
+
+    def geometry(self, in_shape: Shape) -> tuple[Any, tuple[int, int], Shape]: ...
+
+    def init(self, key: jax.Array, in_shape: Shape, dtype: Any = jnp.float32) -> Params: ...
 
 
-def check_layer(layer, where="layers"):
-    if not isinstance(layer, LAYER_TYPES):
+#: a layer list entry: a row layer, a ``Residual`` block or a ``Checkpoint`` marker
+Layer = RowLayer | Residual | Checkpoint
+
+_LAYER_TYPES = (Conv, Pool, Act, Affine, BatchNorm, Dropout, Residual, Checkpoint)
+
+
+def _check_layer(layer, where="layers"):
+    if not isinstance(layer, _LAYER_TYPES):
         raise TypeError(
             f"{where}: unsupported layer {layer!r}; rowconv tiles only "
             "Conv, Pool, Act, Affine, BatchNorm(use_running_average=True), Dropout, Residual "
@@ -379,12 +412,13 @@ def check_layer(layer, where="layers"):
 # ----------------------------------------------------------------------------- init / untiled
 
 
-def init_layers(layers, key, input_shape, dtype=jnp.float32):
+def init_layers(layers: Sequence[Layer], key: jax.Array, input_shape: Sequence[int],
+                dtype: Any = jnp.float32) -> tuple[list[Any], Shape]:
     """Parameters (a list aligned with ``layers``) and the output shape."""
     params = []
     shape = tuple(input_shape)
     for i, layer in enumerate(layers):
-        check_layer(layer, f"layers[{i}]")
+        _check_layer(layer, f"layers[{i}]")
         k = jax.random.fold_in(key, i)
         if isinstance(layer, Residual):
             pb, sb = init_layers(layer.branch, jax.random.fold_in(k, 0), shape, dtype)
@@ -422,7 +456,8 @@ def _param_shapes(layer, in_shape) -> dict | None:
     return None
 
 
-def check_params(layers, params, input_shape, where="layers"):
+def check_params(layers: Sequence[Layer], params: Any, input_shape: Sequence[int],
+                 where: str = "layers") -> None:
     """ValueError/TypeError naming the layer unless ``params`` fit ``layers`` on NHWC
     ``input_shape`` (every entry present, no unused entry, every shape right)."""
     shape = tuple(input_shape)
@@ -432,7 +467,7 @@ def check_params(layers, params, input_shape, where="layers"):
                          f"({len(layers)}), got {n}; use rowconv.init(layers, key, input_shape)")
     for i, (layer, p) in enumerate(zip(layers, params)):
         w = f"{where}[{i}] ({type(layer).__name__})"
-        check_layer(layer, f"{where}[{i}]")
+        _check_layer(layer, f"{where}[{i}]")
         if isinstance(layer, Checkpoint):
             continue
         if isinstance(layer, Residual):
@@ -480,10 +515,10 @@ def check_params(layers, params, input_shape, where="layers"):
         shape = layer.geometry(shape)[2]
 
 
-def output_shape(layers, input_shape):
+def output_shape(layers: Sequence[Layer], input_shape: Sequence[int]) -> Shape:
     shape = tuple(input_shape)
     for i, layer in enumerate(layers):
-        check_layer(layer, f"layers[{i}]")
+        _check_layer(layer, f"layers[{i}]")
         if isinstance(layer, Residual):
             shape = output_shape(layer.branch, shape)
         elif not isinstance(layer, Checkpoint):
@@ -491,7 +526,8 @@ def output_shape(layers, input_shape):
     return shape
 
 
-def apply_layers(layers, params, x, rng=None, _path=(), start=0):
+def apply_layers(layers: Sequence[Layer], params: Sequence[Any], x: jax.Array,
+                 rng: jax.Array | None = None, _path: tuple = (), start: int = 0) -> jax.Array:
     """The plain untiled stack (reference semantics of every tiled mode).
 
     ``start``: index of ``layers[0]`` in the full list (dropout keys follow the full index).
@@ -506,14 +542,14 @@ def apply_layers(layers, params, x, rng=None, _path=(), start=0):
         elif isinstance(layer, Checkpoint):
             continue
         elif isinstance(layer, Dropout):
-            x = layer.apply_rows(x, layer_key(rng, path), 0)
+            x = layer.apply_rows(x, _layer_key(rng, path), 0)
         else:
             rm, pad_w, _ = layer.geometry(x.shape)
             x = layer.apply_window(p, x, (rm.lo, rm.hi), pad_w)
     return x
 
 
-def layer_key(rng, path):
+def _layer_key(rng, path):
     if rng is None:
         return None
     k = rng

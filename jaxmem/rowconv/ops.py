@@ -25,18 +25,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DN = ("NHWC", "HWIO", "NHWC")
+__all__: list[str] = []  # internal to rowconv: its layers call _conv2d
+
+_DN = ("NHWC", "HWIO", "NHWC")
 
 
 def _conv(x, k, strides, pads, dil, groups, lhs_dil=(1, 1), batch_groups=1):
     return lax.conv_general_dilated(
         x, k, tuple(strides), tuple(tuple(p) for p in pads), lhs_dilation=tuple(lhs_dil),
-        rhs_dilation=tuple(dil), dimension_numbers=DN, feature_group_count=groups,
+        rhs_dilation=tuple(dil), dimension_numbers=_DN, feature_group_count=groups,
         batch_group_count=batch_groups)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def conv2d(x, k, strides, pads, dil, groups):
+def _conv2d(x, k, strides, pads, dil, groups):
     """``lax.conv_general_dilated`` (NHWC, HWIO) with a loop-friendly backward."""
     return _conv(x, k, strides, pads, dil, groups)
 
@@ -66,9 +68,9 @@ def _bwd(strides, pads, dil, groups, res, g):
                 - n[a] + 1) for a in range(2)]
     dk = lax.conv_general_dilated(
         lhs, rhs, tuple(dil), [tuple(p) for p in pads_dk], rhs_dilation=tuple(strides),
-        dimension_numbers=DN, batch_group_count=G)  # (cin_g, kh, kw, O)
+        dimension_numbers=_DN, batch_group_count=G)  # (cin_g, kh, kw, O)
     dk = jnp.transpose(dk, (1, 2, 0, 3)).astype(k.dtype)
     return dx.astype(x.dtype), dk
 
 
-conv2d.defvjp(_fwd, _bwd)
+_conv2d.defvjp(_fwd, _bwd)

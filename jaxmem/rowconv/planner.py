@@ -19,16 +19,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jaxmem._prims.tree import walk
+
 from . import halo as H
+from .layers import Layer
 from .tiled import MODES, split_segments
 
 
 @dataclasses.dataclass
-class Plan:
+class TilePlan:
+    """Result of :func:`plan`: the tiling mode and row counts chosen for a budget.
+
+    ``rows``/``rows_bp`` hold the forward/backward tile counts per segment (segments are cut
+    at ``Checkpoint`` markers); ``compiled_bytes`` is None unless ``verify=True`` compiled it.
+    """
+
     mode: str
     rows: list  # N_fp per segment
     rows_bp: list  # N_bp per segment
@@ -38,20 +48,12 @@ class Plan:
     fits: bool
 
 
-def _walk(nodes):
-    for nd in nodes:
-        yield nd
-        if nd.branch is not None:
-            yield from _walk(nd.branch)
-            if nd.shortcut:
-                yield from _walk(nd.shortcut)
-
-
 def _row_bytes(shape, itemsize):
     return shape[0] * shape[2] * shape[3] * itemsize
 
 
-def estimate(layers, input_shape, mode, rows, itemsize=4):
+def estimate(layers: Sequence[Layer], input_shape: Sequence[int], mode: str,
+             rows: int | Sequence[int], itemsize: int = 4) -> tuple[int, float]:
     """(estimated bytes, recompute fraction) of a train step for per-segment ``rows``."""
     from .tiled import _per_segment
     if not isinstance(mode, str) or mode not in MODES:
@@ -66,40 +68,32 @@ def estimate(layers, input_shape, mode, rows, itemsize=4):
         out = geoms[-1].out_shape
         total_fixed += math.prod(out) * itemsize
         n = rows[s]
-        full = sum(math.prod(nd.in_shape) * itemsize for nd in _walk_geoms(geoms))
-        base += sum(g.in_shape[1] for g in _walk_geoms(geoms))
+        full = sum(math.prod(nd.in_shape) * itemsize for nd in walk(geoms))
+        base += sum(g.in_shape[1] for g in walk(geoms))
         if n == 1:
             peak_tile = max(peak_tile, full)
         elif mode == "overlap":
             T, starts = H.overlap_starts(out[1], n)
             nodes, _ = H.overlap_plan(geoms, T)
-            tile = sum(nd.iv_in.L * _row_bytes(nd.geom.in_shape, itemsize) for nd in _walk(nodes))
+            tile = sum(nd.iv_in.L * _row_bytes(nd.geom.in_shape, itemsize) for nd in walk(nodes))
             peak_tile = max(peak_tile, tile)
-            extra += sum(len(starts) * nd.iv_in.L - nd.geom.in_shape[1] for nd in _walk(nodes))
+            extra += sum(len(starts) * nd.iv_in.L - nd.geom.in_shape[1] for nd in walk(nodes))
         else:
             nodes, slots, T, nt, e_out, T_in = H.share_plan(geoms, n)
             tile = sum((nd.win or nd.T_in) * _row_bytes(nd.geom.in_shape, itemsize)
-                       for nd in _walk(nodes))
+                       for nd in walk(nodes))
             carry = sum(h * _row_bytes(sh, itemsize) for _, sh, h in slots) * nt
             peak_tile = max(peak_tile, tile + carry)
-            extra += sum(nt * nd.T_in - nd.geom.in_shape[1] for nd in _walk(nodes))
+            extra += sum(nt * nd.T_in - nd.geom.in_shape[1] for nd in walk(nodes))
         shape = out
     # x2.5: the kept layer inputs plus activation residuals and live cotangents, a factor
     # calibrated on the VGG trunk against compiled bytes (plan() verifies by compiling)
     return int(total_fixed + 2.5 * peak_tile), extra / max(1, base)
 
 
-def _walk_geoms(geoms):
-    for g in geoms:
-        yield g
-        if g.branch is not None:
-            yield from _walk_geoms(g.branch)
-            if g.shortcut:
-                yield from _walk_geoms(g.shortcut)
-
-
-def plan(layers, input_shape, budget_bytes: int, modes=MODES, max_rows: int = 64,
-         verify: bool = True, params_bytes: int | None = None) -> Plan:
+def plan(layers: Sequence[Layer], input_shape: Sequence[int], budget_bytes: int,
+         modes: str | Sequence[str] = MODES, max_rows: int = 64,
+         verify: bool = True, params_bytes: int | None = None) -> TilePlan:
     """Pick mode and rows (per segment) whose train step fits ``budget_bytes``.
 
     Raises ValueError (naming the smallest reachable size) if nothing fits.
@@ -139,7 +133,7 @@ def plan(layers, input_shape, budget_bytes: int, modes=MODES, max_rows: int = 64
         cb = _compiled(layers, input_shape, m, rows) if verify else None
         size = cb if cb is not None else est
         if size <= budget_bytes:
-            return Plan(m, rows, rows, est, cb, rec, True)
+            return TilePlan(m, rows, rows, est, cb, rec, True)
     raise ValueError(
         f"no mode/rows up to max_rows={max_rows} fits budget_bytes={budget_bytes} "
         f"(smallest estimate {best_est} bytes); add rowconv.Checkpoint() markers, raise "

@@ -34,13 +34,16 @@ from .layers import (
     BatchNorm,
     Checkpoint,
     Dropout,
+    Layer,
     Pool,
     Residual,
+    _check_layer,
+    _layer_key,
     apply_layers,
-    check_layer,
     check_params,
-    layer_key,
 )
+
+__all__ = ["MODES", "apply", "segment_rows", "split_segments"]
 
 MODES = ("overlap", "share")
 
@@ -92,11 +95,11 @@ def _is_zero(g):
     return isinstance(g, SymbolicZero)
 
 
-def _layer_rows(g: H.Geom, p, x, row0, rng):
+def _layer_rows(g: H._Geom, p, x, row0, rng):
     """Apply a non-residual layer to a window whose first row is global row ``row0``."""
     layer = g.layer
     if isinstance(layer, Dropout):
-        return layer.apply_rows(x, layer_key(rng, g.path), row0)
+        return layer.apply_rows(x, _layer_key(rng, g.path), row0)
     if g.spatial:
         rm = g.rowmap
         x = _mask_rows(x, row0, g.in_shape[1], rm.pad_value)
@@ -330,9 +333,9 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
 # ----------------------------------------------------------------------------- public
 
 
-def check_tileable(layers, where="layers"):
+def check_tileable(layers: Sequence[Layer], where: str = "layers") -> None:
     for i, layer in enumerate(layers):
-        check_layer(layer, f"{where}[{i}]")
+        _check_layer(layer, f"{where}[{i}]")
         if isinstance(layer, BatchNorm) and not layer.use_running_average:
             raise ValueError(
                 f"{where}[{i}] is BatchNorm(use_running_average=False): train-mode BatchNorm "
@@ -349,7 +352,7 @@ def check_tileable(layers, where="layers"):
                 check_tileable(layer.shortcut, f"{where}[{i}].shortcut")
 
 
-def split_segments(layers):
+def split_segments(layers: Sequence[Layer]) -> list[tuple[int, int]]:
     """[(start, stop)] index ranges of the segments between Checkpoint markers."""
     segs, start = [], 0
     for i, layer in enumerate(layers):
@@ -378,7 +381,7 @@ def _per_segment(v, n, name, allow_none=False):
     return [H.as_rows(v, name)] * n
 
 
-def check_input(x, name: str = "x"):
+def check_input(x: Any, name: str = "x") -> None:
     """TypeError/ValueError unless ``x`` is a floating NHWC array."""
     shape = getattr(x, "shape", None)
     if shape is None or not hasattr(x, "dtype"):
@@ -392,8 +395,10 @@ def check_input(x, name: str = "x"):
                         f"{name}.astype(jnp.float32)")
 
 
-def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
-          rows_bp=None, rng=None, unroll: int = 1):
+def apply(layers: Sequence[Layer], params: Sequence[Any], x: jax.Array,
+          rows: int | Sequence[int] = 1, mode: str = "overlap", *,
+          rows_bp: int | Sequence[int] | None = None, rng: jax.Array | None = None,
+          unroll: int = 1) -> jax.Array:
     """Run ``layers`` on ``x`` (NHWC) tile by tile; exact outputs and gradients.
 
     Args:
@@ -430,21 +435,22 @@ def apply(layers: Sequence[Any], params, x, rows=1, mode: str = "overlap", *,
         seg_layers, seg_params = layers[a:b], params[a:b]
         if nf == 1 and nb == 1:
             for i, layer in enumerate(seg_layers):
-                check_layer(layer, f"layers[{a + i}]")
+                _check_layer(layer, f"layers[{a + i}]")
             x = apply_layers(seg_layers, seg_params, x, rng, start=a)
             continue
         check_tileable(seg_layers, "layers")
         geoms = H.geometry(seg_layers, x.shape, start=a)
-        H.check_rows(geoms, nf, mode)
-        H.check_rows(geoms, nb, mode)
+        H._check_rows(geoms, nf, mode)
+        H._check_rows(geoms, nb, mode)
         fn = _overlap_segment if mode == "overlap" else _share_segment
         x = fn(geoms, seg_params, x, rng, nf, nb, unroll)
     return x
 
 
-def segment_rows(layers, input_shape, rows: int, mode: str = "overlap"):
+def segment_rows(layers: Sequence[Layer], input_shape: Sequence[int], rows: int,
+                 mode: str = "overlap") -> list[int]:
     """Per-segment row counts: ``rows`` clipped to what each segment allows (its output
-    rows and its halo, see ``halo.max_rows``); segments are cut by Checkpoint markers."""
+    rows and its halo, see ``halo._max_rows``); segments are cut by Checkpoint markers."""
     rows = H.as_rows(rows)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -453,6 +459,6 @@ def segment_rows(layers, input_shape, rows: int, mode: str = "overlap"):
     out = []
     for a, b in split_segments(layers):
         geoms = H.geometry(layers[a:b], shape, start=a)
-        out.append(max(1, min(rows, H.max_rows(geoms, mode))))
+        out.append(max(1, min(rows, H._max_rows(geoms, mode))))
         shape = geoms[-1].out_shape
     return out

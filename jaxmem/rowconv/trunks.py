@@ -1,15 +1,18 @@
 """Ready-made rowconv layer stacks: the VGG and ResNet-50 conv trunks (CPU-scalable width).
 
 ``vgg_layers`` mirrors ``jaxmem.models.VGGFeatures`` (3x3 convs, padding 1, bias, ReLU,
-2x2/2 max pools) and ``vgg_params_from_flax`` maps its Flax parameters ``conv_i`` onto the
-rowconv parameter list unchanged. ``resnet50_layers`` is a bottleneck ResNet-50 trunk with
+2x2/2 max pools). ``resnet50_layers`` is a bottleneck ResNet-50 trunk with
 *frozen* BatchNorm (eval statistics, the only kind that can be row-tiled exactly).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 
-from .layers import Act, BatchNorm, Checkpoint, Conv, Pool, Residual
+from .layers import Act, BatchNorm, Checkpoint, Conv, Layer, Pool, Residual
+
+__all__ = ["VGG16", "resnet50_layers", "vgg_layers"]
 
 VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
          512, 512, 512, "M")
@@ -19,7 +22,8 @@ def _scaled(c, width):
     return max(1, int(round(c * width)))
 
 
-def vgg_layers(cfg=VGG16, width: float = 1.0, checkpoints_at_pools: bool = False):
+def vgg_layers(cfg: Sequence[int | str] = VGG16, width: float = 1.0,
+               checkpoints_at_pools: bool = False) -> list[Layer]:
     """rowconv layers of a VGG trunk; optional Checkpoint after each pool (hybrid -H)."""
     layers = []
     for item in cfg:
@@ -35,19 +39,6 @@ def vgg_layers(cfg=VGG16, width: float = 1.0, checkpoints_at_pools: bool = False
     return layers
 
 
-def vgg_params_from_flax(layers, features_params):
-    """Map ``VGGFeatures`` params ({'conv_0': {'kernel','bias'}, ...}) onto ``layers``."""
-    out, i = [], 0
-    for layer in layers:
-        if isinstance(layer, Conv):
-            p = features_params[f"conv_{i}"]
-            out.append({"kernel": p["kernel"], "bias": p["bias"]})
-            i += 1
-        else:
-            out.append({})
-    return out
-
-
 def _bottleneck(width_out, mid, stride, project):
     branch = [Conv(mid, 1, use_bias=False), BatchNorm(mid), Act(jax.nn.relu),
               Conv(mid, 3, strides=stride, padding=((1, 1), (1, 1)), use_bias=False),
@@ -58,8 +49,8 @@ def _bottleneck(width_out, mid, stride, project):
     return [Residual(branch, shortcut), Act(jax.nn.relu)]
 
 
-def resnet50_layers(width: float = 1.0, stages=(3, 4, 6, 3), checkpoints_at_stages=False,
-                    stem=True):
+def resnet50_layers(width: float = 1.0, stages: Sequence[int] = (3, 4, 6, 3),
+                    checkpoints_at_stages: bool = False, stem: bool = True) -> list[Layer]:
     """ResNet-50 trunk (frozen BN): stem 7x7/2 + maxpool 3x3/2, then bottleneck stages."""
     layers = []
     c = _scaled(64, width)

@@ -42,6 +42,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .graph import Graph
 from .reach import Reach, edge_ranges, spans
@@ -315,6 +316,33 @@ def _chosen_step(solver, d: dict[int, object]) -> int:
     return next(t for t, x in d.items() if solver.Value(x))
 
 
+class _TimeIndexed:
+    """Stages of the time-indexed model (eq. 14): ``C``/``time``/``P`` variables, then
+    eq. 13 against ``peak``; the solution is read from ``C``."""
+
+    def __init__(self, m, graph: Graph, span, unit: int):
+        self.m, self.graph, self.unit = m, graph, unit
+        self.C = _add_step_vars(m, graph, span)
+        _add_one_node_per_step(m, self.C, len(graph.nodes))
+        self.tvar = _add_time_vars(m, self.C)
+        _add_precedences(m, graph, self.tvar)
+        self.P = _add_preserve_vars(m, graph, edge_ranges(graph, span), self.C)
+
+    def bound_memory(self, peak) -> None:
+        _add_resident_bytes(self.m, self.graph, self.C, self.P, self.unit, peak)
+
+    def add_hint(self, hint: list[str]) -> None:
+        _hint_time_indexed(self.m, self.graph, hint, self.C, self.P, self.tvar)
+
+    def solver_params(self) -> dict:
+        if len(self.m.Proto().variables) > _BIG_MODEL_VARS:
+            return {"cp_model_probing_level": 0, "symmetry_level": 0}
+        return {}
+
+    def steps(self, solver) -> dict[str, int]:
+        return {v: _chosen_step(solver, d) for v, d in self.C.items()}
+
+
 def solve_order(
     graph: Graph,
     hint: Sequence[str] | None = None,
@@ -325,40 +353,50 @@ def solve_order(
     lower_bound: int | None = None,
     relative_gap_limit: float = 0.0,
     reach: Reach | None = None,
+    formulation: str = "olla",
 ) -> OrderResult:
-    """Solve eq. 14 for ``graph``; ``hint`` is a topological order used as warm start.
+    """Minimise the peak of ``graph``'s node order; ``hint`` is a topological order used as
+    warm start.
 
-    ``time_limit``: finite seconds > 0 for the whole call (model building included; CP-SAT
-    gets at least 0.05 s). When CP-SAT finds no order in time (status ``UNKNOWN``) the
-    result is the fallback documented in :class:`OrderResult`: the hint (or Kahn's
-    topological order) with ``objective=None`` and the trivial bound — never an invalid order.
+    Both formulations share one frame: validate the arguments, scale sizes to units,
+    build the step constraints, add ``peak`` in ``[lo, hi]`` and its memory bound,
+    minimise ``peak``, warm-start from ``hint``, solve and read the result.
+
+    Args:
+      formulation: ``"olla"`` — eq. 14, the time-indexed model (module docstring);
+        ``"cumulative"`` — the compact model (:func:`solve_order_cumulative`).
+      time_limit: finite seconds > 0 for the whole call (model building included; CP-SAT
+        gets at least 0.05 s).
+      upper_bound, lower_bound: known bytes that bound the optimal peak (prune the domain).
+      relative_gap_limit: stop once ``(objective - bound) / objective`` is below it.
+
+    Returns:
+      An :class:`OrderResult`. When CP-SAT finds no order in time (status ``UNKNOWN``) it is
+      the fallback documented there: the hint (or Kahn's topological order) with
+      ``objective=None`` and the trivial bound — never an invalid order.
     """
     from ortools.sat.python import cp_model
 
+    if formulation not in _FORMULATIONS:
+        raise ValueError(f"formulation: must be one of {tuple(_FORMULATIONS)}, "
+                         f"got {formulation!r}")
     t0 = time.perf_counter()
     time_limit, hint, reach = _check_args(graph, hint, time_limit, reach)
     span = spans(graph, reach)
     sizes, unit = _scaled_sizes(graph)
     m = cp_model.CpModel()
-    C = _add_step_vars(m, graph, span)
-    _add_one_node_per_step(m, C, len(graph.nodes))
-    tvar = _add_time_vars(m, C)
-    _add_precedences(m, graph, tvar)
-    P = _add_preserve_vars(m, graph, edge_ranges(graph, span), C)
+    model = _FORMULATIONS[formulation](m, graph, span, unit)
     lo, hi = _objective_bounds(graph, sizes, unit, upper_bound, lower_bound)
     peak = m.NewIntVar(lo, hi, "peak")
-    _add_resident_bytes(m, graph, C, P, unit, peak)
+    model.bound_memory(peak)
     m.Minimize(peak)
     if hint is not None:
-        _hint_time_indexed(m, graph, hint, C, P, tvar)
+        model.add_hint(hint)
         _add_peak_hint(m, peak, graph, hint, unit, hi)
-    params = {}
-    if len(m.Proto().variables) > _BIG_MODEL_VARS:
-        params = {"cp_model_probing_level": 0, "symmetry_level": 0}
-    solver = _solver(time_limit, t0, num_workers, log, relative_gap_limit, **params)
+    solver = _solver(time_limit, t0, num_workers, log, relative_gap_limit,
+                     **model.solver_params())
     status = solver.Solve(m)
-    return _result(solver, status, m, graph, reach,
-                   lambda: {v: _chosen_step(solver, d) for v, d in C.items()},
+    return _result(solver, status, m, graph, reach, lambda: model.steps(solver),
                    unit, hint, upper_bound, relative_gap_limit, t0)
 
 
@@ -420,46 +458,44 @@ def _hint_cumulative(m, graph: Graph, hint: list[str], tv, intervals, ends) -> N
         m.AddHint(size, b - a + 1)
 
 
-def solve_order_cumulative(
-    graph: Graph,
-    hint: Sequence[str] | None = None,
-    time_limit: float = 10.0,
-    num_workers: int = 2,
-    upper_bound: int | None = None,
-    log: bool = False,
-    lower_bound: int | None = None,
-    relative_gap_limit: float = 0.0,
-    reach: Reach | None = None,
-) -> OrderResult:
+class _Compact:
+    """Stages of the compact model: one step variable per node, a ``NoOverlap`` of unit
+    intervals (one node per step), precedences; then a ``Cumulative`` of the tensor
+    intervals of capacity ``peak``; the solution is read from the step variables."""
+
+    def __init__(self, m, graph: Graph, span, unit: int):
+        self.m, self.graph, self.span, self.unit = m, graph, span, unit
+        self.tv = {v: m.NewIntVar(*span[v], f"t[{v}]") for v in graph.nodes}
+        m.AddNoOverlap([m.NewFixedSizeIntervalVar(x, 1, f"u[{v}]")
+                        for v, x in self.tv.items()])
+        _add_precedences(m, graph, self.tv)
+
+    def bound_memory(self, peak) -> None:
+        self.intervals, demands, self.ends = _add_tensor_intervals(
+            self.m, self.graph, self.span, self.tv, self.unit)
+        self.m.AddCumulative([iv for _, iv, _ in self.intervals], demands, peak)
+
+    def add_hint(self, hint: list[str]) -> None:
+        _hint_cumulative(self.m, self.graph, hint, self.tv, self.intervals, self.ends)
+
+    def solver_params(self) -> dict:
+        # the presolve rediscovers the permutation and fully encodes every step variable
+        # (|V| x span Booleans): keep the compact model
+        return {"cp_model_presolve": False}
+
+    def steps(self, solver) -> dict[str, int]:
+        return {v: solver.Value(x) for v, x in self.tv.items()}
+
+
+_FORMULATIONS = {"olla": _TimeIndexed, "cumulative": _Compact}
+
+
+def solve_order_cumulative(graph: Graph, hint: Sequence[str] | None = None,
+                           **options: Any) -> OrderResult:
     """The same problem as :func:`solve_order` in the compact scheduling form described in
     the module docstring (``NoOverlap`` of unit step intervals, precedences, one
     ``Cumulative`` of tensor intervals of capacity ``peak``). Its optimum equals eq. 14's;
     its size is ``O(|V| + |E|)`` instead of ``O(|E| * span)``, so it scales to thousands of
-    nodes. Arguments and fallback as in :func:`solve_order`.
+    nodes. ``solve_order(graph, hint, formulation="cumulative", **options)``.
     """
-    from ortools.sat.python import cp_model
-
-    t0 = time.perf_counter()
-    time_limit, hint, reach = _check_args(graph, hint, time_limit, reach)
-    span = spans(graph, reach)
-    sizes, unit = _scaled_sizes(graph)
-    m = cp_model.CpModel()
-    tv = {v: m.NewIntVar(*span[v], f"t[{v}]") for v in graph.nodes}
-    m.AddNoOverlap([m.NewFixedSizeIntervalVar(x, 1, f"u[{v}]") for v, x in tv.items()])
-    _add_precedences(m, graph, tv)
-    lo, hi = _objective_bounds(graph, sizes, unit, upper_bound, lower_bound)
-    peak = m.NewIntVar(lo, hi, "peak")
-    intervals, demands, ends = _add_tensor_intervals(m, graph, span, tv, unit)
-    m.AddCumulative([iv for _, iv, _ in intervals], demands, peak)
-    m.Minimize(peak)
-    if hint is not None:
-        _hint_cumulative(m, graph, hint, tv, intervals, ends)
-        _add_peak_hint(m, peak, graph, hint, unit, hi)
-    # the presolve rediscovers the permutation and fully encodes every step variable
-    # (|V| x span Booleans): keep the compact model
-    solver = _solver(time_limit, t0, num_workers, log, relative_gap_limit,
-                     cp_model_presolve=False)
-    status = solver.Solve(m)
-    return _result(solver, status, m, graph, reach,
-                   lambda: {v: solver.Value(x) for v, x in tv.items()},
-                   unit, hint, upper_bound, relative_gap_limit, t0)
+    return solve_order(graph, hint, formulation="cumulative", **options)

@@ -29,8 +29,18 @@ becomes a reader of the underlying buffer (its lifetime stretches accordingly), 
 executor evaluates a view inside the jitted call of its reader. A view that is itself a
 step output is kept as an ordinary (copying) node.
 
+Per-device programs: a ``jax.shard_map`` is inlined and its body's values keep their
+*per-device* shapes; the operands and results of the shard_map take the per-device shapes of
+the body (so ``trace(jax.jit(jax.shard_map(step, ...)), *global_args)`` is the graph of one
+device's step). Inside a shard_map body the collectives ``psum``, ``pmax``, ``pmin``,
+``all_gather``, ``psum_scatter`` (``reduce_scatter``), ``ppermute``, ``all_to_all`` and
+``axis_index`` are ordinary nodes whose output edge is the buffer they produce on one device
+(``pvary``, a type-level cast, is folded away). Such a graph can be planned
+(:func:`jaxmem.schedule.optimize`); running it needs the mesh, so it is not executed by
+:func:`jaxmem.schedule.execute`.
+
 Dead equations (no used outputs, no effects) are dropped, as XLA would. Equations with
-side effects and collective/mapped primitives (``pmap``, ``shard_map``, ...) raise
+side effects, callbacks and collectives outside a shard_map body raise
 :class:`UnsupportedPrimitiveError`: their ordering constraints are not modelled.
 """
 from __future__ import annotations
@@ -66,9 +76,15 @@ INLINE = {
     "remat2": "jaxpr",
 }
 CONTROL_FLOW = {"cond", "while", "scan"}
-UNSUPPORTED = {"xla_pmap", "pmap", "shard_map", "xla_call", "pure_callback", "io_callback",
-               "debug_callback", "psum", "all_gather", "ppermute", "all_to_all", "axis_index"}
+#: collectives modelled as ordinary nodes inside a shard_map body (refused elsewhere)
+COLLECTIVES = {"psum", "psum2", "psum_invariant", "pmax", "pmin", "all_gather",
+               "all_gather_invariant", "reduce_scatter", "ppermute", "all_to_all",
+               "axis_index"}
+UNSUPPORTED = {"xla_pmap", "pmap", "xla_call", "pure_callback", "io_callback",
+               "debug_callback"} | COLLECTIVES
 VIEWS = {"reshape", "squeeze", "expand_dims"}
+#: identities at the value level (they change only the varying-axes type): folded away
+IDENTITIES = {"pvary", "pcast", "pbroadcast"}
 
 
 @dataclasses.dataclass
@@ -114,6 +130,7 @@ class _Flattener:
         self.consts: dict[int, Any] = {}
         self.next_id = 0
         self.control_flow = control_flow
+        self.in_shard_map = 0
 
     def new(self, aval) -> int:
         i = self.next_id
@@ -135,15 +152,28 @@ class _Flattener:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             ins = [self.atom(env, a) for a in eqn.invars]
-            if name in UNSUPPORTED:
+            if name == "shard_map" and "jaxpr" in eqn.params:
+                outs = self.shard_map(eqn, ins)
+                for v, o in zip(eqn.outvars, outs):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = o
+                continue
+            if name in IDENTITIES and len(ins) == len(eqn.outvars):
+                for v, a in zip(eqn.outvars, ins):
+                    if not isinstance(v, jcore.DropVar):
+                        env[v] = a
+                continue
+            if name in UNSUPPORTED and not (self.in_shard_map and name in COLLECTIVES):
                 raise UnsupportedPrimitiveError(
                     f"trace: primitive {name!r} cannot be modelled by jaxmem.schedule "
-                    "(collectives, mapped or callback primitives have ordering/side effects "
-                    "that a dataflow graph does not capture)"
+                    "(mapped or callback primitives, and collectives outside a shard_map body, "
+                    "have ordering/side effects that a dataflow graph does not capture)"
                 )
-            if eqn.effects:
+            effects = {e for e in eqn.effects
+                       if not (self.in_shard_map and type(e).__name__ == "NamedAxisEffect")}
+            if effects:
                 raise UnsupportedPrimitiveError(
-                    f"trace: equation {name!r} has side effects {set(eqn.effects)}; "
+                    f"trace: equation {name!r} has side effects {effects}; "
                     "effects impose an order jaxmem.schedule does not model"
                 )
             sub = INLINE.get(name)
@@ -175,6 +205,23 @@ class _Flattener:
                     outs.append(env[v])
             self.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, eqn))
         return [self.atom(env, a) for a in jaxpr.outvars]
+
+    def shard_map(self, eqn, ins) -> list:
+        """Inline a shard_map body: operands and results take the body's per-device avals."""
+        inner = eqn.params["jaxpr"]
+        if isinstance(inner, jcore.ClosedJaxpr):
+            inner, inner_consts = inner.jaxpr, inner.consts
+        else:
+            inner_consts = []
+        for a, v in zip(ins, inner.invars):
+            if isinstance(a, int):
+                self.avals[a] = v.aval
+        self.in_shard_map += 1
+        try:
+            outs = self.run(inner, [self.const(c) for c in inner_consts], ins)
+        finally:
+            self.in_shard_map -= 1
+        return outs
 
     def const(self, value) -> int:
         aval = jcore.ShapedArray(np.shape(value), jax.numpy.result_type(value))

@@ -32,7 +32,7 @@ import numpy as np
 
 from .bounds import antichain_lower_bound, cut_lower_bound, structural_lower_bound
 from .graph import Graph, OutOfTime
-from .ilp import estimate_time_indexed_vars, solve_order, solve_order_cumulative
+from .ilp import estimate_time_indexed_vars, solve_order
 from .order import best_greedy_order, improve_order
 from .place import check_placement, place
 from .reach import Reach
@@ -242,11 +242,11 @@ def _ilp_stage(s: _Search, formulation: str, num_workers: int, log: bool,
     if formulation == "auto":
         small = estimate_time_indexed_vars(s.work, s.work_reach) <= 20000
         formulation = "olla" if small else "cumulative"
-    solver_fn = solve_order if formulation == "olla" else solve_order_cumulative
-    res = solver_fn(s.work, hint=s.order,
-                    time_limit=max(0.05, s.remaining() - 0.15 * s.order_limit),
-                    num_workers=num_workers, upper_bound=s.peak, lower_bound=s.lb, log=log,
-                    relative_gap_limit=s.gap_limit, reach=s.work_reach)
+    res = solve_order(s.work, hint=s.order,
+                      time_limit=max(0.05, s.remaining() - 0.15 * s.order_limit),
+                      num_workers=num_workers, upper_bound=s.peak, lower_bound=s.lb, log=log,
+                      relative_gap_limit=s.gap_limit, reach=s.work_reach,
+                      formulation=formulation)
     s.status, s.num_vars, s.formulation = res.status, res.num_vars, formulation
     if res.objective is not None:
         p = simulate(s.graph, res.order)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxmem.selective._core import check_float, is_zero, tag
 
@@ -49,8 +50,8 @@ def _dropout_bwd(keep, bshape, res, g):
 _dropout.defvjp(_dropout_fwd, _dropout_bwd, symbolic_zeros=True)
 
 
-def dropout(key, x, rate: float, *, deterministic: bool = False,
-            broadcast_dims: Sequence[int] = ()):
+def dropout(key: jax.Array, x: ArrayLike, rate: float, *, deterministic: bool = False,
+            broadcast_dims: Sequence[int] = ()) -> jax.Array:
     """Inverted dropout of ``x`` with drop probability ``rate`` (Flax ``nn.Dropout`` math).
 
     ``broadcast_dims``: axes along which the same mask is shared. With

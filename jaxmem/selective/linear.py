@@ -17,11 +17,11 @@ order -- equal up to f32 rounding) because XLA (CPU) otherwise runs it with a ru
 buffer ~10x the size of the result. A bias is added outside the custom rule: its gradient
 ``sum(g)`` needs nothing stored.
 
-Convolution weights are tied to the layer's input (forward) and cotangent (backward) with an
-exact ``+ 0`` (``_after``) so that XLA makes its flipped / re-laid-out kernel copies next to
-their use instead of all at the start of the step (measured on CPU: ResNet-18 Input case
-6.19 -> 2.57 MiB compiled). Dense layers are not tied: there the tie would add a weight-sized
-copy that XLA does not otherwise make.
+Convolution weights are tied to the layer's input (forward) and cotangent (backward) with
+``jaxmem._prims.ties.tie`` (exact, no communication under sharding) so that XLA makes its
+flipped / re-laid-out kernel copies next to their use instead of all at the start of the
+step (measured on CPU: ResNet-18 Input case 6.19 -> 2.57 MiB compiled). Dense layers are not
+tied: there the tie would add a weight-sized copy that XLA does not otherwise make.
 
 ``dot_general`` and ``conv_general_dilated`` have the exact signatures of their ``lax``
 namesakes, so they can be handed to ``flax.linen.Dense(dot_general=...)`` /
@@ -37,7 +37,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
+from jaxmem._prims.ties import tie, typed_struct, vary_like
 from jaxmem.selective._core import (
     as_int,
     check_float,
@@ -46,10 +48,8 @@ from jaxmem.selective._core import (
     perturbed,
     positive_int,
     recipe,
-    struct,
     tag,
     value,
-    zero_after,
 )
 
 __all__ = [
@@ -70,24 +70,24 @@ def _bilinear(fn, name, x_struct, w_struct, dx_fn, x, w):
 
 
 #: Layer kinds whose weight is made data-dependent on the layer input in the forward pass
-#: and on the cotangent in the backward pass (see ``_after``).
+#: and on the cotangent in the backward pass (see ``_late``).
 _LATE_FWD = {"conv"}
 _LATE_BWD = {"conv", "conv_transpose"}
 
 
-def _after(w, dep, on: bool):
-    """``w + 0`` where the ``0`` data-depends on ``dep`` (exact; see ``_core.zero_after``).
+def _late(w, dep, on: bool):
+    """``w``, made available only once ``dep`` is (``ties.tie``; exact, no communication).
 
     XLA (CPU) builds the re-laid-out / flipped weight copies that a convolution uses as soon
     as the weight is available, i.e. at the start of the step, and keeps all of them alive
     through the forward pass. Tying the weight to the activation that the layer consumes
     moves each copy next to its use, where it lives only while that layer runs."""
-    return w + zero_after(dep, w.dtype) if on else w
+    return tie(w, dep) if on else w
 
 
 def _bilinear_fwd(fn, name, x_struct, w_struct, dx_fn, x, w):
     del x_struct, w_struct, dx_fn
-    y = fn(x.value, _after(w.value, x.value, name in _LATE_FWD))
+    y = fn(x.value, _late(w.value, x.value, name in _LATE_FWD))
     # keep x only if dL/dW is requested, W only if dL/dx is requested.
     res_x = tag(x.value, name + ".input") if w.perturbed else None
     res_w = w.value if x.perturbed else None
@@ -100,11 +100,11 @@ def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
         return None, None
     dx = dw = None
     if res_w is not None:
-        # ``+ 0`` that depends on ``g``: the flipped / transposed copy of the weight that the
-        # input-gradient convolution uses can then only be made in the backward pass. Without
+        # tied to ``g``: the flipped / transposed copy of the weight that the input-gradient
+        # convolution uses can then only be made in the backward pass. Without
         # it XLA (CPU) builds every layer's copy at the start of the step and keeps them all
         # alive through the forward pass (measured: ResNet-18 Input case 6.19 -> 4.11 MiB).
-        w_late = _after(res_w, g, name in _LATE_BWD)
+        w_late = _late(res_w, g, name in _LATE_BWD)
         if dx_fn is not None:
             dx = dx_fn(g, w_late).astype(x_struct.dtype)
         else:
@@ -129,7 +129,7 @@ def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, x, w, rec):
     normalisation) keeps ``rec`` for its own backward: when it does (its input or scale is
     differentiated), keep ``rec`` -- the very same residuals, stored once -- instead of ``x``."""
     del x_struct, w_struct, dx_fn, rec_fn
-    y = fn(x.value, _after(w.value, x.value, name in _LATE_FWD))
+    y = fn(x.value, _late(w.value, x.value, name in _LATE_FWD))
     shared = w.perturbed and (perturbed(rec[0]) or perturbed(rec[3]))
     res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
     res_rec = tuple(value(p) for p in rec) if shared else None
@@ -142,9 +142,9 @@ def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, res, g):
     if is_zero(g):
         return None, None, None
     if res_rec is not None:
-        # ``+ 0`` tied to ``g`` (exact): the recomputation runs in the backward pass.
+        # tied to ``g``: the recomputation runs in the backward pass.
         xr, *rest = res_rec
-        res_x = rec_fn(xr + zero_after(g, xr.dtype), *rest)
+        res_x = rec_fn(tie(xr, g), *rest)
     dx, dw = _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, (res_x, res_w), g)
     return dx, dw, None
 
@@ -152,7 +152,8 @@ def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, res, g):
 _bilinear_rec.defvjp(_bilinear_rec_fwd, _bilinear_rec_bwd, symbolic_zeros=True)
 
 
-def bilinear(fn: Callable[[Any, Any], Any], x, w, *, name: str = "bilinear", _dx_fn=None):
+def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
+             name: str = "bilinear", _dx_fn: Callable | None = None) -> jax.Array:
     """Apply ``fn(x, w)``, bilinear in ``(x, w)``, storing only what requested grads need.
 
     ``fn`` must be linear in each argument separately (dense, convolution, einsum, ...).
@@ -165,15 +166,20 @@ def bilinear(fn: Callable[[Any, Any], Any], x, w, *, name: str = "bilinear", _dx
     layer stacked instead of two.
     """
     r = recipe(x)
+    # under ``shard_map``: give ``x`` and ``w`` the same varying axes (a replicated weight
+    # with a per-device batch), so the rule's cotangents have its arguments' types; the
+    # cast's transpose sums ``dW`` over those axes, as autodiff of ``fn`` itself does.
+    x, w = vary_like(x, w), vary_like(w, x)
+    xs, ws = typed_struct(x), typed_struct(w)
     if r is not None:
         rec_fn, rec = r
-        return _bilinear_rec(fn, name, struct(x), struct(w), _dx_fn, rec_fn, x, w, rec)
-    return _bilinear(fn, name, struct(x), struct(w), _dx_fn, x, w)
+        return _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, x, w, rec)
+    return _bilinear(fn, name, xs, ws, _dx_fn, x, w)
 
 
 # ----------------------------------------------------------------------- lax-compatible
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                **kwargs):
+def dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, precision: Any = None,
+                preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
     """Drop-in for ``lax.dot_general`` with differentiability-aware residuals."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     fn = functools.partial(
@@ -191,10 +197,12 @@ def _dot_general_fn(x, w, *, dimension_numbers, precision, preferred_element_typ
                            preferred_element_type=preferred_element_type, **dict(kwargs))
 
 
-def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
-                         rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
-                         batch_group_count=1, precision=None, preferred_element_type=None,
-                         **kwargs):
+def conv_general_dilated(lhs: ArrayLike, rhs: ArrayLike, window_strides: Sequence[int],
+                         padding: Any, lhs_dilation: Sequence[int] | None = None,
+                         rhs_dilation: Sequence[int] | None = None,
+                         dimension_numbers: Any = None, feature_group_count: int = 1,
+                         batch_group_count: int = 1, precision: Any = None,
+                         preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
     """Drop-in for ``lax.conv_general_dilated`` with differentiability-aware residuals.
 
     Extra keyword arguments (e.g. ``out_sharding``) are passed through to lax; ``None``
@@ -384,7 +392,8 @@ def _promote(x, w, b, name):
     return x, w, b
 
 
-def dense(x, w, b=None, *, precision=None):
+def dense(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None, *,
+          precision: Any = None) -> jax.Array:
     """``y = x @ w + b`` over the last axis of ``x``; ``w`` has shape ``(in, out)``.
 
     Stores ``x`` only if ``w`` is differentiated and ``w`` only if ``x`` is; ``b`` needs
@@ -412,9 +421,10 @@ def _conv_dn(nsp: int):
         (1,) * (nsp + 2), (1,) * (nsp + 2), ("N" + sp + "C", sp + "IO", "N" + sp + "C"))
 
 
-def conv(x, w, b=None, *, strides: int | Sequence[int] = 1, padding: Any = "SAME",
+def conv(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None, *,
+         strides: int | Sequence[int] = 1, padding: Any = "SAME",
          dilation: int | Sequence[int] = 1, input_dilation: int | Sequence[int] = 1,
-         feature_group_count: int = 1, precision=None):
+         feature_group_count: int = 1, precision: Any = None) -> jax.Array:
     """N-D convolution (1/2/3 spatial dims) in Flax layout: ``x`` is ``(N, *spatial, Cin)``,
     ``w`` is ``(*kernel, Cin // groups, Cout)``, ``b`` is ``(Cout,)``.
 
@@ -449,9 +459,10 @@ def conv(x, w, b=None, *, strides: int | Sequence[int] = 1, padding: Any = "SAME
     return y
 
 
-def conv_transpose(x, w, b=None, *, strides: int | Sequence[int] = 1, padding: Any = "SAME",
+def conv_transpose(x: ArrayLike, w: ArrayLike, b: ArrayLike | None = None, *,
+                   strides: int | Sequence[int] = 1, padding: Any = "SAME",
                    dilation: int | Sequence[int] = 1, transpose_kernel: bool = False,
-                   precision=None):
+                   precision: Any = None) -> jax.Array:
     """Transposed convolution with the semantics of ``lax.conv_transpose`` (Flax layout).
 
     ``x`` is ``(N, *spatial, Cin)``, ``w`` is ``(*kernel, Cin, Cout)`` (or ``Cout, Cin`` when

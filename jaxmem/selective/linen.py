@@ -11,7 +11,7 @@ what the selective part does with Linen layers inside a scope (``register_module
   save); ``nn.ConvTranspose`` gets the selective ``conv_transpose`` (its module's ``lax`` is
   rebound for the duration of the call: every padding mode, ``transpose_kernel``, ``mask``);
 * ``nn.BatchNorm`` (also with ``axis_name``: cross-replica statistics), ``nn.LayerNorm``,
-  ``nn.GroupNorm``, ``nn.RMSNorm`` and ``jaxmem.models.BatchNorm`` are computed by
+  ``nn.GroupNorm``, ``nn.RMSNorm`` and ``jaxmem.models.TorchBatchNorm`` are computed by
   :mod:`jaxmem.selective.norm` with the module's own parameters and running statistics;
   configurations the selective norm cannot reproduce (``mask=``, non-default
   ``force_float32_reductions``, custom group reduction axes) fall back to the module's own
@@ -40,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import flax.linen as nn
 import flax.linen.linear as _flax_linear
@@ -148,15 +150,25 @@ _LAX_PROXY = _LaxWithSelectiveConvTranspose()
 _lax_lock = threading.RLock()
 
 
+@contextlib.contextmanager
+def selective_lax(flax_module: Any) -> Iterator[None]:
+    """Within the block, ``flax_module.lax`` (a Flax layer module's ``from jax import lax``) is
+    ``jax.lax`` with the selective ``conv_transpose``; Flax's ``ConvTranspose`` layers call
+    ``lax.conv_transpose`` directly and have no field to swap. Re-entrant; serialised by a lock
+    (the attribute is module-global); restored on exit, also on error."""
+    with _lax_lock:
+        old = flax_module.lax
+        flax_module.lax = _LAX_PROXY
+        try:
+            yield
+        finally:
+            flax_module.lax = old
+
+
 def _conv_transpose(m, next_fun, args, kwargs):
     _converted(m)
-    with _lax_lock:
-        old = _flax_linear.lax
-        _flax_linear.lax = _LAX_PROXY
-        try:
-            return next_fun(*args, **kwargs)
-        finally:
-            _flax_linear.lax = old
+    with selective_lax(_flax_linear):
+        return next_fun(*args, **kwargs)
 
 
 def _first_arg(args, kwargs, name="inputs"):
@@ -276,7 +288,7 @@ def _flax_batch_norm(m, next_fun, args, kwargs):
 
 
 def _twin_batch_norm(m, next_fun, args, kwargs):
-    """``jaxmem.models.BatchNorm`` (torch-exact twin): two-pass variance, ``1/sqrt``,
+    """``jaxmem.models.TorchBatchNorm`` (torch-exact twin): two-pass variance, ``1/sqrt``,
     unbiased running variance, output in ``m.dtype`` or the input dtype."""
     x, rest, kw = _first_arg(args, kwargs, "x")
     train = kw.pop("train", rest[0] if rest else None)
@@ -368,11 +380,9 @@ def _einsum(m, next_fun, args, kwargs):
 
 
 def _twin_bn_class():
-    try:
-        from jaxmem.models.batchnorm import BatchNorm
-    except ImportError:  # pragma: no cover
-        return None
-    return BatchNorm
+    from jaxmem.models.batchnorm import TorchBatchNorm
+
+    return TorchBatchNorm
 
 
 def _register():
@@ -389,8 +399,7 @@ def _register():
     reg("selective", lambda m: isinstance(m, nn.Embed), _embed)
     reg("selective", lambda m: isinstance(m, nn.Einsum), _einsum)
     twin = _twin_bn_class()
-    if twin is not None:
-        reg("selective", lambda m: type(m) is twin, _twin_batch_norm)
+    reg("selective", lambda m: type(m) is twin, _twin_batch_norm)
     reg("selective", lambda m: isinstance(m, nn.Embed), _embed_attend, method="attend")
 
 
@@ -404,7 +413,7 @@ def _selective_options(functions=True):
 
 
 @contextlib.contextmanager
-def scope(functions: bool = True):
+def scope(functions: bool = True) -> Iterator[None]:
     """Within this context, Linen modules (and, with ``functions``, the inline
     activations / pooling) trace to the selective primitives: ``jaxmem.scope(selective=True,
     fewbit=None, attention=False)`` restricted to the selective part (so it composes with
@@ -414,7 +423,7 @@ def scope(functions: bool = True):
         yield
 
 
-def wrap(fn):
+def wrap(fn: Callable) -> Callable:
     """Decorator: run ``fn`` (e.g. a loss that calls ``model.apply``) inside :func:`scope`."""
     import functools
 
@@ -426,7 +435,7 @@ def wrap(fn):
     return wrapped
 
 
-def convert(model):
+def convert(model: nn.Module) -> nn.Module:
     """The selective part of :func:`jaxmem.linen.convert`: a real Linen Module (same fields,
     same parameter tree) whose calls store only what requested gradients need; functions
     and layers of other parts are left to enclosing scopes.

@@ -6,7 +6,8 @@ of its own NNX class (same fields, same Variables; ``nnx.split``/``nnx.merge``, 
 graphdef names the subclass):
 
 * ``nnx.Linear`` / ``nnx.LinearGeneral`` get the selective ``dot_general``, ``nnx.Conv`` the
-  selective ``conv_general_dilated``, ``nnx.Einsum`` a selective ``jnp.einsum``, and
+  selective ``conv_general_dilated``, ``nnx.ConvTranspose`` the selective ``conv_transpose``,
+  ``nnx.Einsum`` a selective ``jnp.einsum``, and
   ``nnx.Embed.attend`` a selective ``query @ embedding.T``: each stores its input only if the
   weight is differentiated and its weight only if the input is (``y = f(x, W)`` is bilinear:
   ``dL/dx`` needs ``W``, ``dL/dW`` needs ``x``). ``nnx.Embed.__call__`` is a gather whose
@@ -33,16 +34,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import jax
+import flax.nnx.nn.linear as _flax_nnx_linear
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective.dropout import dropout as _dropout_fn
-from jaxmem.selective.linen import SelectiveFallbackWarning, _axes_tuple, _warn_fallback
+from jaxmem.selective.linen import (SelectiveFallbackWarning, _axes_tuple, _warn_fallback,
+                                    selective_lax)
 from jaxmem.selective.patch import patch_functions as scope
 
 __all__ = ["SelectiveFallbackWarning", "convert", "einsum", "scope"]
@@ -92,35 +97,46 @@ def _is_float(x) -> bool:
 
 
 # ---------------------------------------------------------------- bilinear layers
+def _note(m, converted: bool, reason: str) -> None:
+    """Record ``m`` as converted, or as falling back (warned once) for ``reason``."""
+    if converted:
+        _record(m, "converted")
+    else:
+        _fallback(m, reason)
+
+
 class _SelectiveLinear(nnx.Linear):
     def __call__(self, inputs, out_sharding=None):
-        if self.dot_general is _lin.dot_general:
-            _record(self, "converted")
-        else:
-            _fallback(self, "custom dot_general")
+        _note(self, self.dot_general is _lin.dot_general, "custom dot_general")
         return super().__call__(inputs, out_sharding=out_sharding)
 
 
 class _SelectiveLinearGeneral(nnx.LinearGeneral):
     def __call__(self, inputs, out_sharding=None):
-        if self.dot_general is _lin.dot_general and self.dot_general_cls is None:
-            _record(self, "converted")
-        else:
-            _fallback(self, "custom dot_general")
+        _note(self, self.dot_general is _lin.dot_general and self.dot_general_cls is None,
+              "custom dot_general")
         return super().__call__(inputs, out_sharding=out_sharding)
 
 
 class _SelectiveConv(nnx.Conv):
     def __call__(self, inputs, out_sharding=None):
-        if self.conv_general_dilated is _lin.conv_general_dilated:
-            _record(self, "converted")
-        else:
-            _fallback(self, "custom conv_general_dilated")
+        _note(self, self.conv_general_dilated is _lin.conv_general_dilated,
+              "custom conv_general_dilated")
         return super().__call__(inputs, out_sharding=out_sharding)
 
 
-def einsum(subscripts, x, w, *, precision=None, preferred_element_type=None,
-           out_sharding=None):
+class _SelectiveConvTranspose(nnx.ConvTranspose):
+    """``nnx.ConvTranspose`` with the selective ``conv_transpose`` (the layer calls
+    ``lax.conv_transpose`` of its module, rebound for the call by ``selective_lax``)."""
+
+    def __call__(self, inputs):
+        _record(self, "converted")
+        with selective_lax(_flax_nnx_linear):
+            return super().__call__(inputs)
+
+
+def einsum(subscripts: str, x: ArrayLike, w: ArrayLike, *, precision: Any = None,
+           preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
     """Drop-in for ``jnp.einsum(subscripts, x, w)`` (as ``nnx.Einsum(einsum_op=...)``) that
     stores ``x`` only if ``w`` is differentiated and ``w`` only if ``x`` is (an einsum of two
     operands is linear in each). With ``out_sharding`` it is ``jnp.einsum`` itself."""
@@ -322,6 +338,7 @@ _RECLASS = {
     nnx.Linear: _SelectiveLinear,
     nnx.LinearGeneral: _SelectiveLinearGeneral,
     nnx.Conv: _SelectiveConv,
+    nnx.ConvTranspose: _SelectiveConvTranspose,
     nnx.Einsum: _SelectiveEinsum,
     nnx.Embed: _SelectiveEmbed,
     nnx.Dropout: _SelectiveDropout,
@@ -341,7 +358,8 @@ def convert(module: nnx.Module) -> nnx.Module:
     """Convert the supported layers of ``module`` in place (same Variables); returns it.
 
     Idempotent. Only layers whose class is exactly one of NNX's (``nnx.Linear``,
-    ``nnx.LinearGeneral``, ``nnx.Conv``, ``nnx.Einsum``, ``nnx.Embed``, ``nnx.Dropout``,
+    ``nnx.LinearGeneral``, ``nnx.Conv``, ``nnx.ConvTranspose``, ``nnx.Einsum``, ``nnx.Embed``,
+    ``nnx.Dropout``,
     ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.GroupNorm``) are
     converted; user subclasses are left as they are.
     """

@@ -20,8 +20,9 @@ Residuals: ``x`` (tagged ``jaxmem.selective.norm.input``) plus the per-group ``m
 backward pass. That is one input-sized tensor (4 B/element in f32) where JAX's autodiff keeps
 8-12 B/element, and nothing input-sized when only ``bias`` is trained. Storing ``x`` rather
 than ``xhat`` lets XLA share the buffer with any other residual that is the same array.
-The recomputation carries a zero that data-depends on ``g`` (``_core.zero_after``) so XLA cannot
-hoist it into the forward pass (measured: otherwise XLA keeps ``x`` and ``xhat``, 8 B/element).
+The recomputation is tied to ``g`` (``jaxmem._prims.ties.tie``: exact, local to each shard)
+so XLA cannot hoist it into the forward pass (measured: otherwise XLA keeps ``x`` and
+``xhat``, 8 B/element).
 
 Evaluation-mode batch norm (``_affine``) normalises with given running statistics and is
 affine in ``x``: ``dL/dx = g * rstd * scale`` needs only per-channel numbers; ``x`` is
@@ -32,11 +33,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
+from jaxmem._prims.ties import tie
 from jaxmem.selective._core import (
     as_int,
     check_eps,
@@ -46,7 +50,6 @@ from jaxmem.selective._core import (
     remember,
     tag,
     value,
-    zero_after,
 )
 
 __all__ = ["batch_norm", "group_norm", "layer_norm", "normalize", "rms_norm"]
@@ -144,8 +147,9 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
     if pb and not g_zero:
         dbias = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if px or ps:
-        anchor = next((zero_after(c, mu.dtype) for c in cts if not is_zero(c)), 0.0)
-        xhat = (xv.astype(mu.dtype) - mu + anchor) * rstd
+        dep = next((c for c in cts if not is_zero(c)), None)
+        xl = xv.astype(mu.dtype)
+        xhat = ((xl if dep is None else tie(xl, dep)) - mu) * rstd
         if ps and not g_zero:
             dscale = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
         if px:
@@ -180,7 +184,9 @@ def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     y = _affine_out(xv, mv, rstd, sv, bv, out_dtype)
     need_x = perturbed(scale) or perturbed(var)
     res = (
-        tag(xv, "norm.input") if need_x else None,
+        # ``x`` arrives tagged ``norm.input`` (see ``batch_norm``); stored as is, it is the
+        # same residual as the one the cross-replica moments (``_moments``) keep.
+        xv if need_x else None,
         mv if need_x else None,
         rstd if (need_x or perturbed(x) or perturbed(mean)) else None,
         sv if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
@@ -198,6 +204,10 @@ def _affine_bwd(eps, out_dtype, res, g):
     if is_zero(g):
         return None, None, None, None, None
     gf = g.astype(_stat_dtype(x_s.dtype))
+    # the per-channel residuals tied to ``g``: untied, XLA shares their input-sized
+    # broadcasts (``rstd * scale``) with the forward pass and keeps those until here
+    # (measured: 3 input-sized f32 arrays per batch norm under ``vmap(axis_name=...)``)
+    mv, rstd, sv = tie((mv, rstd, sv), g)
     dx = dm = dv = ds = db = None
     mul = None
     if px or pm or pv:
@@ -209,7 +219,7 @@ def _affine_bwd(eps, out_dtype, res, g):
     if pb:
         db = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if ps or pv:
-        xhat = (xv.astype(rstd.dtype) - mv + zero_after(g, rstd.dtype)) * rstd
+        xhat = (tie(xv.astype(rstd.dtype), g) - mv) * rstd
     if ps:
         ds = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
     if pv:
@@ -218,6 +228,86 @@ def _affine_bwd(eps, out_dtype, res, g):
 
 
 _affine.defvjp(_affine_fwd, _affine_bwd, symbolic_zeros=True)
+
+
+# ------------------------------------------------- local moments for cross-replica stats
+def _struct(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _moments(red, x):
+    """``(mean(x), mean(x^2))`` over ``red`` (kept dims, statistics dtype).
+
+    VJP: ``dx = (g1 + 2 x g2) / n``; the only residual is ``x`` itself (stored as it
+    arrives: the same array the normalisation keeps)."""
+    return _moments_of(red, x)
+
+
+def _moments_of(red, x):
+    xs = x.astype(_stat_dtype(x))
+    return jnp.mean(xs, red, keepdims=True), jnp.mean(xs * xs, red, keepdims=True)
+
+
+def _moments_fwd(red, x):
+    xv = value(x)
+    out = _moments_of(red, xv)
+    return out, (xv if perturbed(x) else None, _Static(_struct(xv)))
+
+
+def _moments_bwd(red, res, cts):
+    xv, static = res
+    x_s = static.v
+    g1, g2 = cts
+    if xv is None:
+        return (None,)
+    n = math.prod(x_s.shape[a] for a in red)
+    sdt = _stat_dtype(x_s.dtype)
+    acc = jnp.zeros(x_s.shape, sdt)
+    if not is_zero(g1):
+        acc = acc + g1 / n
+    if not is_zero(g2):
+        acc = acc + (2.0 / n) * g2 * xv.astype(sdt)
+    return (acc.astype(x_s.dtype),)
+
+
+_moments.defvjp(_moments_fwd, _moments_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _centered_sq(red, x, mu):
+    """``mean((x - mu)^2)`` over ``red`` (kept dims, statistics dtype).
+
+    VJP: ``dx = 2 (x - mu) g / n``, ``dmu = -sum(dx)``; residuals ``x`` (as it arrives) and
+    the per-channel ``mu``."""
+    return _centered_sq_of(red, x, mu)
+
+
+def _centered_sq_of(red, x, mu):
+    return jnp.mean(jnp.square(x.astype(_stat_dtype(x)) - mu), red, keepdims=True)
+
+
+def _centered_sq_fwd(red, x, mu):
+    xv, mv = value(x), value(mu)
+    keep = perturbed(x) or perturbed(mu)
+    res = (xv if keep else None, mv if keep else None)
+    static = _Static((_struct(xv), _struct(mv), perturbed(x), perturbed(mu)))
+    return _centered_sq_of(red, xv, mv), (res, static)
+
+
+def _centered_sq_bwd(red, res, g):
+    (xv, mv), static = res
+    x_s, m_s, px, pm = static.v
+    if xv is None or is_zero(g):
+        return None, None
+    n = math.prod(x_s.shape[a] for a in red)
+    d = (tie(xv, g).astype(mv.dtype) - mv) * ((2.0 / n) * g)
+    dx = d.astype(x_s.dtype) if px else None
+    dmu = -jnp.sum(d, red, keepdims=True).astype(m_s.dtype) if pm else None
+    return dx, dmu
+
+
+_centered_sq.defvjp(_centered_sq_fwd, _centered_sq_bwd, symbolic_zeros=True)
 
 
 # --------------------------------------------------------------------------- public API
@@ -253,9 +343,10 @@ def _out_dtype(x, scale, bias, dtype):
     return jnp.result_type(*args)
 
 
-def normalize(x, scale=None, bias=None, *, axes: Sequence[int], feature_axes: Sequence[int],
-              eps: float = 1e-6, subtract_mean: bool = True, fast_variance: bool = True,
-              dtype=None, inv_mode: str = "rsqrt"):
+def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None, *,
+              axes: Sequence[int], feature_axes: Sequence[int], eps: float = 1e-6,
+              subtract_mean: bool = True, fast_variance: bool = True, dtype: Any = None,
+              inv_mode: str = "rsqrt") -> jax.Array:
     """Normalise ``x`` over ``axes`` and apply ``scale``/``bias`` along ``feature_axes``.
 
     ``inv_mode``: ``'rsqrt'`` (flax) or ``'recip_sqrt'`` (``1/sqrt``, torch-exact twins).
@@ -293,8 +384,9 @@ def _check_inv_mode(inv_mode):
         raise ValueError(f"inv_mode must be 'rsqrt' or 'recip_sqrt', got {inv_mode!r}")
 
 
-def layer_norm(x, scale=None, bias=None, *, axis=-1, eps: float = 1e-6, dtype=None,
-               fast_variance: bool = True):
+def layer_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
+               *, axis: int | Sequence[int] = -1, eps: float = 1e-6, dtype: Any = None,
+               fast_variance: bool = True) -> jax.Array:
     """Layer norm over ``axis`` (default the last); ``scale``/``bias`` have that axis' shape.
 
     ``y = (x - mean) / sqrt(var + eps) * scale + bias``, statistics over ``axis``."""
@@ -306,7 +398,8 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, eps: float = 1e-6, dtype=No
                      fast_variance=fast_variance)[0]
 
 
-def rms_norm(x, scale=None, *, axis=-1, eps: float = 1e-6, dtype=None):
+def rms_norm(x: ArrayLike, scale: ArrayLike | None = None, *, axis: int | Sequence[int] = -1,
+             eps: float = 1e-6, dtype: Any = None) -> jax.Array:
     """RMS norm ``x / sqrt(mean(x^2) + eps) * scale`` over ``axis``."""
     check_float("rms_norm: x", x)
     check_eps("rms_norm", eps)
@@ -316,8 +409,9 @@ def rms_norm(x, scale=None, *, axis=-1, eps: float = 1e-6, dtype=None):
                      subtract_mean=False, dtype=dtype)[0]
 
 
-def group_norm(x, scale=None, bias=None, *, num_groups: int, eps: float = 1e-6, dtype=None,
-               fast_variance: bool = True):
+def group_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
+               *, num_groups: int, eps: float = 1e-6, dtype: Any = None,
+               fast_variance: bool = True) -> jax.Array:
     """Group norm of channel-last ``x`` ``(N, *spatial, C)``: statistics per sample over the
     spatial axes and ``C // num_groups`` channels of each group; ``scale``/``bias`` ``(C,)``.
     """
@@ -345,14 +439,14 @@ def _pmean_stats(x, red, fast_variance, axis_name, groups):
     """Flax's cross-replica statistics: ``pmean`` of the per-device ``mean(x)`` and
     ``mean(x^2)`` (fast variance: ``var = max(0, E[x^2] - E[x]^2)``) or of ``mean(x)`` then
     ``mean((x - mu)^2)``; kept dims."""
-    xs = x.astype(_stat_dtype(x))
+    m1, m2 = _moments(red, x)
     if fast_variance:
-        mus = lax.pmean(jnp.stack([jnp.mean(xs, red, keepdims=True),
-                                   jnp.mean(xs * xs, red, keepdims=True)]),
-                        axis_name, axis_index_groups=groups)
+        mus = lax.pmean(jnp.stack([m1, m2]), axis_name, axis_index_groups=groups)
         return mus[0], jnp.maximum(0.0, mus[1] - mus[0] * mus[0])
-    mu = lax.pmean(jnp.mean(xs, red, keepdims=True), axis_name, axis_index_groups=groups)
-    var = lax.pmean(jnp.mean(jnp.square(xs - mu), red, keepdims=True), axis_name,
+    mu = lax.pmean(m1, axis_name, axis_index_groups=groups)
+    # ``mu`` varies like ``x`` inside the primitive (its cotangent is per device; the
+    # transpose of the cast sums it over the axis)
+    var = lax.pmean(_centered_sq(red, x, _match_vma(mu, x)), axis_name,
                     axis_index_groups=groups)
     return mu, var
 
@@ -386,18 +480,24 @@ def _freeze_groups(groups):
                         f"sequences of ints, got {groups!r}") from None
 
 
-def batch_norm(x, scale=None, bias=None, running_mean=None, running_var=None, *,
-               train: bool, momentum: float = 0.99, eps: float = 1e-5, axis: int = -1,
-               dtype=None, fast_variance: bool = True, inv_mode: str = "rsqrt",
-               unbiased_running_var: bool = False, axis_name=None, axis_index_groups=None):
+def batch_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
+               running_mean: ArrayLike | None = None, running_var: ArrayLike | None = None,
+               *, train: bool, momentum: float = 0.99, eps: float = 1e-5, axis: int = -1,
+               dtype: Any = None, fast_variance: bool = True, inv_mode: str = "rsqrt",
+               unbiased_running_var: bool = False, axis_name: Any = None,
+               axis_index_groups: Any = None
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Batch norm over all axes but ``axis`` (the channel axis).
 
     ``axis_name`` (with optional ``axis_index_groups``): cross-replica statistics under
     ``pmap`` / ``shard_map`` / ``vmap(axis_name=...)``, Flax's formula: ``mu = pmean(mean(x))``,
     ``var = max(0, pmean(mean(x^2)) - mu^2)`` (``fast_variance=False``:
     ``var = pmean(mean((x - mu)^2))``); every device's batch must have the same size. The
-    statistics are differentiated by JAX (it transposes the collectives); the normalisation
-    with them is the affine primitive, which keeps ``x`` and per-channel numbers.
+    local moments (``mean(x)``, ``mean(x^2)``: VJP ``(g1 + 2 x g2) / n``) and the
+    normalisation with the pooled statistics (affine in ``x``) are primitives that keep the
+    same tagged ``x`` plus per-channel numbers; the collectives between them are
+    differentiated by JAX (it transposes ``pmean``). Residuals: 4 B/element in f32, as for
+    single-device statistics (Flax keeps 8).
 
     ``train=True``: normalise with the batch statistics; returns
     ``(y, new_running_mean, new_running_var)`` with
@@ -422,12 +522,17 @@ def batch_norm(x, scale=None, bias=None, running_mean=None, running_var=None, *,
         if not isinstance(eps, (int, float)) or eps < 0:
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
         _check_inv_mode(inv_mode)
-        # statistics by plain autodiff (JAX transposes the collectives); the normalisation
-        # with them is the affine primitive (x and per-channel numbers as residuals)
+        # local moments (a primitive keeping x), their pmean by plain autodiff (JAX
+        # transposes the collectives), then the affine primitive with the pooled statistics
+        # (x again -- the same tagged array -- and per-channel numbers as residuals)
+        x = tag(x, "norm.input")
         mu, var = _pmean_stats(x, red, bool(fast_variance), axis_name, groups)
         odt = _out_dtype(x, s_, b_, dtype)
         mu_, var_, s_, b_ = (_match_vma(a, x) for a in (mu, var, s_, b_))
-        y = _affine((float(eps), inv_mode), odt, x, mu_, var_, s_, b_)
+        stats_eps = (float(eps), inv_mode)
+        y = _affine(stats_eps, odt, x, mu_, var_, s_, b_)
+        # a bilinear layer fed ``y`` recomputes it from what this norm keeps (see normalize)
+        remember(y, functools.partial(_recompute_out, stats_eps, odt), (x, mu_, var_, s_, b_))
         mu, var = mu.reshape(c), var.reshape(c)
         if running_mean is None or running_var is None:
             return y, mu, var
@@ -459,5 +564,8 @@ def batch_norm(x, scale=None, bias=None, running_mean=None, running_var=None, *,
     out_dtype = _out_dtype(x, s, b, dtype) if dtype is not None else jnp.result_type(
         *[a for a in (x, mshape, s, b) if a is not None])
     _check_inv_mode(inv_mode)
-    y = _affine((float(eps), inv_mode), out_dtype, x, mshape, vshape, s, b)
+    # under shard_map the replicated statistics / parameters vary like ``x`` inside the
+    # primitive (the cotangent types must match; the cast's transpose sums over devices)
+    mshape, vshape, s, b = (_match_vma(a, x) for a in (mshape, vshape, s, b))
+    y = _affine((float(eps), inv_mode), out_dtype, tag(x, "norm.input"), mshape, vshape, s, b)
     return y, running_mean, running_var

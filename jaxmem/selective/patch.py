@@ -18,6 +18,7 @@ another module's namespace before (``from jax.nn import relu``) is not.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +86,7 @@ def patched_names() -> list[str]:
 
 
 @contextlib.contextmanager
-def patch_functions():
+def patch_functions() -> Iterator[None]:
     """Convert inline ``relu``/``relu6``/``hard_tanh``/``leaky_relu`` (flax.linen, jax.nn,
     flax.nnx) and ``max_pool`` to the selective versions inside the block: the functions
     half of ``jaxmem.scope(selective=True, fewbit=None, attention=False)``."""

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxmem.selective._core import as_int, check_float, int_tuple, is_zero, tag
 from jaxmem.selective.bits import pack_codes, unpack_codes
@@ -157,8 +158,8 @@ def _pads(padding, x_shape, window, strides):
     return pads
 
 
-def max_pool(x, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-             padding="VALID"):
+def max_pool(x: ArrayLike, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+             padding: str | Sequence[tuple[int, int]] = "VALID") -> jax.Array:
     """Max pooling with Flax semantics: ``x`` is ``(N, *spatial, C)``, the window covers the
     spatial axes, ``strides`` default to 1 (as ``flax.linen.max_pool``); ``padding`` is
     ``'VALID'``, ``'SAME'`` or one ``(lo, hi)`` pair per spatial axis (padded with ``-inf``;

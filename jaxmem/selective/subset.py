@@ -24,10 +24,13 @@ bools with the structure of the parameters (a prefix is allowed). Boxed paramete
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+
+#: a ``trainable`` filter: bool, ``(path, leaf) -> bool``, regex string or pytree of bools
+Trainable = bool | str | Callable[[Any, Any], bool] | Any
 
 __all__ = [
     "combine",
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 
-def path_str(path) -> str:
+def path_str(path: Sequence[Any]) -> str:
     """``'params/block1/conv/kernel'`` for a ``jax.tree_util`` key path."""
     parts = []
     for k in path:
@@ -61,7 +64,7 @@ def _layer_path(s: str) -> str:
     return s[:-len("/value")] if s.endswith("/value") else s
 
 
-def trainable_mask(params, trainable) -> Any:
+def trainable_mask(params: Any, trainable: Trainable) -> Any:
     """A pytree of Python bools (same structure as ``params``) from a ``trainable`` filter."""
     if isinstance(trainable, bool):
         return jax.tree.map(lambda _: trainable, params)
@@ -112,7 +115,7 @@ def _check_selects(params, trainable, mask, who):
         f"so nothing would be trained; parameter paths look like: {shown or '(no leaves)'}")
 
 
-def partition(params, trainable):
+def partition(params: Any, trainable: Trainable) -> tuple[Any, Any]:
     """Split ``params`` into ``(trainable_part, frozen_part)``, ``None`` in the gaps."""
     mask = trainable_mask(params, trainable)
     t = jax.tree.map(lambda m, x: x if m else None, mask, params)
@@ -120,7 +123,7 @@ def partition(params, trainable):
     return t, f
 
 
-def combine(*trees):
+def combine(*trees: Any) -> Any:
     """Merge trees from :func:`partition`: at each leaf take the first non-``None`` value."""
     def pick(*xs):
         for x in xs:
@@ -131,7 +134,7 @@ def combine(*trees):
 
 
 def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *,
-                   trainable=True) -> Callable:
+                   trainable: Trainable = True) -> Callable:
     """Like ``jax.value_and_grad`` but differentiates only the trainable leaves of
     argument ``argnums``; frozen leaves enter ``fn`` as non-differentiated constants.
 
@@ -159,7 +162,8 @@ def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *,
     return wrapped
 
 
-def grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *, trainable=True):
+def grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *,
+         trainable: Trainable = True) -> Callable:
     """``value_and_grad`` without the value (``(grads, aux)`` with ``has_aux``)."""
     vg = value_and_grad(fn, argnums, has_aux, trainable=trainable)
 
@@ -179,8 +183,8 @@ class TrainStep(NamedTuple):
     step: Callable
 
 
-def train_step(loss_fn: Callable, optimizer, trainable=True, *, has_aux: bool = False,
-               jit: bool = True) -> TrainStep:
+def train_step(loss_fn: Callable, optimizer: Any, trainable: Trainable = True, *,
+               has_aux: bool = False, jit: bool = True) -> TrainStep:
     """An optax training step for ``loss_fn(params, *batch) -> scalar`` (``-> (scalar, aux)``
     with ``has_aux``, e.g. the new batch statistics of a train-mode BatchNorm) that
     differentiates and updates only the ``trainable`` leaves (frozen leaves are returned
@@ -208,14 +212,15 @@ def train_step(loss_fn: Callable, optimizer, trainable=True, *, has_aux: bool = 
     return TrainStep(init, jax.jit(step) if jit else step)
 
 
-def nnx_value_and_grad(fn: Callable, trainable=None, *, argnums: int = 0,
+def nnx_value_and_grad(fn: Callable, trainable: Any = None, *, argnums: int = 0,
                        has_aux: bool = False, argnum: int | None = None) -> Callable:
     """NNX form: ``flax.nnx.value_and_grad`` restricted to the state selected by the NNX
     filter ``trainable`` (e.g. ``nnx.Param``, ``nnx.PathContains('head')``, or a predicate).
 
     Only the selected Variables are differentiated (``nnx.DiffState``), so selective
-    primitives inside the model see the other weights as not perturbed. ``argnum`` is a
-    deprecated alias of ``argnums``.
+    primitives inside the model see the other weights as not perturbed. ``argnums`` is
+    spelled as in ``jax.grad``; ``argnum`` is a deprecated alias (a DeprecationWarning; a
+    TypeError when both are given with different values).
     """
     from flax import nnx  # local: keeps `import jaxmem.selective` light
 
@@ -223,6 +228,9 @@ def nnx_value_and_grad(fn: Callable, trainable=None, *, argnums: int = 0,
         import warnings
         warnings.warn("nnx_value_and_grad: argnum is deprecated, use argnums",
                       DeprecationWarning, stacklevel=2)
+        if argnums != 0 and argnums != argnum:
+            raise TypeError(f"nnx_value_and_grad: got argnums={argnums!r} and the deprecated "
+                            f"argnum={argnum!r}; pass argnums only")
         argnums = argnum
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise TypeError(f"nnx_value_and_grad: argnums must be an int, got {argnums!r}")

@@ -1,6 +1,6 @@
 """Multi-device tests run in their own process (the host device count is fixed at jax import).
 
-``test_multidevice.py`` starts ``pytest parity_tests/distributed/multidevice`` in a subprocess
+``test_distributed_multidevice.py`` starts ``pytest parity_tests/distributed/multidevice`` in a subprocess
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``JAXMEM_MULTIDEVICE=1``; the
 main run (one device) does not collect that folder itself.
 """

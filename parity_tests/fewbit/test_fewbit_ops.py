@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jaxmem import fewbit
-from jaxmem.fewbit.activations import ACTIVATIONS
+from jaxmem.fewbit.activations import TABLE_ACTIVATIONS
 
-NAMES = sorted(ACTIVATIONS)
+NAMES = sorted(TABLE_ACTIVATIONS)
 EXACT = {  # the plain JAX functions, spelled independently of the registry
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),

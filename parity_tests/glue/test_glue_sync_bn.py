@@ -35,10 +35,10 @@ class Net(nn.Module):
         return nn.Dense(2)(jnp.tanh(x))
 
 
-def _step(model, v, xs):
+def _step(model, v, xs, train=True):
     """Per-device loss under vmap(axis_name='dev'); grads of the summed losses."""
     def local(p, x):
-        y, upd = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x,
+        y, upd = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x, train,
                              mutable=["batch_stats"])
         return jnp.sum(jnp.sin(y)), (y, upd)
 
@@ -50,15 +50,18 @@ def _step(model, v, xs):
     return aux, g
 
 
-@pytest.mark.parametrize("fast,groups", [(True, None), (False, None)])
-def test_vmap_axis_name_equals_flax(fast, groups):
+@pytest.mark.parametrize("fast,groups,train", [(True, None, True), (False, None, True),
+                                               (True, None, False)])
+def test_vmap_axis_name_equals_flax(fast, groups, train):
     xs = _x(0, (4, 5, 3))  # 4 "devices", 5 examples each
     model = Net(fast=fast, groups=groups)
     v = jax.vmap(lambda x: model.init(jax.random.PRNGKey(0), x), axis_name="dev")(xs)
     v = jax.tree.map(lambda a: a[0], v)
+    # running statistics away from their initial 0 / 1 (eval mode normalises with them)
+    v = dict(v, batch_stats=jax.tree.map(lambda a: a * 1.5 + 0.25, v["batch_stats"]))
     conv = jaxmem.linen.convert(model)
-    (y0, u0), g0 = _step(model, v, xs)
-    (y1, u1), g1 = _step(conv, v, xs)
+    (y0, u0), g0 = _step(model, v, xs, train)
+    (y1, u1), g1 = _step(conv, v, xs, train)
     for a, b in zip(jax.tree.leaves((y1, u1, g1)), jax.tree.leaves((y0, u0, g0))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
     rep = jaxmem.report(lambda xs: _step(conv, v, xs), xs)
@@ -93,39 +96,45 @@ def test_batch_norm_function_axis_name_float64_and_residuals():
 
 @pytest.mark.slow
 def test_shard_map_four_devices_in_subprocess():
+    """shard_map over a 'data' axis of 4 devices: fast and two-pass variance, train and
+    eval mode, gradients of the parameters and the input equal Flax's."""
     code = textwrap.dedent('''
         import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
         from jax.sharding import Mesh, PartitionSpec as P
         import jaxmem
         class Net(nn.Module):
-            groups: tuple | None = None
+            fast: bool = True
             @nn.compact
-            def __call__(self, x):
-                x = nn.BatchNorm(use_running_average=False, axis_name="b",
-                                 axis_index_groups=self.groups)(jnp.sin(x) * 3.0)
+            def __call__(self, x, train: bool = True):
+                x = nn.BatchNorm(use_running_average=not train, axis_name="data",
+                                 use_fast_variance=self.fast, momentum=0.9)(jnp.sin(x) * 3.0)
                 return jnp.tanh(x)
-        mesh = Mesh(np.array(jax.devices()[:4]), ("b",))
+        mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
         x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 3)), jnp.float32)
-        for groups in (None,):  # axis_index_groups: not implemented by JAX here
-            m = Net(groups)
+        for fast in (True, False):
+            m = Net(fast)
             v = jax.shard_map(lambda x: m.init(jax.random.PRNGKey(0), x), mesh=mesh,
-                              in_specs=P("b"), out_specs=P())(x)
-            def loss(model, p, x):
-                def local(p, x):
-                    y, upd = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x,
-                                         mutable=["batch_stats"])
-                    return jax.lax.psum(jnp.sum(jnp.sin(y) * x[:, :1]), "b"), y
-                return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("b")),
-                                     out_specs=(P(), P("b")))(p, x)
-            g0 = jax.grad(loss, (1, 2), has_aux=True)(m, v["params"], x)
-            g1 = jax.grad(loss, (1, 2), has_aux=True)(jaxmem.linen.convert(m), v["params"], x)
-            for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+                              in_specs=P("data"), out_specs=P())(x)
+            stats = jax.tree.map(lambda a: a + 0.25, v["batch_stats"])
+            for train in (True, False):
+                def loss(model, p, x):
+                    def local(p, x):
+                        y, upd = model.apply({"params": p, "batch_stats": stats}, x,
+                                             train=train, mutable=["batch_stats"])
+                        return jax.lax.psum(jnp.sum(jnp.sin(y) * x[:, :1]), "data"), (y, upd)
+                    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                                         out_specs=(P(), (P("data"), P())))(p, x)
+                conv = jaxmem.linen.convert(m)
+                r0 = jax.grad(loss, (1, 2), has_aux=True)(m, v["params"], x)
+                r1 = jax.grad(loss, (1, 2), has_aux=True)(conv, v["params"], x)
+                for a, b in zip(jax.tree.leaves(r1), jax.tree.leaves(r0)):
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                               atol=2e-6, err_msg=f"fast={fast} train={train}")
         print("OK", len(jax.devices()))
     ''')
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=False,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK 4" in out.stdout

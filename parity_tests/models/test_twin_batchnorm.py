@@ -1,4 +1,4 @@
-"""``jaxmem.models.BatchNorm`` reproduces ``torch.nn.BatchNorm2d`` exactly, including the
+"""``jaxmem.models.TorchBatchNorm`` reproduces ``torch.nn.BatchNorm2d`` exactly, including the
 running-variance update with the *unbiased* batch variance (where ``flax.linen.BatchNorm``
 uses the biased one)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxmem.models import BatchNorm
+from jaxmem.models import TorchBatchNorm
 
 
 def _torch_steps(bn_t, xs, train):
@@ -39,7 +39,7 @@ def test_three_train_steps_then_eval_match_torch_float64(shape):
                        "bias": jnp.asarray(bn_t.bias.detach().numpy())},
             "batch_stats": {"mean": jnp.zeros(c, jnp.float64), "var": jnp.ones(c, jnp.float64)},
         }
-        bn = BatchNorm()
+        bn = TorchBatchNorm()
         ys_t = _torch_steps(bn_t, xs, True)
         for x, y_t in zip(xs, ys_t):
             y, upd = bn.apply(variables, jnp.asarray(x), True, mutable=["batch_stats"])
@@ -59,8 +59,8 @@ def test_running_var_is_unbiased_where_flax_batchnorm_is_biased():
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 2, 4)) * 2.0
     n = 3 * 2 * 2
     s2 = jnp.var(x, axis=(0, 1, 2))
-    v0 = BatchNorm().init(jax.random.PRNGKey(1), x, False)
-    _, ours = BatchNorm().apply(v0, x, True, mutable=["batch_stats"])
+    v0 = TorchBatchNorm().init(jax.random.PRNGKey(1), x, False)
+    _, ours = TorchBatchNorm().apply(v0, x, True, mutable=["batch_stats"])
     fl = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5)
     _, theirs = fl.apply(fl.init(jax.random.PRNGKey(1), x), x, mutable=["batch_stats"])
     np.testing.assert_allclose(ours["batch_stats"]["var"], 0.9 + 0.1 * s2 * n / (n - 1), rtol=1e-5)
@@ -72,28 +72,57 @@ def test_running_var_is_unbiased_where_flax_batchnorm_is_biased():
 
 def test_init_does_not_update_statistics_and_eval_leaves_them():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 3)) + 5.0
-    v = BatchNorm().init(jax.random.PRNGKey(1), x, True)
+    v = TorchBatchNorm().init(jax.random.PRNGKey(1), x, True)
     np.testing.assert_array_equal(v["batch_stats"]["mean"], np.zeros(3))
     np.testing.assert_array_equal(v["batch_stats"]["var"], np.ones(3))
-    _, upd = BatchNorm().apply(v, x, False, mutable=["batch_stats"])
+    _, upd = TorchBatchNorm().apply(v, x, False, mutable=["batch_stats"])
     np.testing.assert_array_equal(upd["batch_stats"]["mean"], np.zeros(3))
 
 
 def test_bad_input():
-    v = BatchNorm().init(jax.random.PRNGKey(1), jnp.ones((2, 3)), False)
+    v = TorchBatchNorm().init(jax.random.PRNGKey(1), jnp.ones((2, 3)), False)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        BatchNorm().apply(v, jnp.ones((1, 3)), True, mutable=["batch_stats"])
+        TorchBatchNorm().apply(v, jnp.ones((1, 3)), True, mutable=["batch_stats"])
     with pytest.raises(ValueError, match="momentum"):
-        BatchNorm(momentum=1.5).init(jax.random.PRNGKey(1), jnp.ones((2, 3)), False)
+        TorchBatchNorm(momentum=1.5).init(jax.random.PRNGKey(1), jnp.ones((2, 3)), False)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_keeps_float32_statistics(dtype):
     x = (jax.random.normal(jax.random.PRNGKey(0), (8, 4)) * 3 + 1).astype(dtype)
-    v = BatchNorm().init(jax.random.PRNGKey(1), x, False)
-    y, upd = BatchNorm().apply(v, x, True, mutable=["batch_stats"])
+    v = TorchBatchNorm().init(jax.random.PRNGKey(1), x, False)
+    y, upd = TorchBatchNorm().apply(v, x, True, mutable=["batch_stats"])
     assert y.dtype == dtype
     assert upd["batch_stats"]["var"].dtype == jnp.float32
-    y32, upd32 = BatchNorm().apply(v, x.astype(jnp.float32), True, mutable=["batch_stats"])
+    y32, upd32 = TorchBatchNorm().apply(v, x.astype(jnp.float32), True, mutable=["batch_stats"])
     np.testing.assert_allclose(np.asarray(y, np.float32), y32, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(upd["batch_stats"]["var"], upd32["batch_stats"]["var"], rtol=1e-6)
+
+
+def test_selective_conversion_handles_the_twin_batchnorm():
+    """``jaxmem.linen.convert`` converts ``TorchBatchNorm`` (its handler is registered, not
+    silently skipped) and keeps its values, statistics and gradients."""
+    import jaxmem
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            return TorchBatchNorm(name="bn")(nn.Dense(4, name="fc")(x), train)
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (6, 3))
+    m = Net()
+    v = m.init(jax.random.PRNGKey(1), x, False)
+
+    def loss(model, p):
+        y, upd = model.apply({**v, "params": p}, x, True, mutable=["batch_stats"])
+        return jnp.sum(jnp.sin(y)), upd
+
+    conv = jaxmem.linen.convert(m)
+    rep = jaxmem.report(lambda p: jax.grad(lambda p: loss(conv, p)[0])(p), v["params"])
+    assert [(e.target, e.status) for e in rep.entries if e.kind == "module"
+            and e.path == "bn"] == [("TorchBatchNorm", "converted")]
+    (l0, u0), g0 = jax.value_and_grad(lambda p: loss(m, p), has_aux=True)(v["params"])
+    (l1, u1), g1 = jax.value_and_grad(lambda p: loss(conv, p), has_aux=True)(v["params"])
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((u1, g1)), jax.tree.leaves((u0, g0))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Bad input to jaxmem.fewbit is refused clearly; edge cases that used to fail work."""
+"""Bad input to jaxmem.fewbit is refused clearly; edge cases (sizes 0 and 1, non-finite
+values, traced slopes) work."""
 from __future__ import annotations
 
 import jax

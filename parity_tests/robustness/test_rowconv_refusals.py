@@ -25,7 +25,7 @@ def _height_norm(x):
 
 
 def test_act_refuses_a_height_normalisation():
-    # tiled used to differ from untiled by 0.86 with no error
+    # regression: a silently different result (0.86 off untiled, no error)
     with pytest.raises(ValueError, match=r"Act\(_height_norm\) is not elementwise.*"
                                          r"elementwise=True"):
         rc.Act(_height_norm)

@@ -55,7 +55,7 @@ def test_negative_sizes_are_refused_everywhere():
 
 
 def test_place_refuses_fractional_sizes_instead_of_truncating():
-    # 2.7 bytes used to become 2: an arena too small for the tensor
+    # regression: 2.7 bytes truncated to 2 gave an arena too small for the tensor
     for fn in (place, peak_of_spans, best_fit_online):
         with pytest.raises(TypeError, match="size must be an int"):
             fn([(2.7, 0, 1), (3, 1, 2)])
@@ -211,7 +211,7 @@ def test_solver_time_out_gives_the_documented_fallback(monkeypatch):
 def test_simulate_checks_empty_and_one_shot_orders():
     g = _diamond()
     with pytest.raises(ValueError, match="every node"):
-        simulate(g, [])  # used to return 0 for any graph
+        simulate(g, [])  # regression: an empty order must not report a peak of 0
     assert simulate(g, iter("ABCDEFG")) == simulate(g, list("ABCDEFG")) == 150
     assert simulate(Graph(), []) == 0
 

@@ -150,3 +150,45 @@ def test_grad_wrt_params_only_matches():
         g = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=3, mode=mode))))(p)
         g1 = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=1))))(p)
         assert_tree_close(g, g1, 1e-4, 1e-5)
+
+
+def test_public_surface_names_and_annotations():
+    """The names rowconv exports exist, say what they are and carry type hints on every
+    parameter and return; the geometry internals are not exported."""
+    import inspect
+    import typing
+
+    from jaxmem.rowconv import flax as rc_flax
+    from jaxmem.rowconv import halo
+
+    assert all(hasattr(rc, n) for n in rc.__all__)
+    assert not hasattr(rc, "Plan") and "TilePlan" in rc.__all__
+    assert isinstance(rc.plan(STACK, (1, 16, 8, 2), 2**40, verify=False), rc.TilePlan)
+    assert halo.__all__ == ["HaloReport", "halos"]
+    assert not {"Geom", "Iv", "OvNode", "ShNode"} & set(dir(halo))
+    layers = [rc.Conv(4, 3), rc.Pool("max", 2), rc.Act(jax.nn.relu), rc.Affine(4),
+              rc.BatchNorm(4), rc.Dropout(0.1)]
+    assert all(isinstance(layer, rc.RowLayer) for layer in layers)
+    assert not isinstance(rc.Checkpoint(), rc.RowLayer)
+
+    def check(fn, where):
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+        missing = [p for p in sig.parameters if p not in ("self", "cls") and p not in hints]
+        assert not missing and "return" in hints, f"{where}: missing hints for {missing}"
+
+    objs = [(n, getattr(rc, n)) for n in rc.__all__]
+    objs += [(n, getattr(rc_flax, n)) for n in rc_flax.__all__]
+    objs += [("vgg_layers", rc.trunks.vgg_layers), ("resnet50_layers", rc.trunks.resnet50_layers)]
+    n_checked = 0
+    for name, obj in objs:
+        if inspect.isfunction(obj):
+            check(obj, name)
+            n_checked += 1
+        elif inspect.isclass(obj) and obj.__module__.startswith("jaxmem.rowconv"):
+            for m_name, m in vars(obj).items():
+                if inspect.isfunction(m) and (not m_name.startswith("_")
+                                              or m_name in ("__call__",)):
+                    check(m, f"{name}.{m_name}")
+                    n_checked += 1
+    assert n_checked >= 25

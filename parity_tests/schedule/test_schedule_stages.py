@@ -108,6 +108,20 @@ def test_both_ilp_models_reach_the_brute_force_optimum(seed):
         assert res.objective == res.bound == simulate(g, res.order) == best
 
 
+def test_solve_order_formulation_selects_the_model():
+    """``solve_order(formulation=...)`` is the one entry point of both ILP models;
+    ``solve_order_cumulative`` is the compact one, and an unknown name is refused."""
+    g = random_dag(8, seed=3, reach=3)
+    olla = solve_order(g, time_limit=10, num_workers=1)
+    compact = solve_order(g, time_limit=10, num_workers=1, formulation="cumulative")
+    alias = solve_order_cumulative(g, time_limit=10, num_workers=1)
+    assert olla.status == compact.status == alias.status == "OPTIMAL"
+    assert olla.objective == compact.objective == alias.objective
+    assert compact.num_vars == alias.num_vars != olla.num_vars  # a different model
+    with pytest.raises(ValueError, match="formulation.*'olla'.*'cumulative'.*'compact'"):
+        solve_order(g, time_limit=1, formulation="compact")
+
+
 def _topological(g: Graph, order) -> bool:
     pos = {v: i for i, v in enumerate(order)}
     return all(pos[e.src] < pos[s] for e in g.edges.values() for s in e.sinks)

@@ -6,14 +6,14 @@ module-swapping tools (the selective-differentiation paper's drop-in layers) can
 """
 from .convchain import ConvChain, conv_chain
 from .gpt import GPT, GPTConfig, gpt
-from .mlp import ACTIVATIONS, MLP
+from .mlp import MLP_ACTIVATIONS, MLP
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet34, resnet50, resnet101
 from .transformer import Block, MLPBlock, SelfAttention
 from .vgg import VGG, VGG_CFGS, VGGFeatures, vgg, vgg11, vgg16, vgg_features
 from .vit import ViT, ViTConfig, vit_tiny
 
 __all__ = [
-    "ACTIVATIONS",
+    "MLP_ACTIVATIONS",
     "GPT",
     "MLP",
     "VGG",

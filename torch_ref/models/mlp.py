@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "none")
+MLP_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "none")
 
 
 def make_activation(name: str) -> nn.Module:
-    """Activation module for a name of ``ACTIVATIONS`` (``gelu`` exact, ``gelu_tanh`` approx.)."""
+    """Activation module for a name of ``MLP_ACTIVATIONS`` (``gelu`` exact, ``gelu_tanh`` approx.)."""
     table = {
         "relu": lambda: nn.ReLU(),
         "gelu": lambda: nn.GELU(approximate="none"),
@@ -22,7 +22,7 @@ def make_activation(name: str) -> nn.Module:
         "none": lambda: nn.Identity(),
     }
     if name not in table:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+        raise ValueError(f"activation must be one of {MLP_ACTIVATIONS}, got {name!r}")
     return table[name]()
 
 

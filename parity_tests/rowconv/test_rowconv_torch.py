@@ -1,76 +1,16 @@
-"""Flax Linen/NNX wrappers keep parameters and match; torch_ref == torch.nn; jaxmem == torch_ref."""
+"""rowconv against PyTorch: ``torch_ref.rowconv`` == ``torch.nn``, and ``jaxmem.rowconv`` ==
+``torch_ref.rowconv`` on transferred weights (float64). Skipped as a whole without torch."""
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _rc_util import assert_tree_close
-from flax import nnx
 
 from jaxmem import rowconv as rc
-from jaxmem.rowconv.flax import NNXRowSequential, RowSequential, RowVGGFeatures
-
-X = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 16, 3))
-
-
-def test_linen_row_sequential_same_params_and_grads():
-    mods = [nn.Conv(4, (3, 3)), nn.relu, rc.Pool("max", 2),
-            nn.Conv(5, (3, 3), strides=2, padding=((1, 0), (1, 1))), nn.tanh]
-    seq = nn.Sequential(mods)
-    v = seq.init(jax.random.PRNGKey(0), X)
-    for mode in rc.MODES:
-        r = RowSequential(mods, rows=4, mode=mode)
-        vr = r.init(jax.random.PRNGKey(0), X)
-        assert jax.tree.map(jnp.shape, vr) == jax.tree.map(jnp.shape, v)
-        np.testing.assert_allclose(r.apply(v, X), seq.apply(v, X), rtol=1e-5, atol=1e-5)
-        g1 = jax.grad(lambda v: jnp.sum(seq.apply(v, X) ** 2))(v)
-        g2 = jax.grad(lambda v, r=r: jnp.sum(r.apply(v, X) ** 2))(v)
-        assert_tree_close(g2, g1, 1e-4, 1e-4)
-
-
-def test_linen_rejects_non_elementwise_callable():
-    mods = [nn.Conv(4, (3, 3)), lambda x: nn.max_pool(x, (2, 2), (2, 2))]
-    with pytest.raises(TypeError, match="only elementwise"):
-        RowSequential(mods, rows=2).init(jax.random.PRNGKey(0), X)
-
-
-def test_vgg_features_twin():
-    from jaxmem.models.vgg import VGGFeatures
-    cfg = (4, 4, "M", 8, "M")
-    f = VGGFeatures(cfg=cfg)
-    v = f.init(jax.random.PRNGKey(0), X)
-    r = RowVGGFeatures(cfg=cfg, rows=4, mode="share")
-    assert jax.tree.map(jnp.shape, r.init(jax.random.PRNGKey(0), X)) == \
-        jax.tree.map(jnp.shape, v)
-    np.testing.assert_allclose(r.apply(v, X), f.apply(v, X), rtol=1e-5, atol=1e-5)
-    g1 = jax.grad(lambda v: jnp.sum(f.apply(v, X) ** 2))(v)
-    g2 = jax.grad(lambda v, r=r: jnp.sum(r.apply(v, X) ** 2))(v)
-    assert_tree_close(g2, g1, 1e-4, 1e-4)
-
-
-def test_nnx_wrapper():
-    class M(nnx.Module):
-        def __init__(self, rngs):
-            self.c1 = nnx.Conv(3, 4, (3, 3), rngs=rngs)
-            self.c2 = nnx.Conv(4, 2, (5, 5), rngs=rngs)
-
-        def __call__(self, x):
-            return self.c2(nnx.relu(self.c1(x)))
-
-    m = M(nnx.Rngs(0))
-    w = NNXRowSequential(m.c1, nnx.relu, m.c2, rows=4, mode="share")
-    np.testing.assert_allclose(w(X), m(X), rtol=1e-5, atol=1e-5)
-    ga = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(m)
-    gb = nnx.grad(lambda w: jnp.sum(w(X) ** 2))(w)
-    np.testing.assert_allclose(gb.layers[0].kernel[...], ga.c1.kernel[...], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(gb.layers[2].bias[...], ga.c2.bias[...], rtol=1e-4, atol=1e-4)
-
-
-# ----------------------------------------------------------------------------- torch
 
 torch = pytest.importorskip("torch")
+
 from torch_ref.rowconv import Residual as TorchResidual
 from torch_ref.rowconv import RowSequential as TorchRowSequential
 from torch_ref.rowconv import tile_ranges as torch_tile_ranges
@@ -175,12 +115,20 @@ def test_jaxmem_equals_torch_ref_on_transferred_weights():
         else:
             params.append({})
     xt = torch.randn(2, 3, 131, 11, dtype=torch.double, requires_grad=True)
+    _assert_jaxmem_equals_torch_ref(seq, layers, params, xt, [seq[0].weight],
+                                    lambda gp: [gp[0]["kernel"]])
+
+
+def _assert_jaxmem_equals_torch_ref(seq, layers, params, xt, leaves, param_grads):
+    """Both modes, 3 tiles, float64: ``rc.apply`` on the transferred ``params`` gives
+    ``torch_ref``'s output, input gradient and the gradients of the torch ``leaves``
+    (``param_grads(jax_grads)`` lists the matching JAX ones; HWIO kernels -> OIHW)."""
     with jax.enable_x64(True):
         p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
         xj = jnp.asarray(xt.detach().numpy().transpose(0, 2, 3, 1))
         for mode in rc.MODES:
             yt = TorchRowSequential(seq, 3, mode)(xt)
-            gt = torch.autograd.grad(yt.square().sum(), [xt, seq[0].weight])
+            gt = torch.autograd.grad(yt.square().sum(), [xt, *leaves])
             yj = rc.apply(layers, p64, xj, rows=3, mode=mode)
             np.testing.assert_allclose(np.asarray(yj).transpose(0, 3, 1, 2),
                                        yt.detach().numpy(), rtol=1e-10, atol=1e-10)
@@ -188,8 +136,10 @@ def test_jaxmem_equals_torch_ref_on_transferred_weights():
                 rc.apply(layers, p, x, rows=3, mode=mode))), (0, 1))(xj, p64)
             np.testing.assert_allclose(np.asarray(gx).transpose(0, 3, 1, 2), gt[0].numpy(),
                                        rtol=1e-9, atol=1e-9)
-            np.testing.assert_allclose(np.asarray(gp[0]["kernel"]).transpose(3, 2, 0, 1),
-                                       gt[1].numpy(), rtol=1e-9, atol=1e-9)
+            for gj, gtt in zip(param_grads(gp), gt[1:], strict=True):
+                gj = np.asarray(gj)
+                gj = gj.transpose(3, 2, 0, 1) if gj.ndim == 4 else gj
+                np.testing.assert_allclose(gj, gtt.numpy(), rtol=1e-9, atol=1e-9)
 
 
 def _conv_params(m):
@@ -215,27 +165,11 @@ def test_jaxmem_share_equals_torch_ref_share_residual():
                "shortcut": [_conv_params(r2.shortcut[0])]},
               {}, _conv_params(seq[5])]
     xt = torch.randn(2, 3, 131, 9, dtype=torch.double, requires_grad=True)
-    leaves = [xt, seq[0].weight, r1.branch[2].weight, r2.shortcut[0].weight, seq[5].bias]
-    with jax.enable_x64(True):
-        p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
-        xj = jnp.asarray(xt.detach().numpy().transpose(0, 2, 3, 1))
-        for mode in rc.MODES:
-            yt = TorchRowSequential(seq, 3, mode)(xt)
-            gt = torch.autograd.grad(yt.square().sum(), leaves)
-            yj = rc.apply(layers, p64, xj, rows=3, mode=mode)
-            np.testing.assert_allclose(np.asarray(yj).transpose(0, 3, 1, 2),
-                                       yt.detach().numpy(), rtol=1e-10, atol=1e-10)
-            gx, gp = jax.grad(lambda x, p, mode=mode: jnp.sum(jnp.square(
-                rc.apply(layers, p, x, rows=3, mode=mode))), (0, 1))(xj, p64)
-            np.testing.assert_allclose(np.asarray(gx).transpose(0, 3, 1, 2), gt[0].numpy(),
-                                       rtol=1e-9, atol=1e-9)
-            kt = (3, 2, 0, 1)
-            for gj, gtt in [(gp[0]["kernel"], gt[1]), (gp[2]["branch"][2]["kernel"], gt[2]),
-                            (gp[3]["shortcut"][0]["kernel"], gt[3])]:
-                np.testing.assert_allclose(np.asarray(gj).transpose(kt), gtt.numpy(),
-                                           rtol=1e-9, atol=1e-9)
-            np.testing.assert_allclose(np.asarray(gp[5]["bias"]), gt[4].numpy(),
-                                       rtol=1e-9, atol=1e-9)
+    leaves = [seq[0].weight, r1.branch[2].weight, r2.shortcut[0].weight, seq[5].bias]
+    _assert_jaxmem_equals_torch_ref(
+        seq, layers, params, xt, leaves,
+        lambda gp: [gp[0]["kernel"], gp[2]["branch"][2]["kernel"],
+                    gp[3]["shortcut"][0]["kernel"], gp[5]["bias"]])
 
 
 def test_torch_ref_share_saves_less_than_untiled():

@@ -13,7 +13,7 @@ def _lagging_stack():
     # stride-2 'SAME' conv followed by a dilated VALID conv (effective height 11) that is
     # taller than its 10-row output: in share mode the output stream lags by 12 rows, so
     # with rows=2 a tile has 11 output rows, more than the whole 10-row output map (this
-    # used to fail at trace time with a TypeError from dynamic_slice).
+    # regression: failed at trace time with a TypeError from dynamic_slice).
     return [rc.Conv(2, 3, strides=1, kernel_dilation=1, padding="SAME", use_bias=True),
             rc.Conv(2, (2, 1), strides=2, kernel_dilation=(1, 1), padding="SAME",
                     use_bias=True),

@@ -170,6 +170,42 @@ def test_linen_conv_transpose_converted_and_exact():
     assert fl.lax is jax.lax
 
 
+class _NNXUp(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.ConvTranspose(3, 6, (3, 3), strides=(2, 2), padding="SAME", rngs=rngs)
+        self.b = nnx.ConvTranspose(6, 4, (4, 4), strides=(2, 2), padding="CIRCULAR",
+                                   transpose_kernel=True, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+def test_nnx_conv_transpose_converted_and_exact():
+    import flax.nnx.nn.linear as fnl
+
+    import jaxmem
+    model = _NNXUp(nnx.Rngs(3))
+    conv_model = jaxmem.nnx.convert(model)
+    assert type(conv_model.a) is not nnx.ConvTranspose and isinstance(conv_model.a,
+                                                                        nnx.ConvTranspose)
+    x = jax.random.normal(K[5], (2, 5, 5, 3))
+
+    def loss(m):
+        graphdef, params = nnx.split(m, nnx.Param)
+        return graphdef, params, (lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x))))
+
+    _, p, f_ref = loss(model)
+    _, p_sel, f_sel = loss(conv_model)
+    np.testing.assert_allclose(conv_model(x), model(x), rtol=1e-5, atol=1e-5)
+    _close(jax.grad(f_sel, (0, 1))(p_sel, x), jax.grad(f_ref, (0, 1))(p, x))
+    assert "conv_transpose.input" in str(residual_bytes(f_sel, p_sel, x, argnums=0))
+    assert "conv_transpose.input" not in str(residual_bytes(f_sel, p_sel, x, argnums=1))
+    assert fnl.lax is jax.lax  # the module's lax is restored after each call
+    rep = jaxmem.report(jax.grad(f_sel), p_sel, x)
+    assert any(e.target == "flax.nnx.ConvTranspose" and e.status == "converted"
+               for e in rep.entries), rep
+
+
 # ------------------------------------------------------------------- visible fallbacks
 class _MaskedLN(nn.Module):
     @nn.compact

@@ -1,0 +1,185 @@
+"""jaxmem.plan at 50/25/10 % of the default step's compiled bytes, vs uniform JAX remat.
+
+For each model: the untouched ``value_and_grad(loss)`` (default), the planned step, and the
+uniform JAX policies a user writes: ``jax.checkpoint`` on every layer unit with
+``nothing_saveable`` / ``dots_saveable``, and ``jax.checkpoint(loss,
+policy=save_only_these_names(<unit boundaries>))``. Bytes are compiled bytes
+(temp + output + argument - alias); times are ratios to the default, measured side by side
+(median of interleaved runs).
+
+    .venv/bin/python benchmarks/plan/bench_plan.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem import models
+from jaxmem.measure import compiled_memory
+from jaxmem.planner import BudgetError, plan
+from jaxmem.planner import trace as T
+
+OUT = pathlib.Path(__file__).resolve().parents[1] / "results" / "plan"
+MIB = 2.0**20
+
+
+def gpt_case(quick):
+    m = models.gpt(n_layer=4, d_model=64, ctx=64)
+    tok = jax.random.randint(jax.random.key(0), (16 if quick else 32, 64), 0, 256)
+    params = m.init(jax.random.key(1), tok)["params"]
+
+    def loss(p, t):
+        lg = m.apply({"params": p}, t)
+        return -jnp.mean(jax.nn.log_softmax(lg)[..., 0])
+
+    return f"gpt (4x64, ctx 64, b{tok.shape[0]})", loss, (params, tok)
+
+
+def resnet_case(quick):
+    m = models.resnet50(width=0.125, num_classes=10, stem="cifar")
+    x = jax.random.normal(jax.random.key(2), (4 if quick else 8, 32, 32, 3))
+    v = m.init(jax.random.key(3), x, train=False)
+
+    def loss(p, x):
+        y, _ = m.apply({"params": p, "batch_stats": v["batch_stats"]}, x, train=True,
+                       mutable=["batch_stats"])
+        return jnp.mean(y ** 2)
+
+    return f"resnet50 (w 0.125, 32x32, b{x.shape[0]})", loss, (v["params"], x)
+
+
+def uniform_steps(loss, args):
+    tr = T.trace(loss, args)
+    units = T.choose_units(tr)
+
+    def per_unit(opt):
+        def f(*a):
+            flat = jax.tree_util.tree_leaves(a)
+            return T.run_chunks(tr.closed, units, {u.label: opt for u in units}, flat,
+                                fence=False)[0]
+        return f
+
+    names = [T.PREFIX + u.label for u in units if u.label in tr.ends]
+
+    def boundary(*a):
+        from jaxmem.planner.trace import _linen_tags
+        pol = jax.checkpoint_policies.save_only_these_names(*names)
+        with _linen_tags():
+            return jax.checkpoint(loss, policy=pol)(*a)
+
+    return {"nothing_saveable": per_unit("recompute"), "dots_saveable": per_unit("dots"),
+            "save_only_these_names": boundary}
+
+
+def total(fn, args):
+    return compiled_memory(jax.value_and_grad(fn), *args).total_bytes
+
+
+def times(fns, args, reps):
+    jitted = [jax.jit(jax.value_and_grad(f)) for f in fns]
+    for j in jitted:
+        jax.block_until_ready(j(*args))
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for i, j in enumerate(jitted):
+            t = time.perf_counter()
+            jax.block_until_ready(j(*args))
+            ts[i].append(time.perf_counter() - t)
+    return [float(np.median(t)) for t in ts]
+
+
+def run(quick):
+    rows = []
+    for case in (gpt_case, resnet_case):
+        name, loss, args = case(quick)
+        default = total(loss, args)
+        uni = uniform_steps(loss, args)
+        uni_bytes = {k: total(f, args) for k, f in uni.items()}
+        print(name, "default", default / MIB, {k: v / MIB for k, v in uni_bytes.items()},
+              flush=True)
+        for frac in (0.5, 0.25, 0.1):
+            budget = int(frac * default)
+            row = {"model": name, "fraction": frac, "budget_bytes": budget,
+                   "default_bytes": default}
+            t0 = time.perf_counter()
+            try:
+                p = plan(loss, *args, budget=frac)
+            except BudgetError as e:
+                row.update(met=False, smallest_bytes=e.smallest_bytes, error=str(e))
+                p = None
+            row["plan_seconds"] = time.perf_counter() - t0
+            fitting = [k for k, b in uni_bytes.items() if b <= budget]
+            row["uniform_fitting"] = {k: uni_bytes[k] for k in fitting}
+            fns = [loss] + ([p.step] if p else []) + [uni[k] for k in fitting]
+            ts = times(fns, args, 3 if quick else 5)
+            if p is not None:
+                row.update(met=p.compiled_bytes <= budget, compiled_bytes=p.compiled_bytes,
+                           predicted_bytes=p.predicted_bytes,
+                           prediction_error=p.prediction_error, time_ratio=ts[1] / ts[0],
+                           predicted_time=p.predicted_time, solver=p.solver_status,
+                           gap=p.solver_gap,
+                           choices={c.label: c.option for c in p.choices})
+            off = 2 if p is not None else 1
+            row["uniform_time_ratio"] = {k: ts[off + i] / ts[0] for i, k in enumerate(fitting)}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
+        rows.append({"model": name, "uniform_bytes": uni_bytes, "default_bytes": default})
+    return rows
+
+
+def markdown(rows, quick=False):
+    lines = ["# jaxmem.plan: budgets of 50/25/10 % of the default compiled bytes", "",
+             ("Compiled bytes (temp + output + argument - alias) of `value_and_grad(loss)`; "
+              "time = median step time / default's, measured side by side. Uniform = the "
+              "cheapest uniform JAX remat policy whose compiled bytes fit the budget "
+              "(none = no uniform policy fits)."), "",
+             "Command: `.venv/bin/python benchmarks/plan/bench_plan.py"
+             + (" --quick`" if quick else "`"), "",
+             ("Times were taken on a 2-core machine shared with other jobs: read them as "
+              "rough; a ratio below 1 is contention noise, not a speed-up."), "",
+             ("| model | budget | met | compiled MiB (x default) | predicted err | time | "
+              "best uniform that fits (time) |"), "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "fraction" not in r:
+            continue
+        uni = r.get("uniform_time_ratio", {})
+        best = min(uni.items(), key=lambda kv: kv[1]) if uni else None
+        ustr = f"{best[0]} ({best[1]:.2f}x)" if best else "none"
+        if r.get("met"):
+            lines.append(
+                f"| {r['model']} | {int(r['fraction'] * 100)} % | yes | "
+                f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
+                f" | {r['prediction_error'] * 100:+.1f} % | {r['time_ratio']:.2f}x | {ustr} |")
+        else:
+            lines.append(
+                f"| {r['model']} | {int(r['fraction'] * 100)} % | no (smallest "
+                f"{r['smallest_bytes'] / MIB:.2f} MiB, "
+                f"{r['smallest_bytes'] / r['default_bytes']:.2f}x) | - | - | - | {ustr} |")
+    lines += ["", "Uniform JAX policies, compiled MiB (default in brackets):", ""]
+    for r in rows:
+        if "uniform_bytes" in r:
+            lines.append(f"- {r['model']} [{r['default_bytes'] / MIB:.2f}]: " + ", ".join(
+                f"{k} {v / MIB:.2f}" for k, v in r["uniform_bytes"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    rows = run(a.quick)
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick}
+    (OUT / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (OUT / "plan.md").write_text(markdown(rows, a.quick))
+    print(markdown(rows, a.quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Meshes and parameter/batch shardings for data, fully-sharded and tensor parallelism.
+
+Three layouts of a parameter tree over a mesh with axes ``('data', 'model')``:
+
+* ``"dp"`` (data parallel): every parameter replicated; the batch is split over ``'data'``.
+  The gradient of the mean loss is the mean of per-shard gradients: one all-reduce per
+  parameter (XLA may combine them).
+* ``"fsdp"`` (fully sharded data parallel, ZeRO-3): each parameter is split over ``'data'``
+  along its largest axis divisible by the ``'data'`` size (replicated when none is); XLA
+  all-gathers a parameter where it is used and reduce-scatters its gradient.
+* ``"tp"`` (tensor parallel, Megatron-LM): by parameter path, the first Dense of a pair is
+  column-parallel (kernel ``P(None, 'model')``, bias ``P('model')``), the second row-parallel
+  (kernel ``P('model', None)``), so ``y = (x W1) W2`` needs one all-reduce per pair; conv
+  kernels split their output channels; embeddings split the vocabulary. Batch over ``'data'``.
+
+Every rule is a ``(regex, PartitionSpec)`` pair matched against the ``/``-joined path of the
+parameter (first match wins), as in ``param_shardings(params, mesh, rules=...)``.
+
+Example::
+
+    mesh = jaxmem.distributed.mesh(data=4, model=2)
+    shardings = jaxmem.distributed.param_shardings(params, mesh, mode="tp")
+    params = jax.device_put(params, shardings)
+    batch = jax.device_put(batch, jaxmem.distributed.batch_sharding(mesh))
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["MODES", "TP_RULES", "batch_sharding", "mesh", "param_shardings", "path_str",
+           "replicated"]
+
+MODES = ("dp", "fsdp", "tp")
+
+#: Megatron-style tensor-parallel rules: (regex on the parameter path, spec). Column-parallel
+#: projections first (split outputs), then row-parallel ones (split inputs).
+_COLUMN = r"(c_attn|c_fc|query|key|value|q_proj|k_proj|v_proj|qkv|fc1|wi|up_proj|gate_proj)"
+_ROW = r"(c_proj|out|o_proj|out_proj|fc2|wo|down_proj)"
+TP_RULES: tuple[tuple[str, P], ...] = (
+    (rf"(^|/){_COLUMN}/kernel$", P(None, "model")),
+    (rf"(^|/){_COLUMN}/bias$", P("model")),
+    (rf"(^|/){_ROW}/kernel$", P("model", None)),
+    (rf"(^|/){_ROW}/bias$", P()),
+    (r"(^|/)(wte|embedding|embed|tok_embeddings)/embedding$", P("model", None)),
+    (r"(^|/)[^/]*conv[^/]*/kernel$", P(None, None, None, "model")),
+)
+
+
+def mesh(data: int | None = None, model: int = 1, *, devices: Sequence | None = None) -> Mesh:
+    """A 2-D ``Mesh`` with axes ``('data', 'model')`` of shape ``(data, model)``.
+
+    ``data=None`` uses every device not taken by ``model``: ``mesh(model=2)`` on 8 devices is
+    ``4 x 2``. ``devices`` defaults to ``jax.devices()`` (all processes' devices).
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    if not isinstance(model, (int, np.integer)) or isinstance(model, bool) or model < 1:
+        raise ValueError(f"mesh: model must be an int >= 1, got {model!r}")
+    if data is None:
+        if len(devs) % model:
+            raise ValueError(f"mesh: model={model} does not divide the {len(devs)} devices")
+        data = len(devs) // model
+    if not isinstance(data, (int, np.integer)) or isinstance(data, bool) or data < 1:
+        raise ValueError(f"mesh: data must be an int >= 1 or None, got {data!r}")
+    if data * model > len(devs):
+        raise ValueError(f"mesh: data*model = {data}*{model} = {data * model} exceeds the "
+                         f"{len(devs)} available devices")
+    return Mesh(np.array(devs[:data * model]).reshape(data, model), ("data", "model"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """``NamedSharding(mesh, P())``: a full copy on every device."""
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, axis: str = "data") -> NamedSharding:
+    """Leading (batch) axis split over ``axis``: ``NamedSharding(mesh, P(axis))``."""
+    _check_mesh(mesh, "batch_sharding")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"batch_sharding: axis {axis!r} is not a mesh axis {mesh.axis_names}")
+    return NamedSharding(mesh, P(axis))
+
+
+def path_str(path) -> str:
+    """``'h_0/attn/c_attn/kernel'`` for a ``jax.tree_util`` key path."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _check_mesh(mesh, who):
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+
+
+def _axis_size(mesh: Mesh, axis: str) -> int:
+    return int(mesh.shape[axis]) if axis in mesh.axis_names else 1
+
+
+def _fits(spec: P, shape, mesh: Mesh) -> bool:
+    if len(spec) > len(shape):
+        return False
+    for dim, ax in zip(shape, spec):
+        if ax is None:
+            continue
+        names = ax if isinstance(ax, tuple) else (ax,)
+        if any(n not in mesh.axis_names for n in names):
+            return False
+        if dim % int(np.prod([mesh.shape[n] for n in names])):
+            return False
+    return True
+
+
+def _fsdp_spec(shape, n: int) -> P:
+    """Split the largest axis divisible by ``n`` (ties: the last such axis)."""
+    best = None
+    for i, d in enumerate(shape):
+        if d % n == 0 and d >= n and (best is None or d >= shape[best]):
+            best = i
+    if best is None or n == 1:
+        return P()
+    return P(*([None] * best + ["data"]))
+
+
+def param_shardings(params, mesh: Mesh, mode: str = "fsdp", *,
+                    rules: Sequence[tuple[str, P]] | None = None):
+    """A pytree of ``NamedSharding`` (same structure as ``params``) for ``mode``.
+
+    Args:
+      params: a parameter pytree (Flax ``params`` collection or any pytree of arrays or
+        ``jax.ShapeDtypeStruct``).
+      mesh: a mesh with a ``'data'`` axis (and ``'model'`` for ``"tp"``), e.g. :func:`mesh`.
+      mode: ``"dp"`` (replicate), ``"fsdp"`` (split the largest axis divisible by the
+        ``'data'`` size over ``'data'``) or ``"tp"`` (Megatron rules :data:`TP_RULES`).
+      rules: ``(regex, PartitionSpec)`` pairs tried first on the ``/``-joined path; a spec
+        whose axes do not divide the parameter's shape is skipped (the parameter falls to the
+        mode's default, replication for ``"tp"``).
+
+    Example::
+
+        shardings = param_shardings(params, mesh, mode="fsdp")
+        params = jax.device_put(params, shardings)
+    """
+    _check_mesh(mesh, "param_shardings")
+    if mode not in MODES:
+        raise ValueError(f"param_shardings: mode must be one of {MODES}, got {mode!r}")
+    if mode == "tp" and "model" not in mesh.axis_names:
+        raise ValueError(f"param_shardings: mode='tp' needs a 'model' mesh axis, mesh has "
+                         f"{mesh.axis_names}")
+    if mode in ("dp", "fsdp") and "data" not in mesh.axis_names:
+        raise ValueError(f"param_shardings: mode={mode!r} needs a 'data' mesh axis, mesh has "
+                         f"{mesh.axis_names}")
+    user = [(re.compile(r), s) for r, s in (rules or ())]
+    tp = [(re.compile(r), s) for r, s in TP_RULES] if mode == "tp" else []
+    n_data = _axis_size(mesh, "data")
+
+    def one(path, leaf):
+        shape = tuple(np.shape(leaf))
+        name = path_str(path)
+        for rx, spec in user + tp:
+            if rx.search(name) and _fits(spec, shape, mesh):
+                return NamedSharding(mesh, spec)
+        if mode == "fsdp":
+            return NamedSharding(mesh, _fsdp_spec(shape, n_data))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, params)

@@ -1,0 +1,157 @@
+"""Sharded training steps in a few lines: ``train_step(loss_fn, optimizer, mesh, mode)``.
+
+The step is plain SPMD JAX: ``jax.jit`` with ``in_shardings``/``out_shardings`` from
+:func:`~jaxmem.distributed.param_shardings` and :func:`~jaxmem.distributed.batch_sharding`,
+parameters and optimizer state donated. jit's semantics are those of the single-device
+program (the loss is the mean over the *global* batch, BatchNorm statistics are global), so
+gradients equal the one-device step; only the layout differs. jaxmem models (from
+``jaxmem.linen.convert``) go in unchanged.
+
+Example::
+
+    mesh = jaxmem.distributed.mesh(data=8)
+    step = jaxmem.distributed.train_step(loss_fn, optax.adam(1e-3), mesh, mode="fsdp")
+    params, opt_state = step.init(params)          # placed with their shardings
+    params, opt_state, loss = step(params, opt_state, batch)   # batch: host or global arrays
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.distributed.sharding import MODES, _check_mesh, batch_sharding, param_shardings
+
+__all__ = ["TrainStep", "train_step"]
+
+
+def _key(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+def _gathered(params, mesh):
+    """``params`` replicated over ``'data'`` (FSDP's per-use all-gather); the gradient of this
+    constraint is the matching reduce-scatter."""
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, rep), params)
+
+
+class TrainStep:
+    """A jitted, sharded ``(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    ``loss_fn(params, batch) -> scalar``. ``optimizer`` is an ``optax.GradientTransformation``.
+    Optimizer-state leaves follow the same path/shape rules as the parameters they mirror
+    (e.g. Adam's ``mu``/``nu``), scalars (``count``) are replicated.
+    """
+
+    def __init__(self, loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
+                 rules: Sequence | None = None, batch_axis: str = "data", donate: bool = True):
+        if not callable(loss_fn):
+            raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError("train_step: optimizer must be an optax.GradientTransformation "
+                            f"(init/update), got {type(optimizer).__name__}")
+        _check_mesh(mesh, "train_step")
+        if mode not in MODES:
+            raise ValueError(f"train_step: mode must be one of {MODES}, got {mode!r}")
+        self.loss_fn, self.optimizer, self.mesh, self.mode = loss_fn, optimizer, mesh, mode
+        self.rules = tuple(rules or ())
+        self.batch_sharding = batch_sharding(mesh, batch_axis)
+        self.donate = bool(donate)
+        self._cache: dict = {}
+
+    # -- layouts -------------------------------------------------------------------------
+    def param_shardings(self, params):
+        """The parameters' shardings (see :func:`jaxmem.distributed.param_shardings`)."""
+        return param_shardings(params, self.mesh, self.mode, rules=self.rules)
+
+    def opt_shardings(self, params):
+        """The optimizer state's shardings: each leaf by its own path and shape."""
+        shapes = jax.eval_shape(self.optimizer.init, params)
+        return param_shardings(shapes, self.mesh, self.mode, rules=self.rules)
+
+    def init(self, params):
+        """``(params, optimizer.init(params))`` placed with their shardings (no host copy of
+        the optimizer state: it is created sharded)."""
+        psh, osh = self.param_shardings(params), self.opt_shardings(params)
+        params = jax.device_put(params, psh)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=osh)(params)
+        return params, opt_state
+
+    # -- the step ------------------------------------------------------------------------
+    def _loss_and_grads(self, params, batch, psh):
+        if self.mode == "fsdp":
+            # ZeRO-3: gather each parameter where the forward uses it (one all-gather per
+            # parameter), so activations keep their batch layout whatever the model's ops
+            loss_fn = lambda p, b: self.loss_fn(_gathered(p, self.mesh), b)
+        else:
+            loss_fn = self.loss_fn
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        # gradients take the parameters' layout: FSDP reduce-scatters, DP all-reduces
+        return loss, jax.lax.with_sharding_constraint(grads, psh)
+
+    def _compiled_fns(self, params):
+        key = _key(params)
+        if key not in self._cache:
+            import optax
+
+            psh = self.param_shardings(params)
+            osh = self.opt_shardings(params)
+            rep = NamedSharding(self.mesh, P())
+
+            def step(p, s, batch):
+                loss, grads = self._loss_and_grads(p, batch, psh)
+                updates, s = self.optimizer.update(grads, s, p)
+                return optax.apply_updates(p, updates), s, loss
+
+            def grads_fn(p, batch):
+                return self._loss_and_grads(p, batch, psh)
+
+            jstep = jax.jit(step, in_shardings=(psh, osh, self.batch_sharding),
+                            out_shardings=(psh, osh, rep),
+                            donate_argnums=(0, 1) if self.donate else ())
+            jgrads = jax.jit(grads_fn, in_shardings=(psh, self.batch_sharding),
+                             out_shardings=(rep, psh))
+            self._cache[key] = (jstep, jgrads)
+        return self._cache[key]
+
+    def __call__(self, params, opt_state, batch):
+        """One optimizer step; returns ``(params, opt_state, loss)``. Donates the first two."""
+        return self._compiled_fns(params)[0](params, opt_state, batch)
+
+    def grads(self, params, batch):
+        """``(loss, grads)`` of ``loss_fn`` with the step's shardings (grads laid out like the
+        parameters)."""
+        return self._compiled_fns(params)[1](params, batch)
+
+    def lower(self, params, opt_state, batch):
+        """``jax.jit(...).lower`` of the step (for ``.compile().as_text()`` /
+        ``memory_analysis()``); accepts ``jax.ShapeDtypeStruct`` leaves."""
+        return self._compiled_fns(params)[0].lower(params, opt_state, batch)
+
+
+def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
+               rules: Sequence | None = None, batch_axis: str = "data",
+               donate: bool = True) -> TrainStep:
+    """A sharded training step: ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    ``mode``: ``"dp"``, ``"fsdp"`` or ``"tp"`` (see :mod:`jaxmem.distributed.sharding`);
+    ``rules`` override the per-path layout; the batch's leading axis is split over
+    ``batch_axis``. Parameters and optimizer state are donated unless ``donate=False``.
+
+    Example::
+
+        model = jaxmem.linen.convert(jaxmem.models.gpt(), fewbit=3)
+        def loss_fn(params, batch):
+            logits = model.apply({"params": params}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        step = train_step(loss_fn, optax.sgd(0.1), jaxmem.distributed.mesh(data=8), "fsdp")
+        params, opt_state = step.init(params)
+        params, opt_state, loss = step(params, opt_state, batch)
+    """
+    return TrainStep(loss_fn, optimizer, mesh, mode, rules=rules, batch_axis=batch_axis,
+                     donate=donate)

@@ -1,0 +1,111 @@
+"""``jaxmem plan module:function --budget 512MiB``: plan a user's own step from the shell.
+
+``module:function`` names a function that takes no arguments and returns ``(loss, args)``:
+the loss ``loss(params, *batch) -> scalar`` and a tuple of example arguments. The planner's
+table is printed (rich), a JSON is written, and a PNG of the bytes each unit keeps, default vs
+planned, when matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _load(spec: str):
+    if ":" not in spec:
+        raise SystemExit(f"jaxmem plan: expected module:function, got {spec!r}")
+    modname, fn = spec.split(":", 1)
+    sys.path.insert(0, str(pathlib.Path.cwd()))
+    try:
+        mod = importlib.import_module(modname)
+    finally:
+        sys.path.pop(0)
+    make = getattr(mod, fn, None)
+    if not callable(make):
+        raise SystemExit(f"jaxmem plan: {modname} has no callable {fn!r}")
+    out = make()
+    if not (isinstance(out, tuple) and len(out) == 2 and callable(out[0])):
+        raise SystemExit(f"jaxmem plan: {spec}() must return (loss, args), got "
+                         f"{type(out).__name__}")
+    return out[0], tuple(out[1])
+
+
+def _budget(text: str):
+    try:
+        v = float(text)
+    except ValueError:
+        return text
+    return v if ("." in text and v <= 1.0) else int(v)
+
+
+def _png(p, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [c.label for c in p.choices]
+    mib = 2.0**20
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.5), 4))
+    xs = range(len(labels))
+    full = [c.keep_bytes / mib if c.option == "store" else (c.keep_bytes + c.work_bytes) / mib
+            for c in p.choices]
+    ax.bar([x - 0.2 for x in xs], full, 0.4, label="default (kept for backward)")
+    ax.bar([x + 0.2 for x in xs], [c.keep_bytes / mib for c in p.choices], 0.4,
+           label="planned")
+    ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("MiB kept per unit")
+    ax.set_title(f"compiled {p.compiled_bytes / mib:.1f} MiB of budget "
+                 f"{p.budget_bytes / mib:.1f} (default {p.default_bytes / mib:.1f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="jaxmem plan", description=__doc__.splitlines()[0])
+    ap.add_argument("target", help="module:function returning (loss, args)")
+    ap.add_argument("--budget", required=True,
+                    help="bytes (4096), a size (512MiB, 1.5GB) or a fraction (0.25)")
+    ap.add_argument("--approximate", action="store_true",
+                    help="allow few-bit residuals (not implemented yet)")
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--out", default="jaxmem-plan", help="folder for plan.json / plan.png")
+    a = ap.parse_args(list(argv) if argv is not None else None)
+    from rich.console import Console
+
+    from jaxmem.planner import BudgetError, plan
+    console = Console()
+    loss, args = _load(a.target)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with console.status("measuring and solving"):
+        try:
+            p = plan(loss, *args, budget=_budget(a.budget), allow_approximate=a.approximate,
+                     time_limit=a.time_limit)
+        except BudgetError as e:
+            console.print(f"[red]{e}")
+            (out / "plan.json").write_text(json.dumps(
+                {"error": str(e), "smallest_bytes": e.smallest_bytes,
+                 "dominant": e.dominant}, indent=1))
+            return 2
+    console.print(p)
+    (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=1))
+    if _png(p, out / "plan.png"):
+        console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    else:
+        console.print(f"wrote {out / 'plan.json'} (no matplotlib: no PNG)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

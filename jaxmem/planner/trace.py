@@ -1,0 +1,334 @@
+"""Tag layer boundaries, trace a loss into a jaxpr, cut it into units, run it with a choice.
+
+A *unit* is a contiguous run of the loss jaxpr's equations that ends at the output of one
+Flax Linen method call (tagged ``checkpoint_name(y, "jaxmem/<path>")`` while tracing). Running
+the jaxpr chunk by chunk and wrapping a chunk in ``jax.checkpoint`` keeps only the chunk's
+inputs (or, with ``policy=dots_saveable``, also its matmul outputs) for the backward pass and
+recomputes the rest just before the chunk's own backward. The equations and their order are
+unchanged, so values and gradients are exactly the untouched loss's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+from jax.ad_checkpoint import checkpoint_name
+
+__all__ = ["PREFIX", "Traced", "Unit", "run_chunks", "tag", "trace"]
+
+PREFIX = "jaxmem/"
+
+
+def tag(x: Any, name: str) -> Any:
+    """Mark every array leaf of ``x`` as a unit boundary named ``name`` (identity on values)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tag: name must be a non-empty str, got {name!r}")
+    return jax.tree_util.tree_map(
+        lambda a: checkpoint_name(a, PREFIX + name) if isinstance(a, jax.Array)
+        or hasattr(a, "aval") else a, x)
+
+
+@contextlib.contextmanager
+def _linen_tags():
+    """Tag the outputs of every Linen method call (``__call__`` and public methods)."""
+    import flax.linen as nn
+
+    counts: dict[str, int] = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        meth = context.method_name
+        if meth == "setup" or (meth.startswith("_") and meth != "__call__"):
+            return out
+        m = context.module
+        try:
+            if m.scope is None or m.is_initializing():
+                return out
+            path = "/".join(str(p) for p in m.scope.path)
+        except Exception:  # noqa: BLE001  # pragma: no cover - unbound modules
+            return out
+        if not path:
+            return out
+        label = path if meth == "__call__" else f"{path}.{meth}"
+        k = counts.get(label, 0)
+        counts[label] = k + 1
+        if k:
+            label = f"{label}#{k}"
+        return tag(out, label)
+
+    with nn.intercept_methods(interceptor):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Equations ``[start, stop)`` of the loss jaxpr; ``label`` names the layer that ends it."""
+
+    label: str
+    start: int
+    stop: int
+    depth: int
+
+
+@dataclasses.dataclass
+class Traced:
+    """The loss jaxpr with its unit boundaries."""
+
+    closed: Any            # ClosedJaxpr of loss(*flat_args)
+    in_tree: Any
+    out_tree: Any
+    ends: dict[str, int]   # tag label -> index of its last tagging equation
+
+
+def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None) -> Traced:
+    """Trace ``fn(*args)`` with Linen boundary tags (and ``scope_ctx`` active, if given)."""
+    flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
+    out_tree_box: list[Any] = []
+
+    def flat_fn(*xs):
+        a = jax.tree_util.tree_unflatten(in_tree, xs)
+        out = fn(*a)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(tree)
+        return leaves
+
+    ctx = scope_ctx if scope_ctx is not None else contextlib.nullcontext()
+    with ctx, _linen_tags():
+        closed = jax.make_jaxpr(flat_fn)(*flat)
+    ends: dict[str, int] = {}
+    for i, eqn in enumerate(closed.jaxpr.eqns):
+        if eqn.primitive.name == "name":
+            nm = eqn.params.get("name", "")
+            if isinstance(nm, str) and nm.startswith(PREFIX):
+                ends[nm[len(PREFIX):]] = i
+    return Traced(closed, in_tree, out_tree_box[-1], ends)
+
+
+def choose_units(tr: Traced, max_units: int = 64) -> list[Unit]:
+    """Cut the jaxpr at the outputs of the shallowest tagged layers, then split any unit that
+    holds more than half of all equations at its children's outputs (while <= ``max_units``).
+    The equations after the last cut form a final untagged unit ``"(rest)"``."""
+    n = len(tr.closed.jaxpr.eqns)
+    labels = sorted(tr.ends, key=lambda k: tr.ends[k])
+    if not labels:
+        return []
+
+    def depth(lbl):
+        return lbl.split("#")[0].split(".")[0].count("/") + 1
+
+    def parent_of(lbl):
+        base = lbl.split("#")[0].split(".")[0]
+        return base.rsplit("/", 1)[0] if "/" in base else None
+
+    top = min(depth(lbl) for lbl in labels)
+    cuts = [lbl for lbl in labels if depth(lbl) == top]
+    while True:
+        units = _units_from(tr, cuts, n)
+        big = max(units, key=lambda u: u.stop - u.start)
+        base = big.label.split("#")[0].split(".")[0]
+        kids = [lbl for lbl in labels if parent_of(lbl) == base
+                and units_index(units, tr.ends[lbl]) is big and lbl not in cuts]
+        if (big.stop - big.start) * 2 <= n or not kids or len(cuts) + len(kids) > max_units:
+            return units
+        cuts = sorted(set(cuts) | set(kids), key=lambda k: tr.ends[k])
+
+
+def units_index(units, eqn_index):
+    for u in units:
+        if u.start <= eqn_index < u.stop:
+            return u
+    return None
+
+
+def _units_from(tr: Traced, cuts: Sequence[str], n: int) -> list[Unit]:
+    out, start = [], 0
+    for lbl in sorted(cuts, key=lambda k: tr.ends[k]):
+        stop = tr.ends[lbl] + 1
+        if stop > start:
+            d = lbl.split("#")[0].split(".")[0].count("/") + 1
+            out.append(Unit(lbl, start, stop, d))
+            start = stop
+    if start < n:
+        out.append(Unit("(rest)", start, n, 0))
+    return out
+
+
+def chunk_io(jaxpr: Any, start: int, stop: int) -> tuple[list[Any], list[Any]]:
+    """Variables a chunk reads from before it, and those it defines that are read after it."""
+    defined: set = set()
+    ins: list = []
+    seen: set = set()
+    for eqn in jaxpr.eqns[start:stop]:
+        for v in eqn.invars:
+            if isinstance(v, core.Literal) or v in defined or v in seen:
+                continue
+            seen.add(v)
+            ins.append(v)
+        for v in eqn.outvars:
+            if not isinstance(v, core.DropVar):
+                defined.add(v)
+    later: set = set()
+    for eqn in jaxpr.eqns[stop:]:
+        for v in eqn.invars:
+            if not isinstance(v, core.Literal):
+                later.add(v)
+    for v in jaxpr.outvars:
+        if not isinstance(v, core.Literal):
+            later.add(v)
+    outs, oseen = [], set()
+    for eqn in jaxpr.eqns[start:stop]:
+        for v in eqn.outvars:
+            if v in later and v not in oseen:
+                oseen.add(v)
+                outs.append(v)
+    return ins, outs
+
+
+def chunk_fn(jaxpr: Any, start: int, stop: int, ins: Sequence[Any], outs: Sequence[Any]):
+    """``f(*ins) -> outs`` evaluating equations ``[start, stop)``."""
+    eff = core.join_effects(*(e.effects for e in jaxpr.eqns[start:stop])) \
+        if stop > start else core.no_effects
+    sub = core.Jaxpr(constvars=[], invars=list(ins), outvars=list(outs),
+                     eqns=list(jaxpr.eqns[start:stop]), effects=eff)
+
+    def f(*vals):
+        return core.eval_jaxpr(sub, [], *vals)
+
+    return f
+
+
+POLICIES = {
+    "store": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "recompute": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def fenced_checkpoint(f: Callable[..., Any], policy: Any) -> Callable[..., Any]:
+    """``jax.checkpoint(f, policy=policy)`` whose recomputation XLA cannot merge back into
+    the forward pass.
+
+    On CPU, XLA drops ``optimization_barrier`` and CSEs a checkpoint's recomputation with the
+    forward's values, so ``jax.checkpoint`` alone leaves compiled bytes unchanged (or higher).
+    Here the backward (recompute + VJP) runs inside ``lax.cond(p == p, bwd, bwd)`` on a
+    cotangent element ``p``: both branches are the same function, so the result is the VJP
+    for every ``p`` (NaN included), but XLA cannot fold the predicate, so the recomputation
+    stays inside the branch, after the cotangent exists. Non-float inputs get ``float0``
+    cotangents.
+    """
+    ck = jax.checkpoint(f, policy=policy, prevent_cse=True)
+
+    @jax.custom_vjp
+    def g(*a):
+        return f(*a)
+
+    def fwd(*a):
+        fl = tuple(i for i, x in enumerate(a) if _is_float(x))
+        rest = tuple(x for i, x in enumerate(a) if i not in fl)
+
+        def on_float(*xf):
+            full = list(a)
+            for i, x in zip(fl, xf):
+                full[i] = x
+            return ck(*full)
+
+        out, vjp = jax.vjp(on_float, *[a[i] for i in fl])
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        shapes = tuple((np.shape(x), i) for i, x in enumerate(a))
+        return out, (leaves, _Static((tree, fl, shapes)), rest)
+
+    def bwd(res, ct):
+        leaves, st, _ = res
+        tree, fl, shapes = st.value
+        probe = jnp.ravel(jax.tree_util.tree_leaves(ct)[0])[0]
+
+        def branch(leaves, ct):
+            return jax.tree_util.tree_unflatten(tree, leaves)(ct)
+
+        cts = lax.cond(probe == probe, branch, branch, leaves, ct)  # noqa: PLR0124 (NaN-aware)
+        out, it = [], iter(cts)
+        for shape, i in shapes:
+            out.append(next(it) if i in fl else np.zeros(shape, jax.dtypes.float0))
+        return tuple(out)
+
+    g.defvjp(fwd, bwd)
+    return g
+
+
+class _Static:
+    """A hashable-by-identity box for static data carried in custom_vjp residuals."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value),
+                                   lambda v, _: _Static(v))
+
+
+def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
+               flat_args: Sequence[Any], fence: bool = True) -> list[Any]:
+    """Evaluate ``closed`` on ``flat_args`` unit by unit; a unit whose option is ``"dots"`` or
+    ``"recompute"`` runs under ``jax.checkpoint`` with that policy (fenced, see
+    :func:`fenced_checkpoint`, unless ``fence=False``)."""
+    jaxpr = closed.jaxpr
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, flat_args):
+        env[v] = a
+    for u in units:
+        ins, outs = chunk_io(jaxpr, u.start, u.stop)
+        f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)
+        opt = options.get(u.label, "store")
+        if opt != "store":
+            f = fenced_checkpoint(f, POLICIES[opt]) if fence else \
+                jax.checkpoint(f, policy=POLICIES[opt], prevent_cse=True)
+        vals = f(*[env[v] for v in ins])
+        for v, x in zip(outs, vals):
+            env[v] = x
+    return [v.val if isinstance(v, core.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def flops_of(jaxpr: Any) -> tuple[float, float]:
+    """(all, dot/conv) FLOPs of a jaxpr: ``2 * out_size * contraction`` for ``dot_general`` and
+    convolutions, one per output element for other equations; sub-jaxprs counted once."""
+    total = dots = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = list(core.jaxprs_in_params(eqn.params))
+        if subs:
+            for s in subs:
+                t, d = flops_of(s)
+                total += t
+                dots += d
+            continue
+        out = sum(float(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            k = float(np.prod([eqn.invars[0].aval.shape[i] for i in lc])) if lc else 1.0
+            f = 2.0 * out * k
+            total += f
+            dots += f
+        elif name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval.shape
+            dn = eqn.params["dimension_numbers"]
+            o_dim = dn.rhs_spec[0]
+            k = float(np.prod(rhs)) / rhs[o_dim]
+            f = 2.0 * out * k
+            total += f
+            dots += f
+        else:
+            total += out
+    return total, dots

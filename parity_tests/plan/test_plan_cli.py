@@ -1,0 +1,30 @@
+"""``jaxmem.planner.cli.main``: a user's module:function planned from the command line."""
+import json
+
+from jaxmem.planner.cli import main
+
+USER = '''
+import jax, jax.numpy as jnp, flax.linen as nn
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = nn.tanh(nn.Dense(64, name=f"d{i}")(x))
+        return nn.Dense(1, name="head")(x)
+
+def make():
+    m = Net()
+    x = jax.random.normal(jax.random.key(0), (256, 64))
+    p = m.init(jax.random.key(1), x)
+    return (lambda p, x: jnp.mean(m.apply(p, x) ** 2)), (p, x)
+'''
+
+
+def test_plan_cli_unreachable_budget_writes_json(tmp_path, monkeypatch):
+    (tmp_path / "plan_cli_user.py").write_text(USER)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["plan_cli_user:make", "--budget", "1KiB", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    d = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert "cannot be met" in d["error"] and d["smallest_bytes"] > 1024
