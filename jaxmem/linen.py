@@ -88,6 +88,33 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
     attention: Flax's attention computed with jaxmem's exact memory-efficient attention.
     ``model`` itself is not modified. Raises ``TypeError`` for anything that is not a
     ``flax.linen.Module``.
+
+    Args:
+      model: the ``flax.linen.Module`` to convert (left unmodified).
+      selective: use the exact selective-differentiation layers and 1-bit masks.
+      fewbit: ``None`` for exact techniques only, or 1..4 bits per smooth activation.
+      attention: compute Flax's attention with jaxmem's exact memory-efficient attention.
+
+    Returns:
+      A Linen Module of a subclass of ``type(model)`` with the same fields; ``init`` gives
+      the same variable tree and ``apply`` the same outputs as ``model``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import jaxmem
+      >>> class MLP(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         h = nn.relu(nn.Dense(4)(x))
+      ...         return nn.Dense(3)(h)
+      >>> model = jaxmem.linen.convert(MLP())
+      >>> x = jnp.ones((2, 5))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> jax.tree.map(jnp.shape, variables["params"]["Dense_0"])
+      {'bias': (4,), 'kernel': (5, 4)}
+      >>> bool(jnp.allclose(model.apply(variables, x), MLP().apply(variables, x)))
+      True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

@@ -77,6 +77,34 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
 
     selective / fewbit / attention: as :func:`jaxmem.scope`. ``copy=True``: a converted
     clone (``module`` untouched); ``copy=False``: in place, same Variables.
+
+    Args:
+      module: the ``flax.nnx.Module`` to convert.
+      selective: use the exact selective-differentiation layers and 1-bit masks.
+      fewbit: ``None`` for exact techniques only, or 1..4 bits per smooth activation.
+      attention: compute attention with jaxmem's exact memory-efficient attention.
+      copy: ``True`` converts a clone; ``False`` converts ``module`` in place.
+
+    Returns:
+      The converted module (a clone, or ``module`` itself with ``copy=False``); its calls
+      give the same outputs as ``module``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxmem
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.lin = nnx.Linear(5, 3, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return nnx.relu(self.lin(x))
+      >>> net = Net(nnx.Rngs(0))
+      >>> fast = jaxmem.nnx.convert(net)
+      >>> jaxmem.nnx.is_converted(fast), jaxmem.nnx.is_converted(net)
+      (True, False)
+      >>> x = jnp.ones((2, 5))
+      >>> fast(x).shape, bool(jnp.allclose(fast(x), net(x)))
+      ((2, 3), True)
     """
     if not isinstance(module, _nnx.Module):
         raise TypeError(

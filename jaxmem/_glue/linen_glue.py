@@ -35,12 +35,25 @@ def _field_swaps(m):
         if f.name in _SKIP_FIELDS:
             continue
         v = getattr(m, f.name, None)
-        if v is None or not callable(v) or isinstance(v, type):
+        if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
+            # e.g. nn.Sequential([nn.Dense(4), nn.relu, ...]): functions held in a sequence
+            reps = [_patch.replacement_for(x) if _is_function(x) else None for x in v]
+            if any(r is not None for r in reps):
+                out.append((f.name, v, type(v)(x if r is None else r for x, r in zip(v, reps))))
+            continue
+        if not _is_function(v):
             continue
         rep = _patch.replacement_for(v)
         if rep is not None:
             out.append((f.name, v, rep))
     return out
+
+
+def _is_function(v) -> bool:
+    """A callable field value that is neither a class nor a (sub)module."""
+    import flax.linen as nn
+
+    return v is not None and callable(v) and not isinstance(v, (type, nn.Module))
 
 
 @contextlib.contextmanager

@@ -418,7 +418,36 @@ def scope_options(opts, label: str = "jaxmem.scope", linen: bool = True) -> Iter
 @contextlib.contextmanager
 def scope(*, selective: bool = True, fewbit: int | None = None,
           attention: bool = True) -> Iterator[_options.Options]:
-    """Convert everything traced inside (see :func:`jaxmem.scope`)."""
+    """Convert everything traced inside (see :func:`jaxmem.scope`).
+
+    Flax Linen module calls and patchable inline functions (``nn.relu``, ...) traced in the
+    ``with`` block run with jaxmem's techniques; values and (with exact options) gradients
+    equal the untouched code's.
+
+    Args:
+      selective: use the exact selective-differentiation layers and 1-bit masks.
+      fewbit: ``None`` for exact techniques only, or 1..4 bits per smooth activation.
+      attention: compute Flax's attention with jaxmem's exact memory-efficient attention.
+
+    Returns:
+      A context manager; ``as`` binds the active :class:`Options`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import jaxmem
+      >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+      >>> x = jnp.ones((2, 3))
+      >>> params = model.init(jax.random.key(0), x)
+      >>> loss = lambda p: jnp.sum(model.apply(p, x) ** 2)
+      >>> with jaxmem.scope(fewbit=None) as opts:
+      ...     g = jax.grad(loss)(params)
+      >>> opts.selective, opts.fewbit
+      (True, None)
+      >>> same = jax.tree.map(jnp.allclose, g, jax.grad(loss)(params))
+      >>> all(bool(s) for s in jax.tree.leaves(same))
+      True
+    """
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
     with scope_options(opts):
         yield opts

@@ -167,7 +167,33 @@ def report(fn, *args, **kwargs) -> Report:
     """Trace ``fn(*args, **kwargs)`` abstractly (``jax.make_jaxpr``; nothing is computed)
     and return every Flax Linen module call and patchable inline function call seen, with
     what jaxmem did (see :class:`Entry`). Calls made outside any jaxmem scope / converted
-    model are listed as 'fallback' with reason 'outside jaxmem.scope'."""
+    model are listed as 'fallback' with reason 'outside jaxmem.scope'.
+
+    Args:
+      fn: the function to trace (e.g. a loss or a converted model's ``apply``).
+      *args: its positional arguments; arrays become abstract inputs, others stay static.
+      **kwargs: its keyword arguments, treated like ``args``.
+
+    Returns:
+      A :class:`Report`: one :class:`Entry` per call seen (``print`` shows a table).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import jaxmem
+      >>> class MLP(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return nn.Dense(1)(nn.relu(nn.Dense(4)(x)))
+      >>> model = MLP()
+      >>> x = jnp.ones((2, 3))
+      >>> params = model.init(jax.random.key(0), x)
+      >>> rep = jaxmem.report(jaxmem.linen.convert(model).apply, params, x)
+      >>> sorted({(e.target, e.status) for e in rep.entries})
+      [('Dense', 'converted'), ('flax.linen.relu', 'converted')]
+      >>> sorted({e.status for e in jaxmem.report(model.apply, params, x).entries})
+      ['fallback']
+    """
     import jax
 
     from jaxmem._glue import patch as _patch

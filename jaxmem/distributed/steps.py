@@ -143,7 +143,32 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
     ``rules`` override the per-path layout; the batch's leading axis is split over
     ``batch_axis``. Parameters and optimizer state are donated unless ``donate=False``.
 
-    Example::
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (a mean over the batch).
+      optimizer: an ``optax.GradientTransformation``.
+      mesh: a ``jax.sharding.Mesh`` (e.g. from :func:`jaxmem.distributed.mesh`).
+      mode: ``"dp"``, ``"fsdp"`` or ``"tp"``.
+      rules: per-path layout overrides (see :mod:`jaxmem.distributed.sharding`).
+      batch_axis: the mesh axis the batch's leading axis is split over.
+      donate: donate parameters and optimizer state to the step.
+
+    Returns:
+      A :class:`TrainStep`: ``step.init(params) -> (params, opt_state)`` places both with
+      their shardings; ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxmem import distributed
+      >>> def loss_fn(p, batch):
+      ...     return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+      >>> step = distributed.train_step(loss_fn, optax.sgd(0.1), distributed.mesh(), "dp")
+      >>> params, opt_state = step.init({"w": jnp.zeros((4, 2))})
+      >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 2))}
+      >>> params, opt_state, loss = step(params, opt_state, batch)
+      >>> round(float(loss), 4), params["w"].shape
+      (1.0, (4, 2))
+
+    With a converted model from the zoo::
 
         model = jaxmem.linen.convert(jaxmem.models.gpt(), fewbit=3)
         def loss_fn(params, batch):

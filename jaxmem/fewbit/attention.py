@@ -346,6 +346,29 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     returns ``dv = P^T do``, ``dP = do v^T``, ``ds = P * (dP - rowsum(P * dP))``,
     ``dq = scale ds k``, ``dk = scale ds^T q``.  Nothing of size ``T x S`` is kept between
     forward and backward.
+
+    Args:
+      q: queries, ``(..., T, H, D)``, floating point.
+      k: keys, ``(..., S, H, D)``.
+      v: values, ``(..., S, H, D)``.
+      causal: mask key ``j > i + (S - T)`` for query ``i``.
+      scale: multiplies the scores (default ``1 / sqrt(D)``).
+      bias: optional float array added to the scores, broadcast to ``(..., H, T, S)``.
+      mask: optional bool array (``False`` = masked), broadcast to ``(..., H, T, S)``.
+
+    Returns:
+      The attention output, ``(..., T, H, D)``, in the dtype of ``q``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmem.fewbit import attention
+      >>> q = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 2, 4))
+      >>> o = attention(q, q, q, causal=True)
+      >>> o.shape
+      (2, 5, 2, 4)
+      >>> ref = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+      >>> bool(jnp.allclose(o, ref, atol=1e-5))
+      True
     """
     who = "attention"
     q = _check_float(q, who, "q")

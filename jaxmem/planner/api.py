@@ -198,6 +198,33 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
     compiles the result and re-solves with a tighter model budget when the compiled bytes
     exceed ``budget``. Raises :class:`BudgetError` when no plan it tried compiles within
     ``budget``.
+
+    Args:
+      step: ``step(params, *batch) -> scalar`` loss.
+      *example_args: example ``params`` and batch, of the shapes and dtypes to plan for.
+      budget: bytes (int), a size string such as ``"512MiB"``, or a float in (0, 1]: a
+        fraction of the untouched step's compiled bytes.
+      allow_approximate: must be ``False`` (only exact options are planned).
+      time_limit: CP-SAT time limit per solve, in seconds.
+      max_iterations: most solve-compile rounds.
+
+    Returns:
+      A :class:`MemoryPlan`: ``plan.step`` has ``step``'s signature and values, with the
+      per-unit choices, predicted and compiled bytes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import jaxmem
+      >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(1)])
+      >>> x = jnp.ones((4, 3))
+      >>> params = model.init(jax.random.key(0), x)
+      >>> loss = lambda p, x: jnp.mean(model.apply(p, x) ** 2)
+      >>> mp = jaxmem.plan(loss, params, x, budget=2**30)
+      >>> mp.compiled_bytes <= mp.budget_bytes
+      True
+      >>> bool(jnp.allclose(mp.step(params, x), loss(params, x)))
+      True
     """
     if not callable(step):
         raise TypeError(f"plan: step must be callable, got {type(step).__name__}")

@@ -424,6 +424,38 @@ def spatial_apply(layers: Sequence[Any], params: Sequence[Any], x: jax.Array, *,
     only halo rows with its neighbours (see the module docstring for the sizes) and tiles
     its own rows into ``rows`` sub-tiles. The result equals the untiled stack (outputs and
     gradients, input and parameters) and is sharded the same way.
+
+    Args:
+      layers: the stack, as for :func:`jaxmem.rowconv.apply` (``Checkpoint()`` markers
+        allowed).
+      params: from :func:`jaxmem.rowconv.init` (a list aligned with ``layers``).
+      x: global input batch, NHWC; its height must split evenly over the ``axis_name``
+        devices (and its batch over ``batch_axis``).
+      mesh: a ``jax.sharding.Mesh``.
+      axis_name: the mesh axis the image height is split over.
+      rows: row sub-tiles per device (an int, or one per segment).
+      rng: PRNG key, needed by ``Dropout(deterministic=False)``.
+      batch_axis: another mesh axis to split the batch over (default: not split).
+      unroll: ``lax.scan`` unroll factor of the tile loops.
+
+    Returns:
+      The stack's global output (NHWC), sharded as ``PartitionSpec(batch_axis,
+      axis_name)``; equal to ``rowconv.apply(layers, params, x)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh
+      >>> from jaxmem import rowconv
+      >>> layers = [rowconv.Conv(4, 3), rowconv.Act(jax.nn.relu), rowconv.Pool("max", 2)]
+      >>> x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 8, 3))
+      >>> params = rowconv.init(layers, jax.random.PRNGKey(1), x.shape)
+      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("space",))
+      >>> y = rowconv.spatial_apply(layers, params, x, mesh=mesh, axis_name="space", rows=2)
+      >>> y.shape
+      (1, 8, 4, 4)
+      >>> ref = rowconv.apply(layers, params, x)
+      >>> bool(jnp.allclose(y, ref, rtol=1e-5, atol=1e-6))
+      True
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")

@@ -122,7 +122,33 @@ def execute(
 
     Leaves of arguments traced with ``donate_argnums`` are *deleted* after their last
     use (like a donated buffer under ``jax.jit``; the caller must not reuse them) unless
-    ``keep_donated=True`` (then they stay alive and the measured peak includes them)."""
+    ``keep_donated=True`` (then they stay alive and the measured peak includes them).
+
+    Args:
+      traced: a :class:`TracedStep` from :func:`trace`, or the function itself (traced
+        here on ``args``).
+      plan: a :class:`Plan` from :func:`optimize`, a node order, or None.
+      *args: the function's arguments (same structure, shapes and dtypes as traced).
+      measure: also measure the live bytes after each node (``jax.live_arrays``).
+      return_stats: return :class:`ExecStats` (predicted peak, time) even unmeasured.
+      keep_donated: keep donated argument leaves alive instead of deleting them.
+
+    Returns:
+      The function's output pytree; ``(output, ExecStats)`` with ``measure`` or
+      ``return_stats``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmem import schedule
+      >>> def step(w, x):
+      ...     return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+      >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+      >>> traced = schedule.trace(step, w, x)
+      >>> plan = schedule.optimize(traced.graph, time_limit=2.0)
+      >>> out = schedule.execute(traced, plan, w, x)
+      >>> bool(jnp.allclose(out, step(w, x)))
+      True
+    """
     if not isinstance(traced, TracedStep):
         if not callable(traced):
             raise TypeError(f"traced: expected a TracedStep or a callable, got {type(traced)}")

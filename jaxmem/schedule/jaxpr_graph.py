@@ -279,6 +279,20 @@ def trace(
         are not persistent).
       control_flow: ``"opaque"`` (cond/while/scan as single nodes) or ``"error"``.
       alias_views: treat reshape-like equations as free views (default) or as copies.
+      *args: example arguments of ``fn`` (array pytrees; only shapes and dtypes are used).
+
+    Returns:
+      A :class:`TracedStep`: the flat jaxpr and its :class:`Graph` (``.graph``), ready
+      for :func:`optimize` and :func:`execute`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmem import schedule
+      >>> def step(w, x):
+      ...     return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+      >>> traced = schedule.trace(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> type(traced).__name__, len(traced.graph.nodes) > 0
+      ('TracedStep', True)
     """
     if control_flow not in ("opaque", "error"):
         raise ValueError(f"control_flow: must be 'opaque' or 'error', got {control_flow!r}")

@@ -327,6 +327,7 @@ def optimize(
     and the best plan so far is returned (``optimal=False``).
 
     Args:
+      graph: the :class:`Graph` to schedule (e.g. ``trace(step, *args).graph``).
       time_limit: seconds for the whole call: finite and > 0 (``inf``, NaN, bools and
         non-numbers raise ValueError; there is no "no limit" mode — pass a large
         number). Ordering stages use the first 70% (all of it when
@@ -354,9 +355,27 @@ def optimize(
       formulation: ``"olla"`` (the paper's time-indexed C/P model, eq. 14),
         ``"cumulative"`` (the same problem as integer steps + a cumulative constraint,
         compact for big graphs) or ``"auto"`` (olla up to 20 000 C/P variables).
+      num_workers: CP-SAT worker threads (an int >= 1).
+      log: print CP-SAT's search log.
 
     When CP-SAT finds no order in time (status ``"UNKNOWN"``), the plan is the best
     order of the other stages (``method`` names it) with the bounds they proved.
+
+    Returns:
+      A :class:`Plan`: ``order`` (a topological node order), its ``peak``, the arena
+      ``addresses`` and ``arena_size``, the proven ``lower_bound`` and ``optimal``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmem import schedule
+      >>> def step(w, x):
+      ...     return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+      >>> traced = schedule.trace(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> plan = schedule.optimize(traced.graph, time_limit=2.0)
+      >>> len(plan.order) == len(traced.graph.nodes)
+      True
+      >>> plan.lower_bound <= plan.peak <= plan.arena_size
+      True
     """
     time_limit, gap_limit, place_time_limit, num_workers = _check_optimize_args(
         graph, time_limit, formulation, gap_limit, place_time_limit, num_workers)

@@ -164,7 +164,28 @@ def value_and_grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *,
 
 def grad(fn: Callable, argnums: int = 0, has_aux: bool = False, *,
          trainable: Trainable = True) -> Callable:
-    """``value_and_grad`` without the value (``(grads, aux)`` with ``has_aux``)."""
+    """``value_and_grad`` without the value (``(grads, aux)`` with ``has_aux``).
+
+    Args:
+      fn: the function to differentiate.
+      argnums: the positional argument holding the parameters (a pytree).
+      has_aux: ``fn`` returns ``(value, aux)``; ``aux`` is passed through.
+      trainable: which leaves are differentiated: a bool, a regex on the leaf path, a
+        ``(path, leaf) -> bool`` callable or a pytree (prefix) of bools.
+
+    Returns:
+      A function with ``fn``'s signature returning ``grads`` (``(grads, aux)`` with
+      ``has_aux``): the parameters' structure, ``None`` at frozen leaves.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmem.selective import subset
+      >>> params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)}
+      >>> f = lambda p, x: jnp.sum(p["w"] * x) + p["b"]
+      >>> g = subset.grad(f, trainable="w")(params, jnp.array([3.0, 4.0]))
+      >>> g["b"] is None, g["w"].tolist()
+      (True, [3.0, 4.0])
+    """
     vg = value_and_grad(fn, argnums, has_aux, trainable=trainable)
 
     def wrapped(*args, **kwargs):
@@ -188,7 +209,32 @@ def train_step(loss_fn: Callable, optimizer: Any, trainable: Trainable = True, *
     """An optax training step for ``loss_fn(params, *batch) -> scalar`` (``-> (scalar, aux)``
     with ``has_aux``, e.g. the new batch statistics of a train-mode BatchNorm) that
     differentiates and updates only the ``trainable`` leaves (frozen leaves are returned
-    unchanged)."""
+    unchanged).
+
+    Args:
+      loss_fn: ``loss_fn(params, *batch)`` returning a scalar (``(scalar, aux)`` with
+        ``has_aux``).
+      optimizer: an ``optax.GradientTransformation``.
+      trainable: which leaves are trained (as in :func:`grad`).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``step`` then also returns ``aux``.
+      jit: wrap ``step`` in ``jax.jit``.
+
+    Returns:
+      A :class:`TrainStep` ``(init, step)``: ``init(params) -> opt_state`` and
+      ``step(params, opt_state, *batch) -> (params, opt_state, loss)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from jaxmem.selective import subset
+      >>> params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)}
+      >>> loss = lambda p, x: (jnp.sum(p["w"] * x) + p["b"]) ** 2
+      >>> ts = subset.train_step(loss, optax.sgd(0.1), trainable="b")
+      >>> opt_state = ts.init(params)
+      >>> new, opt_state, l = ts.step(params, opt_state, jnp.array([3.0, 4.0]))
+      >>> round(float(l), 4), round(float(new["b"]), 4), new["w"].tolist()
+      (132.25, -1.8, [1.0, 2.0])
+    """
     import optax  # local: optax is only needed here
 
     vg = value_and_grad(loss_fn, 0, has_aux=has_aux, trainable=trainable)

@@ -225,3 +225,19 @@ def test_embed_call_nothing_to_save_and_attend_converted():
     rep = jaxmem.report(lambda p: f(conv, p), v)
     st = {e.target: e.status for e in rep.entries if e.kind == "module"}
     assert st == {"Embed": "nothing-to-save", "Embed.attend": "converted"}
+
+
+def test_functions_inside_sequential_are_converted():
+    """``nn.Sequential([nn.Dense(8), nn.relu, ...])`` holds the activation in a list field:
+    it is converted (1-bit mask instead of the ReLU's input), exactly."""
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(8), jax.nn.gelu, nn.Dense(1)])
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    params = model.init(jax.random.key(1), x)
+    conv = jaxmem.linen.convert(model)
+    f = lambda m: lambda p: jnp.sum(m.apply(p, x) ** 2)  # noqa: E731
+    np.testing.assert_allclose(conv.apply(params, x), model.apply(params, x), rtol=1e-6)
+    ga, gb = jax.grad(f(conv))(params), jax.grad(f(model))(params)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert "jaxmem.selective.relu.mask" in str(residual_bytes(f(conv), params))
+    assert model.layers[1] is nn.relu  # the caller's module is untouched
