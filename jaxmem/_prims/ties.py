@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 
-__all__ = ["tie", "typed_struct", "vary_like"]
+__all__ = ["tie", "typed_struct", "vary_like", "varying_axes"]
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -155,7 +155,8 @@ def tie(x, dep):
 
 
 # ------------------------------------------------------------------ shard_map types
-def _varying(a) -> frozenset:
+def varying_axes(a) -> frozenset:
+    """The ``shard_map`` mesh axes over which ``a`` varies (empty outside ``shard_map``)."""
     t = jax.typeof(a)
     mat = getattr(t, "manual_axis_type", None)
     if mat is not None:
@@ -173,7 +174,7 @@ def vary_like(a, like):
     through plain JAX operations."""
     if a is None or like is None:
         return a
-    missing = tuple(sorted(_varying(like) - _varying(a)))
+    missing = tuple(sorted(varying_axes(like) - varying_axes(a)))
     return lax.pcast(a, missing, to="varying") if missing else a
 
 

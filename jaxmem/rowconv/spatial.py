@@ -54,6 +54,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxmem._prims.ties import varying_axes
+
 from . import halo as H
 from .layers import check_params
 from .tiled import _mask_rows, _ov_seq, _per_segment, check_input, check_tileable, split_segments
@@ -203,19 +205,10 @@ def _exchange(x, seg: SegmentHalo, axis_name, n):
     return top, bot
 
 
-def _axes_of(v) -> frozenset:
-    """Mesh axes over which ``v`` varies inside ``shard_map`` (empty outside)."""
-    t = jax.typeof(v)
-    m = getattr(t, "manual_axis_type", None)
-    if m is not None:
-        return frozenset(m.varying)
-    return frozenset(getattr(t, "vma", frozenset()))
-
-
 def _vma(tree) -> frozenset:
     out = frozenset()
     for v in jax.tree.leaves(tree):
-        out |= _axes_of(v)
+        out |= varying_axes(v)
     return out
 
 
@@ -350,7 +343,7 @@ def _device_segment(geoms, seg: SegmentHalo, rows: int, unroll: int):
 def _varying(tree, axes):
     """Mark replicated values as device-varying over ``axes`` (transpose: psum)."""
     def one(v):
-        want = tuple(sorted(set(axes) - _axes_of(v)))
+        want = tuple(sorted(set(axes) - varying_axes(v)))
         if not want:
             return v
         try:
@@ -403,7 +396,7 @@ def spatial_local(layers: Sequence[Any], params: Sequence[Any], x: jax.Array, *,
     _check_rows_local(r_fp, plan)
     # varying over the height axis and every axis x varies over (e.g. a batch axis):
     # the transpose sums the weight gradients over all of them
-    params = _varying(list(params), _axes_of(x) | {axis_name})
+    params = _varying(list(params), varying_axes(x) | {axis_name})
     d = lax.axis_index(axis_name).astype(jnp.int32)
     for seg, r in zip(plan.segments, r_fp):
         geoms = H.geometry(layers[seg.start:seg.stop], (x.shape[0],) + seg.in_shape[1:],

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.ties import tie
+from jaxmem._prims.ties import tie, vary_like
 from jaxmem.selective._core import (
     as_int,
     check_eps,
@@ -446,28 +446,9 @@ def _pmean_stats(x, red, fast_variance, axis_name, groups):
     mu = lax.pmean(m1, axis_name, axis_index_groups=groups)
     # ``mu`` varies like ``x`` inside the primitive (its cotangent is per device; the
     # transpose of the cast sums it over the axis)
-    var = lax.pmean(_centered_sq(red, x, _match_vma(mu, x)), axis_name,
+    var = lax.pmean(_centered_sq(red, x, vary_like(mu, x)), axis_name,
                     axis_index_groups=groups)
     return mu, var
-
-
-def _match_vma(a, like):
-    """Under ``shard_map``: mark ``a`` (replicated statistics / parameters) as varying over
-    the manual axes ``like`` varies over, so the primitive's cotangents have its type (the
-    transpose of that cast sums over the axes, as autodiff of the module does)."""
-    if a is None:
-        return None
-    want, have = _varying(like), _varying(a)
-    missing = tuple(sorted(n for n in want if n not in have))
-    return lax.pcast(a, missing, to="varying") if missing else a
-
-
-def _varying(a):
-    t = jax.typeof(a)
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(t, "vma", ()))
 
 
 def _freeze_groups(groups):
@@ -528,7 +509,7 @@ def batch_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | N
         x = tag(x, "norm.input")
         mu, var = _pmean_stats(x, red, bool(fast_variance), axis_name, groups)
         odt = _out_dtype(x, s_, b_, dtype)
-        mu_, var_, s_, b_ = (_match_vma(a, x) for a in (mu, var, s_, b_))
+        mu_, var_, s_, b_ = (vary_like(a, x) for a in (mu, var, s_, b_))
         stats_eps = (float(eps), inv_mode)
         y = _affine(stats_eps, odt, x, mu_, var_, s_, b_)
         # a bilinear layer fed ``y`` recomputes it from what this norm keeps (see normalize)
@@ -566,6 +547,6 @@ def batch_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | N
     _check_inv_mode(inv_mode)
     # under shard_map the replicated statistics / parameters vary like ``x`` inside the
     # primitive (the cotangent types must match; the cast's transpose sums over devices)
-    mshape, vshape, s, b = (_match_vma(a, x) for a in (mshape, vshape, s, b))
+    mshape, vshape, s, b = (vary_like(a, x) for a in (mshape, vshape, s, b))
     y = _affine((float(eps), inv_mode), out_dtype, tag(x, "norm.input"), mshape, vshape, s, b)
     return y, running_mean, running_var
