@@ -6,7 +6,10 @@ For each intercepted Linen method call it
   ``functools.partial(nn.gelu, approximate=False)``) for the converted one during the call
   (the module itself is restored afterwards; nothing of the caller is mutated),
 * for ``__call__`` outside ``init``: runs the first registered handler whose part is enabled
-  (attention, then selective, then fewbit), else the module's own code.
+  (attention, then selective, then fewbit), else the module's own code: a Flax module without
+  a handler is reported ``'container'`` when calls inside it are recorded (``nn.Sequential``),
+  else ``'unsupported'``; calls made while a module initializes are not part of the step
+  (:func:`jaxmem._glue.report.pretrace`).
 """
 from __future__ import annotations
 
@@ -118,6 +121,9 @@ def interceptor(next_fun, args, kwargs, context):
                 return handler(m, next_fun, args, kwargs)
             if (method == "__call__" and type(m).__module__.startswith("flax.")
                     and not initializing):
-                _report.record(kind="module", target=cls, technique="", status="unsupported",
-                               reason="jaxmem has no conversion for this layer")
+                # 'container' when calls inside it are recorded (nn.Sequential, wrappers)
+                return _report.record_module_call(cls, lambda: next_fun(*args, **kwargs))
+            if initializing and _report.collecting():
+                with _report.pretrace("Linen init"):
+                    return next_fun(*args, **kwargs)
             return next_fun(*args, **kwargs)

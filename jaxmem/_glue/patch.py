@@ -227,17 +227,77 @@ _RECOMPUTED = frozenset({
 })
 
 
+#: Suffix of the ``checkpoint_name`` tag that a selective layer puts on the input it keeps
+#: for its weight gradient (``jaxmem.selective.dense.input``, ``...conv.input``, ...).
+_LAYER_INPUT = ".input"
+_TAG_PREFIX = "jaxmem.selective."
+_NORM_INPUT = "jaxmem.selective.norm.input"
+
+
+def _nbytes(aval) -> int:
+    import numpy as np
+    try:
+        return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    except (AttributeError, TypeError):  # no shape or an extended dtype: count as large
+        return 1 << 62
+
+
+def _dot_expands(avals, params) -> bool:
+    """Whether a ``dot_general`` result takes more bytes than its two operands together
+    (an expanding projection such as ``d -> 4d`` when the batch is larger than the weight)."""
+    import numpy as np
+    if len(avals) != 2:
+        return False
+    lhs, rhs = avals
+    try:
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        out_dtype = params.get("preferred_element_type") or np.result_type(lhs.dtype, rhs.dtype)
+        free_l = [d for i, d in enumerate(lhs.shape) if i not in lc and i not in lb]
+        free_r = [d for i, d in enumerate(rhs.shape) if i not in rc and i not in rb]
+        out = int(np.prod([lhs.shape[i] for i in lb] + free_l + free_r, dtype=np.int64))
+        out_bytes = out * np.dtype(out_dtype).itemsize
+    except (AttributeError, KeyError, TypeError, ValueError):  # unknown layout: keep
+        return False
+    return out_bytes > _nbytes(lhs) + _nbytes(rhs)
+
+
+#: Call primitives whose result is recomputed when everything they call is
+#: (``jax.nn.relu`` is a ``custom_jvp`` of ``max(x, 0)``).
+_CALLS = frozenset({"custom_jvp_call", "jit", "pjit", "closed_call"})
+
+
+def _only_recomputed(jaxpr) -> bool:
+    """Whether ``scan_policy`` recomputes every equation of ``jaxpr`` (nested calls too)."""
+    for eqn in jaxpr.eqns:
+        avals = [v.aval for v in eqn.invars]
+        if scan_policy(eqn.primitive, *avals, **eqn.params):
+            return False
+    return True
+
+
 def scan_policy(prim, *avals, **params) -> bool:
     """The ``jax.checkpoint`` policy of a scan body traced inside a scope: ``True`` = keep.
 
-    Keeps what JAX's autodiff keeps (every named residual -- jaxmem's
-    ``jaxmem.selective.*`` tags included --, matmuls, convolutions, reductions, gathers,
-    comparisons, slices, narrowing casts) except the results of elementwise and layout
-    primitives (``_RECOMPUTED``, widening casts), which are recomputed from what is kept.
-    That is what XLA's fusion does in an unrolled network; under ``lax.scan`` the residuals
-    are stacked per layer as JAX chose them and XLA cannot recompute across the loop, so
-    without this policy a scanned network keeps, e.g., both a softmax's exponentials and
-    its output, or every intermediate of a tanh-GELU, once per layer.
+    Keeps what JAX's autodiff keeps (named residuals, matmuls, convolutions, reductions,
+    gathers, comparisons, slices, narrowing casts) except
+
+    * the results of elementwise and layout primitives (``_RECOMPUTED``, widening casts)
+      and of calls made only of them (``jax.nn.relu``'s ``custom_jvp``), recomputed from
+      what is kept -- what XLA's fusion does in an unrolled network;
+    * an expanding ``dot_general`` (result bytes > both operands' bytes together, e.g. the
+      ``d -> 4d`` projection of an MLP or attention's ``q k^T``): recomputed from its
+      operands, one matmul in the backward pass instead of a stacked result that is larger
+      than what it is made from;
+    * the input a selective layer tags for its weight gradient (``jaxmem.selective.<layer>
+      .input``, other than a normalisation's input): it is not kept under that name but
+      rebuilt from what the rules above keep (a ReLU MLP's hidden activation from the
+      first Dense's input, through the recomputed projection).
+
+    Why more recomputation than an unrolled network needs: unrolled, XLA places residuals in
+    the gradient output buffers of layers whose backward has not run yet; under ``lax.scan``
+    the stacked parameter gradients are live for the whole backward loop beside every
+    stacked residual, so each per-layer residual byte costs its full size. Values, and hence
+    gradients, are unchanged: the backward recomputes the very same operations.
     """
     name = getattr(prim, "name", "")
     if name == "convert_element_type" and avals:
@@ -247,6 +307,15 @@ def scan_policy(prim, *avals, **params) -> bool:
             return np.dtype(new).itemsize < np.dtype(avals[0].dtype).itemsize
         except TypeError:  # extended dtypes (keys): keep
             return True
+    if name == "dot_general":
+        return not _dot_expands(avals, params)
+    if name in _CALLS:
+        inner = params.get("call_jaxpr", params.get("jaxpr"))
+        return not (inner is not None and _only_recomputed(getattr(inner, "jaxpr", inner)))
+    if name == "name":
+        tag = str(params.get("name", ""))
+        return not (tag.startswith(_TAG_PREFIX) and tag.endswith(_LAYER_INPUT)
+                    and tag != _NORM_INPUT)
     return name not in _RECOMPUTED
 
 
@@ -311,7 +380,7 @@ def _scan_body(f):
         _report.record(kind="function", target="jax.lax.scan", technique="selective",
                        status="converted",
                        reason="body under jax.checkpoint(policy=scan_policy): elementwise "
-                              "values recomputed, not stacked")
+                              "values and expanding matmuls recomputed, not stacked")
         return jax.checkpoint(run, policy=scan_policy, prevent_cse=False)(*args)
 
     return body

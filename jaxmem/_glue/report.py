@@ -5,21 +5,41 @@ Handlers call :func:`record` for each call they see (converted or not, and why).
 collecting those records into a :class:`Report`. Each scope also counts what it converted,
 so a scope that converts nothing in a traced call warns once
 (:class:`NothingConvertedWarning`).
+
+Only calls of the traced step are listed. Calls Flax or JAX make in a trace whose result is
+thrown away -- ``nn.scan``'s pre-trace of its body (Flax checks the loop invariants),
+``jax.eval_shape`` (shape inference, ``nnx.fori_loop``'s pre-trace), ``lazy_init``, a Linen
+module's ``init`` -- go to :attr:`Report.pretrace` and are not counted. A Flax module with no
+conversion whose call contains recorded calls (``nn.Sequential``, wrappers) is a
+``'container'``, not ``'unsupported'``. While :func:`report` traces, it also notes every
+function of user code that runs, and lists a global name in it that is bound to the
+original of a function jaxmem patches (``from jax.lax import scan``, ``from flax.linen
+import relu`` executed before any conversion) as 'fallback' with the reason "not reached:
+imported by name before conversion"; ``jax.lax.fori_loop`` (a loop jaxmem does not convert,
+imported by name or not) is listed as 'unsupported' at each call.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
+import dis
+import functools
+import inspect
+import os
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["STATUSES", "Entry", "NothingConvertedWarning", "Report", "collecting", "record",
            "report"]
 
 #: the allowed ``Entry.status`` values
 STATUSES = ("converted", "fallback", "unsupported", "approximate-not-allowed",
-            "nothing-to-save")
+            "nothing-to-save", "container")
+#: statuses that say nothing about a call's own saving (not counted as "seen, not converted")
+_NEUTRAL = ("nothing-to-save", "container")
 _KINDS = ("module", "function")
 
 
@@ -34,7 +54,9 @@ class Entry:
     path: the Flax module path of the call ('' at the top level); kind: 'module' or
     'function'; target: the class or function (e.g. 'Dense', 'flax.linen.relu');
     technique: 'selective', 'fewbit', 'attention' or '' (none applies); status: one of
-    :data:`STATUSES`; reason: why it was not converted (or what was used).
+    :data:`STATUSES` ('container': a Flax module with no conversion of its own whose inner
+    calls are listed as their own entries); reason: why it was not converted (or what was
+    used).
     """
 
     path: str
@@ -47,9 +69,15 @@ class Entry:
 
 @dataclasses.dataclass
 class Report:
-    """Every recorded :class:`Entry`, in trace order."""
+    """Every recorded :class:`Entry` of the traced step, in trace order.
+
+    ``pretrace`` holds ``(Entry, where)`` for calls made in traces Flax or JAX throw away
+    (``nn.scan``'s body pre-trace, ``jax.eval_shape``, ``lazy_init``, Linen ``init``): not
+    part of the step, not counted, not in the printed table (its caption gives the number).
+    """
 
     entries: list = dataclasses.field(default_factory=list)
+    pretrace: list = dataclasses.field(default_factory=list)
 
     def unconverted(self) -> list:
         """Entries jaxmem supports but did not convert ('fallback' and
@@ -63,7 +91,8 @@ class Report:
         counts = {s: 0 for s in STATUSES}
         for e in self.entries:
             counts[e.status] += 1
-        return {"entries": [dataclasses.asdict(e) for e in self.entries], "counts": counts}
+        return {"entries": [dataclasses.asdict(e) for e in self.entries], "counts": counts,
+                "pretrace": [dict(dataclasses.asdict(e), where=w) for e, w in self.pretrace]}
 
     def __rich__(self):
         from rich.table import Table
@@ -72,10 +101,15 @@ class Report:
         for col in ("path", "kind", "target", "technique", "status", "reason"):
             t.add_column(col)
         style = {"converted": "green", "fallback": "yellow", "unsupported": "red",
-                 "approximate-not-allowed": "cyan", "nothing-to-save": "dim"}
+                 "approximate-not-allowed": "cyan", "nothing-to-save": "dim",
+                 "container": "blue"}
         for e in self.entries:
             t.add_row(e.path or "/", e.kind, e.target, e.technique or "-",
                       f"[{style[e.status]}]{e.status}[/]", e.reason)
+        if self.pretrace:
+            t.caption = (f"{len(self.pretrace)} call(s) seen in Flax/JAX pre-traces (shape "
+                         "inference, nn.scan's body check, init) are not part of the step: "
+                         "Report.pretrace")
         return t
 
     def __str__(self):
@@ -116,24 +150,117 @@ def at_path(path: str) -> Iterator[None]:
         _PATH.reset(token)
 
 
+_PRETRACE: contextvars.ContextVar = contextvars.ContextVar("jaxmem_pretrace", default=None)
+_CHILDREN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxmem_children", default=())
+
+
+@contextlib.contextmanager
+def pretrace(where: str) -> Iterator[None]:
+    """Calls recorded inside are not part of the step (``where`` says why), e.g. a Linen
+    module's ``init``."""
+    token = _PRETRACE.set(where)
+    try:
+        yield
+    finally:
+        _PRETRACE.reset(token)
+
+
+@functools.lru_cache(maxsize=1)
+def _pretrace_codes() -> dict:
+    """Code objects of the functions whose trace is discarded -> why."""
+    import jax
+
+    return {inspect.unwrap(jax.eval_shape).__code__: "jax.eval_shape (shape inference)"}
+
+
+def _pretrace_reason(frame) -> str | None:
+    """Why calls made in ``frame`` (and the frames it was called from, up to
+    :func:`report`) are not part of the traced step, or ``None`` when they are."""
+    codes = _pretrace_codes()
+    stop = report.__code__
+    f = frame
+    while f is not None and f.f_code is not stop:
+        code = f.f_code
+        why = codes.get(code)
+        if why is not None:
+            return why
+        name = code.co_name
+        if name == "body_fn" and code.co_filename.endswith(_AXES_SCAN):
+            if f.f_locals.get("init_mode") is True:
+                return "nn.scan's pre-trace of its body (Flax's loop-invariant check)"
+        elif name == "wrapper" and code.co_filename.endswith(_LAZY_INIT):
+            return "lazy_init (shape inference)"
+        f = f.f_back
+    return _PRETRACE.get()
+
+
+_AXES_SCAN = os.path.join("flax", "core", "axes_scan.py")
+_LAZY_INIT = os.path.join("flax", "core", "partial_eval.py")
+
+
+def _add(entry: Entry, rep: Report, frame, at: int | None = None) -> bool:
+    """Append ``entry`` to ``rep`` (at index ``at`` if given), or to ``rep.pretrace`` when
+    made in a discarded trace; ``True`` when it belongs to the step."""
+    why = _pretrace_reason(frame)
+    if why is not None:
+        rep.pretrace.append((entry, why))
+        return False
+    if at is None:
+        rep.entries.append(entry)
+    else:
+        rep.entries.insert(at, entry)
+    return True
+
+
 def record(*, kind: str, target: str, technique: str, status: str, reason: str = "",
-           path: str | None = None) -> None:
+           path: str | None = None, _at: int | None = None) -> None:
     """Note one call: appended to the report being collected (if any) and counted by the
-    innermost active scope (for :class:`NothingConvertedWarning`)."""
+    innermost active scope (for :class:`NothingConvertedWarning`). A call made in a trace
+    Flax or JAX discards (see :attr:`Report.pretrace`) is kept apart and not counted."""
     if status not in STATUSES:
         raise ValueError(f"record: status must be one of {STATUSES}, got {status!r}")
     if kind not in _KINDS:
         raise ValueError(f"record: kind must be one of {_KINDS}, got {kind!r}")
+    rep = _COLLECT.get()
+    if rep is not None:
+        entry = Entry(current_path() if path is None else path, kind, target, technique,
+                      status, reason)
+        if not _add(entry, rep, sys._getframe(1), _at):
+            return
+    children = _CHILDREN.get()
+    if children:
+        children[-1]["seen"] += 1
+        children[-1]["converted"] += status == "converted"
     frames = _FRAMES.get()
-    if frames and status != "nothing-to-save":
+    if frames and status not in _NEUTRAL:
         f = frames[-1]
         f["seen"] += 1
         if status == "converted":
             f["converted"] += 1
+
+
+def record_module_call(target: str, run: Callable[[], Any]) -> Any:
+    """Run ``run()`` (the call of a Flax module jaxmem has no conversion for) and record it:
+    ``'container'`` when calls were recorded inside it (its children, listed as their own
+    entries: ``nn.Sequential``, wrappers), else ``'unsupported'``."""
+    counter = {"seen": 0, "converted": 0}
     rep = _COLLECT.get()
-    if rep is not None:
-        rep.entries.append(Entry(current_path() if path is None else path, kind, target,
-                                 technique, status, reason))
+    at = len(rep.entries) if rep is not None else None
+    path = current_path()
+    token = _CHILDREN.set(_CHILDREN.get() + (counter,))
+    try:
+        out = run()
+    finally:
+        _CHILDREN.reset(token)
+    if counter["seen"]:
+        record(kind="module", target=target, technique="", status="container", path=path,
+               reason=f"container: {counter['seen']} inner call(s) listed, "
+                      f"{counter['converted']} converted; its own code runs as written",
+               _at=at)
+    else:
+        record(kind="module", target=target, technique="", status="unsupported", path=path,
+               reason="jaxmem has no conversion for this layer", _at=at)
+    return out
 
 
 @contextlib.contextmanager
@@ -175,7 +302,10 @@ def report(fn, *args, **kwargs) -> Report:
       **kwargs: its keyword arguments, treated like ``args``.
 
     Returns:
-      A :class:`Report`: one :class:`Entry` per call seen (``print`` shows a table).
+      A :class:`Report`: one :class:`Entry` per call of the step (``print`` shows a table);
+      calls made in traces Flax or JAX discard are in ``Report.pretrace``; names of user code
+      bound to an unpatched original (imported by name before conversion) are 'fallback'
+      entries "not reached: ...".
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -215,7 +345,103 @@ def report(fn, *args, **kwargs) -> Report:
     token = _COLLECT.set(rep)
     try:
         with _patch.observing():
-            jax.make_jaxpr(traced)(*[x for x, a in zip(leaves, is_arr) if a])
+            with _watching_calls(rep) as ran:
+                jax.make_jaxpr(traced)(*[x for x, a in zip(leaves, is_arr) if a])
+            _add_imported_by_name(rep, ran, _patch)
     finally:
         _COLLECT.reset(token)
     return rep
+
+
+# ------------------------------------------------------------- calls jaxmem does not reach
+_API_BOUNDARY = os.path.join("jax", "_src", "traceback_util.py")
+_FORI_REASON = ("not converted: jax.lax.fori_loop lowers to a scan (static bounds) or a while "
+                "loop inside JAX, which jaxmem does not see (its body's layers are converted, "
+                "the loop itself gets no scan policy); write the loop with jax.lax.scan")
+
+
+@contextlib.contextmanager
+def _watching_calls(rep: Report) -> Iterator[dict]:
+    """While active (this thread): note each code object that runs (``code -> (globals,
+    path, index in rep.entries)``, first run) and record each ``jax.lax.fori_loop`` call made
+    by user code or Flax (``nnx.fori_loop``), not those JAX makes inside its own functions."""
+    import jax
+
+    fori = inspect.unwrap(jax.lax.fori_loop).__code__
+    ran: dict = {}
+    prev = sys.getprofile()
+
+    def hook(frame, event, arg):
+        if prev is not None:
+            prev(frame, event, arg)
+        if event != "call":
+            return
+        code = frame.f_code
+        if code is fori:
+            up = frame.f_back
+            while up is not None and up.f_code.co_filename.endswith(_API_BOUNDARY):
+                up = up.f_back  # JAX's traceback-filtering wrapper
+            caller = up.f_code.co_filename if up is not None else ""
+            if _is_user_code(caller) or os.sep + "flax" + os.sep in caller:  # not JAX's own
+                _add(Entry(current_path(), "function", "jax.lax.fori_loop", "", "unsupported",
+                           _FORI_REASON), rep, frame)
+        elif code not in ran:
+            ran[code] = (frame.f_globals, current_path(), len(rep.entries))
+
+    sys.setprofile(hook)
+    try:
+        yield ran
+    finally:
+        sys.setprofile(prev)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple:
+    """Folders whose code is not user code (JAX, Flax, optax, numpy, the standard library,
+    jaxmem's own parts; jaxmem's example models in ``jaxmem/bench`` and ``jaxmem/models``
+    count as user code)."""
+    import importlib
+
+    dirs = [os.path.dirname(os.__file__)]
+    for name in ("jax", "jaxlib", "flax", "optax", "numpy"):
+        try:
+            dirs.append(os.path.dirname(importlib.import_module(name).__file__))
+        except ImportError:  # pragma: no cover - optional package missing
+            pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jaxmem
+    for entry in os.listdir(root):
+        if entry not in ("bench", "models"):
+            dirs.append(os.path.join(root, entry))
+    return tuple(d + os.sep if os.path.isdir(d) else d for d in dirs)
+
+
+def _is_user_code(filename: str) -> bool:
+    return not os.path.abspath(filename).startswith(_library_dirs())
+
+
+def _add_imported_by_name(rep: Report, ran: dict, patch_mod) -> None:
+    """Entries for global names of user code that ran which are bound to the original of a
+    patched function (imported by name before any conversion: never dispatched)."""
+    originals: dict = {}
+    for mod, attr, old in patch_mod._saved:
+        originals.setdefault(id(old), (old, f"{mod.__name__}.{attr}"))
+    found = []
+    for code, (glob, path, at) in ran.items():
+        if not _is_user_code(code.co_filename):
+            continue
+        names = {i.argval for i in dis.get_instructions(code)
+                 if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+        for name in sorted(names):
+            v = glob.get(name)
+            hit = originals.get(id(v)) if v is not None else None
+            if hit is None or hit[0] is not v:
+                continue
+            rule = patch_mod._ORIGINALS.get(id(v), "")
+            parts = patch_mod._parts_of(rule)
+            where = f"{glob.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+            found.append((at, Entry(
+                path, "function", hit[1], parts[0] if parts else "", "fallback",
+                f"not reached: imported by name before conversion (`{name}` in {where} is "
+                f"the original {hit[1]}); call it through its module or hold it in a field")))
+    for at, entry in sorted(found, key=lambda t: -t[0]):
+        rep.entries.insert(at, entry)
