@@ -55,17 +55,24 @@ def resnet_case(quick):
 
 
 def uniform_steps(loss, args):
+    """The uniform policies a user writes: ``jax.checkpoint`` (``nn.remat``) on every block
+    with one policy, and ``save_only_these_names`` of the block boundaries on the whole loss."""
     tr = T.trace(loss, args)
     units = T.choose_units(tr)
+    names = [T.PREFIX + lbl for lbl in tr.ends]
 
-    def per_unit(opt):
+    def per_block(policy):
         def f(*a):
             flat = jax.tree_util.tree_leaves(a)
-            return T.run_chunks(tr.closed, units, {u.label: opt for u in units}, flat,
-                                fence=False)[0]
+            env = {v: c for v, c in zip(tr.closed.jaxpr.constvars, tr.closed.consts)}
+            env.update(zip(tr.closed.jaxpr.invars, flat))
+            for u in units:
+                ins, outs = T.chunk_io(tr.closed.jaxpr, u.start, u.stop)
+                g = jax.checkpoint(T.chunk_fn(tr.closed.jaxpr, u.start, u.stop, ins, outs),
+                                   policy=policy, prevent_cse=True)
+                env.update(zip(outs, g(*[env[v] for v in ins])))
+            return env[tr.closed.jaxpr.outvars[0]]
         return f
-
-    names = [T.PREFIX + u.label for u in units if u.label in tr.ends]
 
     def boundary(*a):
         from jaxmem.planner.trace import _linen_tags
@@ -73,8 +80,12 @@ def uniform_steps(loss, args):
         with _linen_tags():
             return jax.checkpoint(loss, policy=pol)(*a)
 
-    return {"nothing_saveable": per_unit("recompute"), "dots_saveable": per_unit("dots"),
-            "save_only_these_names": boundary}
+    cp = jax.checkpoint_policies
+    return {"nothing_saveable per block": per_block(cp.nothing_saveable),
+            "dots_saveable per block": per_block(cp.dots_saveable),
+            "save_only_these_names(inner layer outputs) per block":
+                per_block(cp.save_only_these_names(*names)),
+            "save_only_these_names(block outputs) on the loss": boundary}
 
 
 def total(fn, args):
@@ -123,6 +134,7 @@ def run(quick):
                            predicted_bytes=p.predicted_bytes,
                            prediction_error=p.prediction_error, time_ratio=ts[1] / ts[0],
                            predicted_time=p.predicted_time, solver=p.solver_status,
+                           iterations=p.iterations,
                            gap=p.solver_gap,
                            choices={c.label: c.option for c in p.choices})
             off = 2 if p is not None else 1
@@ -131,6 +143,12 @@ def run(quick):
             print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
         rows.append({"model": name, "uniform_bytes": uni_bytes, "default_bytes": default})
     return rows
+
+
+def _summary(choices):
+    """``store`` units omitted; the others as ``label: option``."""
+    parts = [f"{k}: {v}" for k, v in choices.items() if v != "store"]
+    return "; ".join(parts) if parts else "all stored"
 
 
 def markdown(rows, quick=False):
@@ -143,8 +161,9 @@ def markdown(rows, quick=False):
              + (" --quick`" if quick else "`"), "",
              ("Times were taken on a 2-core machine shared with other jobs: read them as "
               "rough; a ratio below 1 is contention noise, not a speed-up."), "",
-             ("| model | budget | met | compiled MiB (x default) | predicted err | time | "
-              "best uniform that fits (time) |"), "|---|---|---|---|---|---|---|"]
+             ("| model | budget | met | compiled MiB (x default) | predicted err | time "
+              "(predicted) | plan | best uniform per block that fits (time) |"),
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "fraction" not in r:
             continue
@@ -155,13 +174,21 @@ def markdown(rows, quick=False):
             lines.append(
                 f"| {r['model']} | {int(r['fraction'] * 100)} % | yes | "
                 f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
-                f" | {r['prediction_error'] * 100:+.1f} % | {r['time_ratio']:.2f}x | {ustr} |")
+                f" | {r['prediction_error'] * 100:+.1f} % | {r['time_ratio']:.2f}x "
+                f"({r['predicted_time']:.2f}x) | {_summary(r['choices'])} | {ustr} |")
         else:
             lines.append(
                 f"| {r['model']} | {int(r['fraction'] * 100)} % | no (smallest "
                 f"{r['smallest_bytes'] / MIB:.2f} MiB, "
-                f"{r['smallest_bytes'] / r['default_bytes']:.2f}x) | - | - | - | {ustr} |")
-    lines += ["", "Uniform JAX policies, compiled MiB (default in brackets):", ""]
+                f"{r['smallest_bytes'] / r['default_bytes']:.2f}x) | - | - | - | - | {ustr} |")
+    lines += ["", ("`smallest` of an unmet budget is the least compiled total of a plan the "
+                   "search compiled (a budget `plan` then meets), not the arguments + outputs "
+                   "lower bound. `time (predicted)`: measured ratio, and the planner's static "
+                   "estimate (recomputed FLOPs + `fence_cost` 0.1 of a step per checkpointed "
+                   "item). `plan` lists the units not stored; `a..b: segment` recomputes units "
+                   "a to b as one chunk.")]
+    lines += ["", ("Uniform JAX policies (plain `jax.checkpoint` on every block, as `nn.remat` "
+                   "would), compiled MiB (default in brackets):"), ""]
     for r in rows:
         if "uniform_bytes" in r:
             lines.append(f"- {r['model']} [{r['default_bytes'] / MIB:.2f}]: " + ", ".join(

@@ -1,10 +1,16 @@
 """``jaxmem.planner``: fit a training step's gradient into a memory budget.
 
 :func:`plan` traces the loss with its Flax Linen layers tagged, cuts it into units, chooses
-per unit whether to keep its residuals or recompute them (``jax.checkpoint``) by CP-SAT, and
-verifies the choice in XLA's compiled bytes. See docs/plan.md.
+per unit whether to keep its residuals, recompute them (``jax.checkpoint``) or recompute a
+segment of units as one, by CP-SAT, and verifies the choice in XLA's compiled bytes.
+:func:`max_batch` (also ``jaxmem.plan.max_batch``) finds the largest batch within a budget.
+See docs/plan.md.
 """
 from jaxmem.planner.api import BudgetError, MemoryPlan, UnitChoice, parse_budget, plan
+from jaxmem.planner.batch import BatchFit, max_batch
 from jaxmem.planner.trace import tag
 
-__all__ = ["BudgetError", "MemoryPlan", "UnitChoice", "parse_budget", "plan", "tag"]
+plan.max_batch = max_batch
+
+__all__ = ["BatchFit", "BudgetError", "MemoryPlan", "UnitChoice", "max_batch", "parse_budget",
+           "plan", "tag"]

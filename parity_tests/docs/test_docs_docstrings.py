@@ -16,6 +16,7 @@ ENTRY_POINTS = [
     ("jaxmem.selective.subset", "grad"),
     ("jaxmem.selective.subset", "train_step"),
     ("jaxmem.planner.api", "plan"),
+    ("jaxmem.planner.batch", "max_batch"),
     ("jaxmem.rowconv", "apply"),
     ("jaxmem.rowconv", "spatial_apply"),
     ("jaxmem.fewbit", "attention"),

@@ -126,12 +126,138 @@ def test_plan_solver_deterministic_and_optimal():
 
 @pytest.mark.slow
 def test_plan_resnet_quarter_names_parameters_as_dominant():
-    """Tiny ResNet: parameters + gradients are 1.39 of 4.99 MiB, so 25 % is unreachable and the
-    error says so before any search."""
+    """Tiny ResNet: parameters + gradients are 1.39 of 4.99 MiB, so 25 % is unreachable; the
+    error names arguments and outputs and reports the least compiled total a plan reached."""
     loss, params, x = _resnet()
-    with pytest.raises(BudgetError, match="dominated by arguments and outputs") as e:
+    with pytest.raises(BudgetError, match="before any activation is kept") as e:
         plan(loss, params, x, budget=0.25)
     assert e.value.smallest_bytes > int(0.25 * 4.99 * 2**20)
+    assert e.value.smallest_bytes >= sum(e.value.dominant[k] for k in (
+        "arguments (parameters, batch, state)", "outputs (loss, gradients)")) - 2**20
+
+
+def _deep_mlp(depth=12, width=128, batch=512):
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(depth):
+                x = nn.tanh(nn.Dense(width, name=f"d{i}")(x))
+            return nn.Dense(1, name="head")(x)
+
+    m = Net()
+    x = jax.random.normal(jax.random.key(0), (batch, width))
+    params = m.init(jax.random.key(1), x)
+    return (lambda p, x: jnp.mean(m.apply(p, x) ** 2)), params, x
+
+
+def _uniform_bytes(loss, params, x, opt):
+    from jaxmem.measure import compiled_memory
+    tr = T.trace(loss, (params, x))
+    units = T.choose_units(tr)
+
+    def f(p, x):
+        return T.run_chunks(tr.closed, units, {u.label: opt for u in units},
+                            jax.tree_util.tree_leaves((p, x)))[0]
+    return compiled_memory(jax.value_and_grad(f), params, x).total_bytes
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return _deep_mlp()
+
+
+def test_plan_budget_below_every_per_unit_option_met_by_segments(mlp):
+    """A deep tanh MLP: recomputing units one by one keeps every unit's input and compiles to
+    more than the default; a budget between the least reachable plan and the default (below
+    every uniform per-unit option) is met by recomputing segments of units, exactly."""
+    loss, params, x = mlp
+    p = plan(loss, params, x, budget=0.85)
+    assert p.compiled_bytes <= p.budget_bytes < p.default_bytes
+    for opt in ("dots", "recompute"):
+        assert _uniform_bytes(loss, params, x, opt) > p.budget_bytes, opt
+    assert any(c.option == "segment" and ".." in c.label for c in p.choices)
+    assert abs(p.prediction_error) < 0.10
+    x2 = jax.random.normal(jax.random.key(9), x.shape)
+    v0, g0 = jax.value_and_grad(loss)(params, x2)
+    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, x2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    assert _max_rel(g0, g1) < 1e-5
+
+
+def test_plan_budget_error_smallest_is_reached(mlp):
+    """The ``smallest_bytes`` of a refused budget is a compiled plan: planning for exactly that
+    budget succeeds (it is not the arguments + outputs lower bound)."""
+    loss, params, x = mlp
+    with pytest.raises(BudgetError, match="smallest compiled total reached") as e:
+        plan(loss, params, x, budget=0.5)
+    small = e.value.smallest_bytes
+    assert small < int(0.85 * _uniform_bytes(loss, params, x, "store"))
+    p = plan(loss, params, x, budget=small)
+    assert p.compiled_bytes <= small
+
+
+def test_plan_refused_below_arguments_reports_reached_smallest(mlp):
+    loss, params, x = mlp
+    with pytest.raises(BudgetError, match="before any activation is kept") as e:
+        plan(loss, params, x, budget=4096)
+    floor = sum(e.value.dominant[k] for k in ("arguments (parameters, batch, state)",
+                                              "outputs (loss, gradients)"))
+    assert e.value.smallest_bytes > floor   # a compiled plan, above the lower bound
+
+
+def test_plan_bad_options():
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    with pytest.raises(ValueError, match="fence_cost must be a number >= 0, got -1"):
+        plan(loss, w, x, budget=0.5, fence_cost=-1)
+    with pytest.raises(ValueError, match="max_iterations must be an int >= 1, got 0"):
+        plan(loss, w, x, budget=0.5, max_iterations=0)
+
+
+def _mlp_batches(width=64):
+    loss, params, _ = _deep_mlp(depth=6, width=width, batch=8)
+
+    def make(b):
+        return params, jax.random.normal(jax.random.key(b), (b, width))
+
+    return loss, make
+
+
+def test_max_batch_default_is_largest_that_compiles_within_budget():
+    import jaxmem
+    from jaxmem.measure import compiled_memory
+    from jaxmem.planner import max_batch
+    assert jaxmem.plan.max_batch is max_batch
+    loss, make = _mlp_batches()
+    budget = 2**20
+    fit = max_batch(loss, make, budget, planned=False)
+    assert fit.default_batch > 0 and fit.default_bytes <= budget and fit.plan is None
+    nxt = compiled_memory(jax.value_and_grad(loss), *make(fit.default_batch + 1)).total_bytes
+    assert nxt > budget
+    with pytest.raises(TypeError, match="fraction 0.5"):
+        max_batch(loss, make, 0.5)
+    with pytest.raises(TypeError, match="make_args must be callable"):
+        max_batch(loss, 3, budget)
+
+
+@pytest.mark.slow
+def test_max_batch_planned_at_least_default():
+    from jaxmem.planner import max_batch
+    loss, make = _mlp_batches()
+    fit = max_batch(loss, make, 2**20, limit=4096, max_iterations=2)
+    assert 0 < fit.default_batch <= fit.planned_batch
+    assert fit.planned_bytes <= 2**20 and fit.plan.compiled_bytes == fit.planned_bytes
+    assert fit.plan.step(*make(fit.planned_batch)).shape == ()
+
+
+def test_max_batch_docstring_example():
+    import doctest
+
+    from jaxmem.planner import batch
+    r = doctest.testmod(batch, optionflags=doctest.ELLIPSIS)
+    assert r.attempted > 0 and r.failed == 0
 
 
 @pytest.mark.slow
