@@ -4,7 +4,7 @@ For ``y = f(x)`` whose derivative takes two values, ``f'(x) = high`` where ``M(x
 ``low`` elsewhere::
 
     forward:   y  = f(x)                                   (the exact JAX function)
-    residual:  pack(M(x), 1)                               (1/8 byte per element)
+    residual:  pack(M(x), 1, blocks)                       (1/8 byte per element)
     backward:  dx = where(M(x), high * dy, low * dy)       (in dy's dtype)
 
 A level ``1`` passes ``dy`` through and a level ``0`` gives ``0`` (so a non-finite ``dy`` where
@@ -13,7 +13,10 @@ the slope is zero still gives ``0``, as ``jax.nn.relu``'s derivative); other lev
 by a zero slope, as JAX does).  The mask is stored only when ``x``
 is differentiated (``custom_vjp`` with symbolic zeros), packed by the reduction of
 :mod:`jaxmem._prims.bitpack` so that XLA materialises 1 bit per element instead of keeping
-the float input (``jax.nn.relu`` keeps 5 B per element in float32).
+the float input (``jax.nn.relu`` keeps 5 B per element in float32).  Under a mesh in context
+(``jax.set_mesh``) the mask is packed in ``blocks = shard_blocks(x.shape[-1], 1)`` blocks along
+the last axis, so each device packs its own shard of a feature-sharded ``x`` (no collective);
+``blocks`` is fixed when the op is called and shared by the forward and backward passes.
 
 The regions reproduce ``jax.nn``'s derivative at the kinks exactly:
 
@@ -42,7 +45,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
-from jaxmem._prims.bitpack import pack, unpack
+from jaxmem._prims.bitpack import pack, shard_blocks, unpack
 
 __all__ = ["MASKED", "check_floating", "hard_tanh", "leaky_relu", "mask_op", "relu", "relu6"]
 
@@ -96,26 +99,31 @@ def _scaled(g, level: float, select_zero: bool):
     return g * jnp.asarray(level, g.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _masked(spec: _Spec, x):
+def _blocks(x) -> int:
+    """Blocks of the packed mask of ``x`` (see :func:`jaxmem._prims.bitpack.shard_blocks`)."""
+    return shard_blocks(x.shape[-1], 1) if x.ndim else 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _masked(spec: _Spec, blocks: int, x):
     return spec.fn(x)
 
 
-def _masked_fwd(spec: _Spec, x):
+def _masked_fwd(spec: _Spec, blocks: int, x):
     y = spec.fn(x.value)
     if not x.perturbed:
         return y, (None,)
-    packed = pack(spec.predicate(x.value), 1)
+    packed = pack(spec.predicate(x.value), 1, blocks)
     if spec.tag is not None:
         packed = checkpoint_name(packed, spec.tag)
     return y, (packed,)
 
 
-def _masked_bwd(spec: _Spec, res, g):
+def _masked_bwd(spec: _Spec, blocks: int, res, g):
     (packed,) = res
     if packed is None or g is None or isinstance(g, SymbolicZero):
         return (None,)
-    m = unpack(packed, 1, g.shape).astype(jnp.bool_)
+    m = unpack(packed, 1, g.shape, blocks).astype(jnp.bool_)
     return (jnp.where(m, _scaled(g, spec.high, spec.select_zero),
                       _scaled(g, spec.low, spec.select_zero)),)
 
@@ -126,7 +134,8 @@ _masked.defvjp(_masked_fwd, _masked_bwd, symbolic_zeros=True)
 @functools.cache
 def _build(spec: _Spec, name: str) -> Callable:
     def apply(x):
-        return _masked(spec, check_floating(name, x))
+        x = check_floating(name, x)
+        return _masked(spec, _blocks(x), x)
 
     apply.__name__ = name
     apply.__qualname__ = name
@@ -221,20 +230,21 @@ def _split(x):
     return jnp.where(m, x, zero), jnp.where(m, zero, x)
 
 
-_split_sign = jax.custom_vjp(_split)  # the VJP keeps a 1-bit packed mask
+# the VJP keeps a 1-bit packed mask in ``blocks`` blocks
+_split_sign = jax.custom_vjp(lambda blocks, x: _split(x), nondiff_argnums=(0,))
 
 
-def _split_sign_fwd(x):
+def _split_sign_fwd(blocks, x):
     out = _split(x.value)
-    return out, (pack(x.value >= 0, 1) if x.perturbed else None)
+    return out, (pack(x.value >= 0, 1, blocks) if x.perturbed else None)
 
 
-def _split_sign_bwd(packed, g):
+def _split_sign_bwd(blocks, packed, g):
     dpos, dneg = g
     if packed is None or all(isinstance(d, SymbolicZero) for d in g):
         return (None,)
     shape = next(d.shape for d in g)
-    m = unpack(packed, 1, shape).astype(jnp.bool_)
+    m = unpack(packed, 1, shape, blocks).astype(jnp.bool_)
     zero = jnp.zeros((), next(d.dtype for d in g))
     dpos = zero if isinstance(dpos, SymbolicZero) else dpos
     dneg = zero if isinstance(dneg, SymbolicZero) else dneg
@@ -269,5 +279,5 @@ def leaky_relu(x: jax.Array, negative_slope: float | jax.Array = 0.01) -> jax.Ar
     if not ok:
         raise ValueError(f"leaky_relu: negative_slope of shape {s.shape} does not broadcast to "
                          f"x of shape {x.shape}")
-    pos, neg = _split_sign(x)
+    pos, neg = _split_sign(_blocks(x), x)
     return pos + s.astype(x.dtype) * neg

@@ -3,11 +3,13 @@
 For an elementwise ``f`` and a table (borders ``s``, levels ``y``, ``k = 2**bits``)::
 
     forward:   out = f(x)                          (the exact JAX function)
-    residual:  pack(code(x), bits),  code(x) = Σ_i [x >= s_i]     (bits/8 bytes per element)
+    residual:  pack(code(x), bits, blocks),  code(x) = Σ_i [x >= s_i]   (bits/8 B per element)
     backward:  dx = dy * y[code(x)]                (computed in float32, cast to dy.dtype)
 
 so autodiff keeps ``bits/8`` bytes per element instead of the float input (and whatever
-``f``'s own derivative needs).  The gradient is *defined* to be ``dy * q(x)`` with ``q`` the
+``f``'s own derivative needs).  ``blocks = shard_blocks(x.shape[-1], bits)`` (1 outside a mesh
+in context) packs each shard of a feature-sharded ``x`` on its own device
+(:mod:`jaxmem._prims.bitpack`); it is fixed when the op is called.  The gradient is *defined* to be ``dy * q(x)`` with ``q`` the
 piecewise-constant approximation of ``f'`` (paper eq. 2); it is reproduced bit-for-bit by
 ``torch_ref.fewbit``.
 
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._prims.bitpack import pack, unpack
+from jaxmem._prims.bitpack import pack, shard_blocks, unpack
 from jaxmem._prims.checks import check_bits
 from jaxmem._prims.codes import bin_codes
 from jaxmem._prims.mask import (  # the exact 1-bit ops, re-exported
@@ -85,21 +87,24 @@ def _build(fn: Callable, name: str, bits: int, borders: tuple, levels: tuple,
     b32 = np.asarray(borders, dtype=np.float32)
     l32 = np.asarray(levels, dtype=np.float32)
 
-    @jax.custom_vjp
-    def op(x):
+    # blocks: the packing blocks along the last axis (shard_blocks under a mesh in context),
+    # fixed at the call so that the forward and backward passes share one layout
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(blocks, x):
         return fn(x)
 
-    def fwd(x):
-        return fn(x), pack(bin_codes(x, b32, symmetric=symmetric), bits)
+    def fwd(blocks, x):
+        return fn(x), pack(bin_codes(x, b32, symmetric=symmetric), bits, blocks)
 
-    def bwd(res, dy):
-        c = unpack(res, bits, dy.shape)
+    def bwd(blocks, res, dy):
+        c = unpack(res, bits, dy.shape, blocks)
         return (_backward(dy, c, l32),)
 
     op.defvjp(fwd, bwd)
 
     def apply(x: jax.Array) -> jax.Array:
-        return op(check_floating(f"few-bit {name}", x))
+        x = check_floating(f"few-bit {name}", x)
+        return op(shard_blocks(x.shape[-1], bits) if x.ndim else 1, x)
 
     apply.__name__ = f"fewbit_{name}_{bits}bit"
     apply.__doc__ = f"few-bit {name} ({bits}-bit backward): exact forward, dy * levels[code(x)]."

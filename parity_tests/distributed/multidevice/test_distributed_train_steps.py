@@ -75,9 +75,11 @@ def _step(name, mode, which):
     params, batch, plain_loss, jm_loss = _case(name)
     loss = plain_loss if which == "plain" else jm_loss
     opt = _recording_sgd()
-    step = jd.train_step(loss, opt, jd.mesh(**MODES[mode]), mode, donate=False)
+    m = jd.mesh(**MODES[mode])
+    step = jd.train_step(loss, opt, m, mode, donate=False)
     p, s = step.init(params)
-    compiled = step.lower(p, s, batch).compile()
+    with jax.set_mesh(m):  # the mesh in context sets the blocks of packed residuals
+        compiled = step.lower(p, s, batch).compile()
     grads = compiled(p, s, batch)[1] if which == "jaxmem" else None
     return grads, jd.collectives(compiled.as_text()), step.param_shardings(params)
 
@@ -104,18 +106,10 @@ def test_sharded_grads_equal_single_device(name, mode):
         assert g.sharding.is_equivalent_to(sh, g.ndim)
 
 
-PACKED_MASK_ACROSS_SHARDS = pytest.mark.xfail(
-    strict=False,
-    reason="1-bit ReLU masks pack 8 channels per byte along the channel axis; with 8 "
-           "channels split 4+4 over 'model' the byte straddles the shard boundary and XLA "
-           "all-reduces the partial bytes (u8[2,8,8,1,1] x3): the packer needs a per-shard "
-           "layout")
-
-
-@pytest.mark.parametrize("name,mode", [
-    pytest.param(n, m, marks=PACKED_MASK_ACROSS_SHARDS if (n, m) == ("resnet", "tp") else ())
-    for n in CASES for m in MODES])
+@pytest.mark.parametrize("name,mode", [(n, m) for n in CASES for m in MODES])
 def test_jaxmem_adds_no_collectives(name, mode):
+    """ResNet under TP has 8 channels split 4+4 over 'model': its 1-bit ReLU masks are packed
+    in blocks so that no byte straddles the shard boundary."""
     plain = _step(name, mode, "plain")[1]
     jm = _step(name, mode, "jaxmem")[1]
     assert jm <= plain, f"jaxmem {jm.counts} vs plain {plain.counts}"
@@ -136,15 +130,13 @@ def test_param_shardings_rules():
         jd.mesh(data=8, model=2)
 
 
-@pytest.mark.parametrize("hidden", [
-    48,
-    pytest.param(40, marks=pytest.mark.xfail(
-        strict=False,
-        reason="few-bit codes are grouped 8 per 3 bytes along the feature axis; hidden 40 "
-               "split 20+20 over 'model' puts a group across the boundary, so XLA all-gathers "
-               "the unpacked u32 codes (u32[2,4,40]) and the packed residual is replicated "
-               "over 'model': the packer needs a per-shard layout"))])
-def test_fewbit_residual_stays_sharded_over_model(hidden):
+@pytest.mark.parametrize("hidden,axes", [(48, None), (40, None), (40, ("model",))])
+def test_fewbit_residual_stays_sharded_over_model(hidden, axes):
+    """3-bit codes go 8 per 3 bytes; hidden 40 split 20+20 over 'model' packs in blocks (8 for
+    any split over the 4x2 mesh, 2 when only 'model' may split the features)."""
+    import contextlib
+
+    from jaxmem._prims.bitpack import shard_axes
     from jaxmem.models.transformer import MLPBlock
 
     base = MLPBlock(hidden, gelu_approximate=True)
@@ -156,5 +148,6 @@ def test_fewbit_residual_stays_sharded_over_model(hidden):
     for which, mod in (("plain", base), ("jaxmem", jaxmem.linen.convert(base, fewbit=3))):
         f = jax.jit(jax.grad(lambda p, x, mod=mod: jnp.sum(mod.apply({"params": p}, x) ** 2)),
                     in_shardings=(sh, jd.batch_sharding(m)), out_shardings=sh)
-        counts[which] = jd.compiled_collectives(f, params, x)
+        with jax.set_mesh(m), (contextlib.nullcontext() if axes is None else shard_axes(*axes)):
+            counts[which] = jd.compiled_collectives(f, params, x)
     assert counts["jaxmem"] <= counts["plain"], (counts["jaxmem"].counts, counts["plain"].counts)
