@@ -7,6 +7,13 @@ program (the loss is the mean over the *global* batch, BatchNorm statistics are 
 gradients equal the one-device step; only the layout differs. jaxmem models (from
 ``jaxmem.linen.convert``) go in unchanged.
 
+The step is traced under ``jax.set_mesh(mesh)`` and a :func:`jaxmem._prims.bitpack.shard_axes`
+that names the mesh axes a feature axis may be split over: none for ``"dp"``/``"fsdp"``
+(activations are split by batch only) and ``"model"`` for ``"tp"``.  Packed residuals (1-bit
+masks, few-bit codes, pooling positions) then take the blocked layout that keeps each device's
+bytes on its own shard, without the caller setting a mesh.  The layout is fixed when the step
+is traced: a function the loss jits itself keeps the layout of its first trace.
+
 Example::
 
     mesh = jaxmem.distributed.mesh(data=8)
@@ -16,16 +23,21 @@ Example::
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmem._prims.bitpack import shard_axes
 from jaxmem.distributed.sharding import MODES, _check_mesh, batch_sharding, param_shardings
 
 __all__ = ["TrainStep", "train_step"]
+
+#: mesh axes that may split an activation's trailing (feature) axis, per mode
+_FEATURE_AXES = {"dp": (), "fsdp": (), "tp": ("model",)}
 
 
 def _key(tree):
@@ -83,6 +95,13 @@ class TrainStep:
         return params, opt_state
 
     # -- the step ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _tracing(self) -> Iterator[None]:
+        """The context the step is traced in: the step's mesh, and the mesh axes that may
+        split a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``)."""
+        with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]):
+            yield
+
     def _loss_and_grads(self, params, batch, psh):
         if self.mode == "fsdp":
             # ZeRO-3: gather each parameter where the forward uses it (one all-gather per
@@ -95,7 +114,9 @@ class TrainStep:
         return loss, jax.lax.with_sharding_constraint(grads, psh)
 
     def _compiled_fns(self, params):
-        key = _key(params)
+        # the packed layout depends on (mesh, mode): both are part of the key, so one
+        # TrainStep never reuses a program traced for another layout
+        key = (self.mesh, self.mode, _key(params))
         if key not in self._cache:
             import optax
 
@@ -121,17 +142,23 @@ class TrainStep:
 
     def __call__(self, params, opt_state, batch):
         """One optimizer step; returns ``(params, opt_state, loss)``. Donates the first two."""
-        return self._compiled_fns(params)[0](params, opt_state, batch)
+        jstep = self._compiled_fns(params)[0]
+        with self._tracing():
+            return jstep(params, opt_state, batch)
 
     def grads(self, params, batch):
         """``(loss, grads)`` of ``loss_fn`` with the step's shardings (grads laid out like the
         parameters)."""
-        return self._compiled_fns(params)[1](params, batch)
+        jgrads = self._compiled_fns(params)[1]
+        with self._tracing():
+            return jgrads(params, batch)
 
     def lower(self, params, opt_state, batch):
         """``jax.jit(...).lower`` of the step (for ``.compile().as_text()`` /
         ``memory_analysis()``); accepts ``jax.ShapeDtypeStruct`` leaves."""
-        return self._compiled_fns(params)[0].lower(params, opt_state, batch)
+        jstep = self._compiled_fns(params)[0]
+        with self._tracing():
+            return jstep.lower(params, opt_state, batch)
 
 
 def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,

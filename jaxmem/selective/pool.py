@@ -7,9 +7,12 @@ maximum -- the same tie-breaking as XLA's ``select_and_scatter_add`` that JAX's 
     dL/dxp[i] = sum_{o, k : s * o + k = i, k = k*(o)} g[o]
 
 So the backward pass needs ``k*(o)``, an integer below ``prod(window)``, per *output*
-element, instead of the whole input that JAX keeps. It is stored packed with
-``bits.pack_codes`` in the fewest of 1/2/4/8 bits that hold it (4 bits for a 3x3 window:
-1/32 B per input element at stride 2, versus 4 B for the f32 input).
+element, instead of the whole input that JAX keeps. It is stored packed along the channel
+axis (:mod:`jaxmem._prims.bitpack`) in the fewest of 1/2/4/8 bits that hold it (4 bits for a
+3x3 window: 1/32 B per input element at stride 2, versus 4 B for the f32 input).  The packed
+codes keep the output's leading axes and, under a mesh in context, are packed in
+``blocks = shard_blocks(C, bits)`` blocks of the channel axis, so channels split over devices
+pack and unpack on their own shard (no collective); ``blocks`` is fixed when the op is called.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxmem._prims.bitpack import pack, shard_blocks, unpack
 from jaxmem.selective._core import as_int, check_float, int_tuple, is_zero, tag
-from jaxmem.selective.bits import pack_codes, unpack_codes
 
 __all__ = ["max_pool"]
 
@@ -55,26 +58,25 @@ def _window_slices(xp, window, strides, out_sp):
         yield idx, off, lax.slice(xp, start, limit, (1,) + strides + (1,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _max_pool(window, strides, pads, x):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _max_pool(window, strides, pads, blocks, x):
     return _reduce(x, window, strides, pads)
 
 
-def _max_pool_fwd(window, strides, pads, x):
+def _max_pool_fwd(window, strides, pads, blocks, x):
     xv = x.value
     y = _reduce(xv, window, strides, pads)
     if not x.perturbed:
         return y, (None, None)
     if y.size == 0:  # nothing to route: the gradient is zero
-        return y, (pack_codes(jnp.zeros(y.shape, jnp.uint8), 1),
-                   _Shape((xv.shape, xv.dtype, y.shape)))
+        return y, (jnp.zeros((0,), jnp.uint8), _Shape((xv.shape, xv.dtype, y.shape)))
     xp = jnp.pad(xv, ((0, 0),) + pads + ((0, 0),), constant_values=-jnp.inf)
     positions = math.prod(window)
     code = jnp.zeros(y.shape, jnp.uint8)
     hits = list(_window_slices(xp, window, strides, y.shape[1:-1]))
     for idx, _, sl in reversed(hits):  # reversed: the first matching position wins
         code = jnp.where(sl == y, jnp.uint8(idx), code)
-    packed = tag(pack_codes(code, _nbits(positions)), "max_pool.argmax")
+    packed = tag(pack(code, _nbits(positions), blocks), "max_pool.argmax")
     return y, (packed, _Shape((xv.shape, xv.dtype, y.shape)))
 
 
@@ -86,14 +88,14 @@ class _Shape:
 jax.tree_util.register_pytree_node(_Shape, lambda s: ((), s.v), lambda v, _: _Shape(v))
 
 
-def _max_pool_bwd(window, strides, pads, res, g):
+def _max_pool_bwd(window, strides, pads, blocks, res, g):
     packed, meta = res
     if packed is None or is_zero(g):
         return (None,)
     x_shape, x_dtype, y_shape = meta.v
     if math.prod(y_shape) == 0:
         return (jnp.zeros(x_shape, x_dtype),)
-    code = unpack_codes(packed, _nbits(math.prod(window)), y_shape)
+    code = unpack(packed, _nbits(math.prod(window)), y_shape, blocks)
     nsp = len(window)
     out_sp = y_shape[1:-1]
     xp_sp = tuple(n + lo + hi for n, (lo, hi) in zip(x_shape[1:-1], pads))
@@ -183,4 +185,5 @@ def max_pool(x: ArrayLike, window_shape: Sequence[int], strides: Sequence[int] |
         cfg = ((0, 0, 0),) + tuple((lo, hi, 0) for lo, hi in pads) + ((0, 0, 0),)
         x = lax.pad(x, jnp.array(-jnp.inf, x.dtype), cfg)
         pads = ((0, 0),) * nsp
-    return _max_pool(window, strides, pads, x)
+    blocks = shard_blocks(x.shape[-1], _nbits(math.prod(window)))
+    return _max_pool(window, strides, pads, blocks, x)
