@@ -4,16 +4,25 @@ For ResNet-50 (CPU-scaled: width 0.25, 64x64 images) and a GPT (4 layers, d_mode
 ctx 128), one SGD step compiled (never run) on 8 host CPU devices under data parallel
 (8x1 mesh), FSDP (8x1, parameters sharded over 'data') and tensor parallel (4x2 mesh,
 Megatron rules), for: plain Flax, ``jaxmem.linen.convert(model, fewbit=None)`` (exact) and
-``convert(model, fewbit=3)``. Beside each, the one-device step of the same global batch.
+``convert(model, fewbit=3)``. Beside each, the one-device step of the same global batch
+and of the per-device batches (2 and 4).
 
 Figures: XLA's ``memory_analysis()`` of the compiled step, per device: ``temp`` (activations
 and backward intermediates, what jaxmem shrinks) and ``total = temp + output + argument -
 alias``; the collectives of the compiled HLO (count and result bytes per device) from
 ``jaxmem.distributed.collectives``. Saving = ``1 - jaxmem temp / default temp``.
 
-Usage: ``python benchmarks/distributed/bench_distributed.py`` (re-executes itself with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``); writes
-``benchmarks/results/distributed/distributed.{md,json}``. ``--quick`` shrinks the models.
+Like for like: a device under DP/FSDP holds 1/8 of the global batch, under TP (4x2) 1/4 of
+it, so each sharded column is compared with the one-device step at that *per-device* batch
+(same activations per device; the parameter/gradient part of ``temp`` does not shrink with
+the batch). Beside it, the activation-only saving: the residual bytes autodiff keeps
+(``jaxmem.measure.residual_bytes``, activations only) of the loss at the per-device batch.
+
+Usage: ``python benchmarks/distributed/bench_distributed.py [--models gpt,resnet50]``
+(re-executes itself with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``); each model
+is stored in ``results/distributed/parts/<model>.json`` and the tables are rebuilt from every
+part measured so far into ``benchmarks/results/distributed/distributed.{md,json}``
+(``--md-only``: rebuild without measuring). ``--quick`` shrinks the models.
 """
 from __future__ import annotations
 
@@ -32,15 +41,20 @@ if FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import jaxmem.linen
 from jaxmem import distributed as jd
+from jaxmem.measure import residual_bytes
 from jaxmem.models import gpt, resnet50
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "distributed"
 MODES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "tp": {"data": 4, "model": 2}}
+GLOBAL_BATCH = 16
+#: the one-device batch each mode is compared with: the batch a device holds under it
+LOCAL = {m: GLOBAL_BATCH // shape["data"] for m, shape in MODES.items()}
 VARIANTS = {"default": None, "jaxmem": {"fewbit": None}, "jaxmem+fewbit3": {"fewbit": 3}}
 
 
@@ -51,8 +65,8 @@ def _sds(tree):
 def resnet_case(quick):
     model = resnet50(width=0.125 if quick else 0.25, num_classes=100)
     hw = 32 if quick else 64
-    x = jax.ShapeDtypeStruct((16, hw, hw, 3), jnp.float32)
-    y = jax.ShapeDtypeStruct((16,), jnp.int32)
+    x = jax.ShapeDtypeStruct((GLOBAL_BATCH, hw, hw, 3), jnp.float32)
+    y = jax.ShapeDtypeStruct((GLOBAL_BATCH,), jnp.int32)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
     stats = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), variables["batch_stats"])
 
@@ -70,7 +84,7 @@ def resnet_case(quick):
 def gpt_case(quick):
     model = gpt(vocab=512, ctx=128, d_model=128 if quick else 256, n_head=4,
                 n_layer=2 if quick else 4)
-    tok = jax.ShapeDtypeStruct((16, 128), jnp.int32)
+    tok = jax.ShapeDtypeStruct((GLOBAL_BATCH, 128), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tok)["params"]
 
     def make_loss(m):
@@ -92,10 +106,28 @@ def measure(compiled):
             "collectives": c.counts, "collective_bytes": c.bytes}
 
 
+def _local(batch, b):
+    """The batch's leading axis cut to ``b`` (shapes only)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((b,) + a.shape[1:], a.dtype), batch)
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
 def run_case(case, quick):
     name, model, params, batch, make_loss = case(quick)
     opt = optax.sgd(0.1)
     ostate = jax.eval_shape(opt.init, params)
+    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    # bytes of one device's parameter shard (= its gradient buffer) under each layout
+    shard_bytes = {}
+    for mode, shape in MODES.items():
+        sh = jd.param_shardings(params, jd.mesh(**shape), mode)
+        shard_bytes[mode] = int(sum(
+            np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+            for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(sh))))
+    zparams = _zeros(params)
     rows = []
     for variant, kw in VARIANTS.items():
         m = model if kw is None else jaxmem.linen.convert(model, **kw)
@@ -107,9 +139,16 @@ def run_case(case, quick):
             return optax.apply_updates(p, u), s
 
         t0 = time.time()
-        single = measure(jax.jit(one_device_step, donate_argnums=(0, 1))
-                         .lower(params, ostate, batch).compile())
-        row = {"model": name, "variant": variant, "single": single}
+        one = jax.jit(one_device_step, donate_argnums=(0, 1))
+        single = measure(one.lower(params, ostate, batch).compile())
+        row = {"model": name, "variant": variant, "param_bytes": param_bytes,
+               "param_shard_bytes": shard_bytes,
+               "single": single, "single_local": {}, "residual_local": {}}
+        for b in sorted(set(LOCAL.values())):
+            row["single_local"][str(b)] = measure(
+                one.lower(params, ostate, _local(batch, b)).compile())
+            rep = residual_bytes(loss, zparams, _zeros(_local(batch, b)))
+            row["residual_local"][str(b)] = int(rep.activation_bytes)
         for mode, shape in MODES.items():
             step = jd.train_step(loss, opt, jd.mesh(**shape), mode)
             row[mode] = measure(step.lower(params, ostate, batch).compile())
@@ -123,22 +162,66 @@ def mib(b):
     return f"{b / 2**20:.2f}"
 
 
+def _saving(r, base, get):
+    return 100 * (1 - get(r) / get(base))
+
+
 def table(rows):
     out = []
     by = {}
     for r in rows:
         by.setdefault(r["model"], {})[r["variant"]] = r
-    out.append("| model | variant | 1 device temp MiB (saving) | "
-               + " | ".join(f"{m.upper()} temp MiB/dev (saving)" for m in MODES) + " |")
-    out.append("|---|---|---|" + "---|" * len(MODES))
+    locs = sorted(set(LOCAL.values()))
+    out.append("Per-device `temp` MiB (saving vs default under the same layout):")
+    out.append("")
+    out.append(f"| model | variant | 1 device, batch {GLOBAL_BATCH} | "
+               + " | ".join(f"1 device, batch {b}" for b in locs) + " | "
+               + " | ".join(f"{m.upper()} per device (batch {LOCAL[m]})" for m in MODES) + " |")
+    out.append("|---|---|---|" + "---|" * (len(locs) + len(MODES)))
     for model, vs in by.items():
         base = vs["default"]
         for v, r in vs.items():
-            def cell(key, r=r, v=v, base=base):
-                t, b = r[key]["temp"], base[key]["temp"]
-                return mib(t) + ("" if v == "default" else f" ({100 * (1 - t / b):.1f}%)")
-            out.append(f"| {model} | {v} | {cell('single')} | "
-                       + " | ".join(cell(m) for m in MODES) + " |")
+            def cell(get, r=r, v=v, base=base):
+                t = get(r)
+                return mib(t) + ("" if v == "default" else f" ({_saving(r, base, get):.1f}%)")
+            cells = [cell(lambda x: x["single"]["temp"])]
+            cells += [cell(lambda x, b=b: x["single_local"][str(b)]["temp"]) for b in locs]
+            cells += [cell(lambda x, m=m: x[m]["temp"]) for m in MODES]
+            out.append(f"| {model} | {v} | " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("Like for like: each layout's per-device saving next to the one-device saving at "
+               "the batch a device holds (points = sharded minus one-device), the same in MiB "
+               "saved, and the activation-only saving (residual bytes autodiff keeps at that "
+               "batch; with the batch split over 'data' these are a device's residuals). "
+               "`floor` = 2 x the parameter bytes a device holds (DP: the gradient and its "
+               "all-reduced copy; FSDP: the full gradient before its reduce-scatter and the "
+               "gathered parameters; TP: 2 x the device's parameter shard): a `temp` no model "
+               "change can go under, since both buffers live at the end of the backward.")
+    out.append("")
+    out.append("| model | variant | layout | saving per device | 1 device same batch | points "
+               "| within 5 | MiB saved per device / 1 device | residual MiB default -> jaxmem "
+               "(activation saving) | jaxmem temp MiB / floor MiB |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for model, vs in by.items():
+        base = vs["default"]
+        for v, r in vs.items():
+            if v == "default":
+                continue
+            for m in MODES:
+                b = str(LOCAL[m])
+                sh = _saving(r, base, lambda x, m=m: x[m]["temp"])
+                one = _saving(r, base, lambda x, b=b: x["single_local"][b]["temp"])
+                d_sh = base[m]["temp"] - r[m]["temp"]
+                d_one = base["single_local"][b]["temp"] - r["single_local"][b]["temp"]
+                res_d, res_j = base["residual_local"][b], r["residual_local"][b]
+                shard = base["param_shard_bytes"][m]
+                floor = 2 * (base["param_bytes"] if m == "fsdp" else shard)
+                out.append(f"| {model} | {v} | {m.upper()} (batch {b}/device) | {sh:.1f}% | "
+                           f"{one:.1f}% | {sh - one:+.1f} | "
+                           f"{'yes' if abs(sh - one) <= 5 else 'NO'} | "
+                           f"{mib(d_sh)} / {mib(d_one)} | "
+                           f"{mib(res_d)} -> {mib(res_j)} ({100 * (1 - res_j / res_d):.1f}%) | "
+                           f"{mib(r[m]['temp'])} / {mib(floor)} |")
     out.append("")
     out.append("Collectives per device (count / result bytes) of the compiled step:")
     out.append("")
@@ -157,10 +240,36 @@ def table(rows):
     return "\n".join(out)
 
 
+READING = """\
+Reading the tables. A device's `temp` is the larger of two peaks: the activation peak of
+the backward and the gradient peak at its end (`floor`: the gradient and its all-reduced
+copy under DP; the full gradient before its reduce-scatter and the gathered parameters
+under FSDP). Where jaxmem's activation peak falls under the floor (DP for both models,
+FSDP for ResNet-50 and for GPT with few-bit, TP for ResNet-50) the step stops at the floor,
+the same for jaxmem and jaxmem+fewbit3, so the percentage shrinks while the activations
+shrink exactly as on one device (residual column: the batch split over 'data' splits the
+residuals, so a device keeps the one-device residuals of its batch). Where the activation
+peak stays above the floor (GPT FSDP, exact jaxmem) the MiB saved per device equal the MiB
+saved on one device at that batch. Under TP a device holds half of the Megatron-split
+activations and all of the replicated ones (layer norms, residual stream, embeddings), so
+its mix differs from one device at batch 4. Per-buffer listings of the compiled steps
+(`benchmarks/distributed/peak_buffers.py`) show parameters and gradients, not residuals,
+at the peak of the jaxmem steps that sit on the floor. One jaxmem residual is replicated
+where its activation is sharded: ResNet-50 under TP has one all-gather more than the
+default (`u8[4,16,16,8] -> u8[4,16,16,16]` over 'model', 16 KiB, HLO op_name
+`jvp(ResNet)/reshape`): the stem's max-pool argmax codes (`jaxmem.selective.max_pool`),
+whose channels follow the channel-split conv, are flattened by `pack_codes`
+(`codes.reshape(-1)`) before packing, and a flat layout cannot keep a channel split. Packing
+along the last axis would keep it. Under DP and FSDP the flat order is batch-major and the
+batch split survives (no extra collective). The TP step still has fewer all-reduces
+(201 vs 254) and fewer collective bytes in total than the default."""
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default="gpt,resnet50")
+    ap.add_argument("--md-only", action="store_true", help="rebuild the tables from parts/")
     args = ap.parse_args()
     assert jax.device_count() == NDEV, jax.device_count()
     cases = {"gpt": gpt_case, "resnet50": resnet_case}
@@ -171,7 +280,9 @@ def main():
                        + (" --quick" if args.quick else "")}
     parts = OUT / "parts"
     parts.mkdir(exist_ok=True)
-    for key in args.models.split(","):
+    for key in ([] if args.md_only else args.models.split(",")):
+        if key not in cases:
+            raise SystemExit(f"--models: {key!r} is not one of {sorted(cases)}")
         rows = run_case(cases[key], args.quick)
         (parts / f"{key}.json").write_text(json.dumps(rows, indent=1))
     rows = []
@@ -182,8 +293,10 @@ def main():
     md = ["# Sharded training steps: per-device compiled bytes and collectives", "",
           (f"`{meta['command']}` — jax {meta['jax']}, {NDEV} host CPU devices "
            f"({meta['backend']}); compiled only (XLA memory_analysis per device)."), "",
-          ("Saving = 1 - jaxmem temp / default temp under the same sharding; the one-device "
-           "column is the same global batch on one device."), "", table(rows), ""]
+          ("Saving = 1 - jaxmem temp / default temp under the same layout. DP and FSDP: "
+           f"8x1 mesh, {LOCAL['dp']} examples per device; TP: 4x2 ('data', 'model'), "
+           f"{LOCAL['tp']} examples per device and the Megatron-split layers halved. SGD "
+           "(no optimizer state), parameters donated."), "", table(rows), "", READING, ""]
     (OUT / "distributed.md").write_text("\n".join(md))
     print("\n".join(md))
 

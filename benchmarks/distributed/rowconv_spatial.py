@@ -42,6 +42,9 @@ from jaxmem.measure import compiled_memory
 from jaxmem.rowconv.spatial import spatial_apply, spatial_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: row groups: untiled and rowconv on one device, the all-gather rows, spatial_apply on a
+#: one-device mesh (the same code as the spatial rows, no halo exchange), spatial rows
+ONLY = ("untiled", "single", "allgather", "spatial1", "spatial")
 OUT = os.path.join(HERE, "..", "results", "distributed")
 MIB = 2.0 ** 20
 
@@ -62,9 +65,22 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--md-only", action="store_true")
+    ap.add_argument("--only", nargs="+", choices=ONLY, default=None,
+                    help="measure only these rows and merge them into the existing json "
+                         "(rows with the same config and devices are replaced; times of "
+                         "other rows are kept; no timing unless --time)")
+    ap.add_argument("--time", action="store_true",
+                    help="with --only: also time the measured rows and the 1-device rowconv "
+                         "side by side (their entries replace the stored ones)")
+    ap.add_argument("--spatial-tiles", type=int, nargs="+", default=None,
+                    help="tiles per device of the spatial rows (default: 1 and --tiles)")
     args = ap.parse_args()
     if args.md_only:
         return md_only()
+    want = set(args.only or ONLY)
+    if args.only and not args.time:
+        args.no_time = True
+    spatial_tiles = args.spatial_tiles or [1, args.tiles]
 
     layers = rc.trunks.vgg_layers(width=args.width, checkpoints_at_pools=True)
     shape = (args.batch, args.side, args.side, 3)
@@ -97,29 +113,47 @@ def main():
     x0 = jax.device_put(x, dev0)
     untiled = loss_of(lambda p, x: rc.apply(layers, p, x))
     single = loss_of(lambda p, x: rc.apply(layers, p, x, rows=rows1))
-    record("untiled (1 device)", 1, untiled, p0, x0)
-    record(f"rowconv OverL-H N={args.tiles} (1 device)", 1, single, p0, x0, local_rows=rows1)
-    fns["rowconv 1 device"] = (jax.jit(single), p0, x0)
+    if "untiled" in want:
+        record("untiled (1 device)", 1, untiled, p0, x0)
+    if "single" in want or not args.no_time:
+        record(f"rowconv OverL-H N={args.tiles} (1 device)", 1, single, p0, x0,
+               local_rows=rows1)
+        fns["rowconv 1 device"] = (jax.jit(single), p0, x0)
 
-    for n in args.devices:
+    for n in ([1] if "spatial1" in want else []) + list(args.devices):
         mesh = Mesh(np.array(jax.devices()[:n]), ("rows",))
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "rows")))
         ps = jax.device_put(params, NamedSharding(mesh, P()))
-        record("all-gather: jit(rowconv), x height-sharded", n, single, ps, xs,
-               local_rows=rows1)
-        fns[f"all-gather {n} dev"] = (jax.jit(single), ps, xs)
+        if n > 1 and "allgather" in want:
+            record("all-gather: jit(rowconv), x height-sharded", n, single, ps, xs,
+                   local_rows=rows1)
+            fns[f"all-gather {n} dev"] = (jax.jit(single), ps, xs)
+        if n > 1 and "spatial" not in want:
+            continue
         plan = spatial_plan(layers, shape, n)
-        for t in (1, args.tiles):
+        for t in ([args.tiles] if n == 1 else spatial_tiles):
             lr = [min(t, s.local_out) for s in plan.segments]
             step = loss_of(lambda p, x, lr=lr, mesh=mesh: spatial_apply(
                 layers, p, x, mesh=mesh, axis_name="rows", rows=lr))
-            record(f"spatial, {t} tile(s) per device", n, step, ps, xs, plan, lr)
+            label = (f"spatial, {t} tile(s) per device" if n > 1 else
+                     f"spatial_apply on a 1-device mesh, N={t} (same code, no halo)")
+            record(label, n, step, ps, xs, plan if n > 1 else None, lr)
             fns[f"spatial {n} dev, {t} tiles"] = (jax.jit(step), ps, xs)
 
     param_bytes = sum(v.size * 4 for v in jax.tree.leaves(params))
+    old_times = {}
+    if args.only:  # merge into the stored rows
+        with open(os.path.join(OUT, "rowconv_spatial.json")) as fh:
+            stored = json.load(fh)
+        new_keys = {(r["config"], r["devices"]) for r in rows}
+        rows = [r for r in stored["rows"] if (r["config"], r["devices"]) not in new_keys] + rows
+        order = {c: i for i, c in enumerate(ONLY)}
+        rows.sort(key=lambda r: (r["devices"] if r["devices"] > 1 else 0,
+                                 order.get(_group(r["config"]), 9), r["config"]))
+        old_times = stored.get("times", {})
     add_targets(rows, param_bytes)
 
-    times = {}
+    times = old_times
     if not args.no_time:
         print("timing", flush=True)
         for f, p, xa in fns.values():
@@ -131,8 +165,9 @@ def main():
                 jax.block_until_ready(f(p, xa))
                 ts[k].append(time.perf_counter() - t0)
         base = min(ts["rowconv 1 device"])
-        times = {k: {"time_s": min(v), "ratio_vs_single_rowconv": min(v) / base}
-                 for k, v in ts.items()}
+        times = dict(times)
+        times.update({k: {"time_s": min(v), "ratio_vs_single_rowconv": min(v) / base}
+                      for k, v in ts.items()})
         for k, v in times.items():
             print(f"  {k}: {v['time_s']:.2f} s ({v['ratio_vs_single_rowconv']:.2f}x)")
 
@@ -146,18 +181,36 @@ def main():
     write_md(meta, rows, times)
 
 
+def _group(config):
+    if config.startswith("untiled"):
+        return "untiled"
+    if config.startswith("rowconv"):
+        return "single"
+    if config.startswith("all-gather"):
+        return "allgather"
+    return "spatial"
+
+
 def add_targets(rows, param_bytes):
-    """Per-device targets: rowconv/n + halos, and the same with the replicated parameters
-    and their gradients (2 x param_bytes, on every device) left undivided."""
+    """Per-device targets: rowconv/n + halos; the same with the replicated parameter state
+    left undivided (3 x param_bytes on every device: the parameters, their gradient and
+    the device's partial gradient before the psum over the devices); and the spatial code
+    on a one-device mesh / n + halos."""
     single = next(r for r in rows if r["config"].startswith("rowconv"))["compiled_bytes"]
+    same = next((r["compiled_bytes"] for r in rows if r["config"].startswith("spatial_apply")),
+                None)
     for r in rows:
         r["bytes_vs_single_rowconv"] = r["compiled_bytes"] / single
         if r["devices"] > 1 and "halo_bytes" in r:
             n, h = r["devices"], r["halo_bytes"]
+            if same is not None:
+                r["target_same_code_bytes"] = same / n + h
+                r["meets_target_same_code"] = bool(
+                    r["compiled_bytes"] <= r["target_same_code_bytes"])
             r["target_bytes"] = single / n + h
             r["meets_target"] = bool(r["compiled_bytes"] <= r["target_bytes"])
-            r["target_replicated_params_bytes"] = (single - 2 * param_bytes) / n \
-                + 2 * param_bytes + h
+            r["target_replicated_params_bytes"] = (single - 3 * param_bytes) / n \
+                + 3 * param_bytes + h
             r["meets_target_replicated_params"] = bool(
                 r["compiled_bytes"] <= r["target_replicated_params_bytes"])
 
@@ -175,33 +228,58 @@ def write_md(meta, rows, times):
           "mean(y^2) w.r.t. the parameters. Compiled bytes per device (temp + output + "
           f"argument - alias); jax {meta['jax']} on {meta['backend']} ({meta['machine']}). "
           f"Parameters: {meta['param_bytes'] / MIB:.2f} MiB, replicated on every device "
-          "(and so are their gradients)."),
+          "(and so are their gradients). Targets: `rowconv/n + halos` = 1-device rowconv "
+          "bytes / devices + the halo rows a device receives (one direction); `params "
+          "replicated`: the same with 3 x the parameter bytes left undivided (parameters, "
+          "their gradient, and the device's partial weight gradient before its psum: the "
+          "measured temp above rowconv temp / n is 0.94 MiB at 4 and 0.96 MiB at 8 devices, "
+          "one parameter-sized buffer); last target: `spatial_apply` on a 1-device mesh "
+          "(the same code, no exchange) / devices + halos."),
          "",
          ("| config | devices | tiles/segment | MiB per device | vs 1-device rowconv | "
-          "target rowconv/n + halos | same, params replicated | collective-permute "
-          "(count, KiB) | predicted | all-gather | all-reduce | compile s |"),
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "target rowconv/n + halos | same, params replicated | spatial_apply 1-device/n "
+          "+ halos | collective-permute (count, KiB) | predicted | all-gather | all-reduce "
+          "| compile s |"),
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, b = r["collectives"], r["collective_bytes"]
         tgt = (f"{r['target_bytes'] / MIB:.1f} MiB ({_ok(r['meets_target'])})"
                if "target_bytes" in r else "")
         tgt2 = (f"{r['target_replicated_params_bytes'] / MIB:.1f} MiB "
                 f"({_ok(r['meets_target_replicated_params'])})" if "target_bytes" in r else "")
+        tgt3 = (f"{r['target_same_code_bytes'] / MIB:.1f} MiB "
+                f"({_ok(r['meets_target_same_code'])})" if "target_same_code_bytes" in r else "")
         pred = (f"{r['predicted_permutes']}, {r['predicted_permute_bytes'] / 1024:.0f}"
                 if "predicted_permutes" in r else "")
         L.append(f"| {r['config']} | {r['devices']} | {r['rows']} | "
                  f"{r['compiled_bytes'] / MIB:.1f} | {r['bytes_vs_single_rowconv']:.3f} | {tgt} | "
-                 f"{tgt2} | {c['collective-permute']}, {b['collective-permute'] / 1024:.0f} | "
+                 f"{tgt2} | {tgt3} | {c['collective-permute']}, {b['collective-permute'] / 1024:.0f} | "
                  f"{pred} | {c['all-gather']} ({b['all-gather'] / MIB:.1f} MiB) | "
                  f"{c['all-reduce']} ({b['all-reduce'] / 1024:.0f} KiB) | {r['compile_s']} |")
     if times:
-        L += ["", ("Step time (min of repeats, measured side by side in one process; the 8 "
+        L += ["", ("Step time (min of repeats; each ratio is taken against the 1-device "
+                   "rowconv step timed side by side in the same process, whose time is in the "
+                   "third column: rows timed in different runs compare by ratio only; the 8 "
                    "host devices share the machine's cores, so this is the cost of the "
                    "partitioning, not a multi-device speed-up):"), "",
-              "| step | time s | vs 1-device rowconv |", "|---|---|---|"]
+              "| step | time s | 1-device rowconv, same run, s | vs 1-device rowconv |",
+              "|---|---|---|---|"]
         for k, v in times.items():
-            L.append(f"| {k} | {v['time_s']:.2f} | {v['ratio_vs_single_rowconv']:.2f}x |")
-    L += ["", ("Halo formula (per device, per segment with input width W and C channels, "
+            base = v["time_s"] / v["ratio_vs_single_rowconv"]
+            L.append(f"| {k} | {v['time_s']:.2f} | {base:.2f} | "
+                     f"{v['ratio_vs_single_rowconv']:.2f}x |")
+    L += ["", ("Where a spatial device's bytes go (buffers live at the compiled program's "
+               "peak: `benchmarks/distributed/peak_buffers.py --devices 8 --tiles 16 "
+               "--single`): the same blocks as 1-device rowconv divided by the devices (its "
+               "input rows, each segment's output block kept for the backward, the "
+               "backward's accumulator of one block, one sub-tile's activations), plus the "
+               "replicated parameter state (parameters as argument, their gradient as output, "
+               "the device's partial weight gradient before the psum in temp) and the halo "
+               "rows. The backward's zero accumulators depend on the incoming cotangent and "
+               "its window copies are built in the backward, so XLA neither creates them "
+               "at the program start nor shares them with the forward (such buffers would "
+               "stay alive through the whole forward: one extra block per segment)."),
+          "", ("Halo formula (per device, per segment with input width W and C channels, "
                "batch B, 4-byte floats): one collective-permute per non-zero top / bottom "
                "halo, (top + bottom) * B * W * C * 4 bytes, forward; the backward repeats it "
                "for every segment whose input is differentiated (all but the first here: the "

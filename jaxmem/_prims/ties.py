@@ -22,6 +22,11 @@ sharded or tensor parallelism; on one device, and inside a fully manual ``shard_
 the arithmetic above. It works under ``jit``, ``vmap``, ``grad`` (of any order: the tangent of
 ``tie(x, g)`` is that of ``x``), ``lax.scan`` and ``jax.checkpoint``.
 
+:func:`zeros_after` is ``tie(zeros, g)``, a buffer that starts as zeros (a backward
+accumulator): an exact ``+0.0`` (``0 - (+0.0)``) that XLA cannot create before ``g`` exists,
+where a constant ``zeros`` may be created at the start of the program and held through the
+whole forward pass.
+
 :func:`vary_like` and :func:`typed_struct` carry ``shard_map``'s varying-axes types through
 custom rules (a parameter replicated over an axis that the activation varies over).
 """
@@ -32,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 
-__all__ = ["tie", "typed_struct", "vary_like", "varying_axes"]
+__all__ = ["tie", "typed_struct", "vary_like", "varying_axes", "zeros_after"]
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -152,6 +157,20 @@ def tie(x, dep):
     if d.ndim == 0:
         d = d.reshape(1)
     return jax.tree.map(lambda a: _tie_leaf(a, d), x, is_leaf=lambda a: a is None)
+
+
+def zeros_after(shape, dtype, after):
+    """``zeros(shape, dtype)`` that XLA cannot compute before ``after`` exists.
+
+    A constant zeros buffer has no operands, so XLA's scheduler is free to create it at the
+    start of the program (and to merge it with equal constants): an accumulator meant for
+    the backward pass would then live through the whole forward pass. This is
+    ``tie(zeros, after)``: every element is ``0 - z`` with ``z = 0 * [isnan(a)]`` of the
+    first element ``a`` of ``after`` (of this shard), an exact ``+0`` for every ``a``
+    (``inf`` and ``NaN`` included) that XLA does not fold; no communication under sharding.
+    An empty ``after`` gives a plain ``jnp.zeros``.
+    """
+    return tie(jnp.zeros(shape, dtype), after)
 
 
 # ------------------------------------------------------------------ shard_map types

@@ -55,6 +55,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._prims.ties import varying_axes
+from jaxmem._prims.ties import zeros_after as _zeros_after
 
 from . import halo as H
 from .layers import check_params
@@ -233,13 +234,28 @@ def _device_segment(geoms, seg: SegmentHalo, rows: int, unroll: int):
     own = [i * T for i in range(len(starts))]
     Lt, ht = iv.L, seg.top
     whole = Lt >= T_in  # one tile (or tiny blocks): read from the concatenated window
-    _, _, Wo, Co = geoms[-1].out_shape
 
-    def pieces(top, x, bot):
+    def pieces(top, x, bot, after=None):
+        def cat(parts):
+            if after is None:
+                return jnp.concatenate(parts, axis=1)
+            # the backward's copy is written into a buffer made after the cotangent: XLA
+            # would otherwise merge it with the forward's equal concatenation and keep
+            # that one alive from the forward to the backward
+            rows_ = sum(q.shape[1] for q in parts)
+            buf = _zeros_after(parts[0].shape[:1] + (rows_,) + parts[0].shape[2:], x.dtype,
+                               after)
+            off = 0
+            for q in parts:
+                if q.shape[1]:
+                    buf = lax.dynamic_update_slice_in_dim(buf, q, off, axis=1)
+                off += q.shape[1]
+            return buf
+
         if whole:
-            return (jnp.concatenate([top, x, bot], axis=1),)
-        return (jnp.concatenate([top, lax.slice_in_dim(x, 0, Lt, axis=1)], axis=1), x,
-                jnp.concatenate([lax.slice_in_dim(x, T_in - Lt, T_in, axis=1), bot], axis=1))
+            return (cat([top, x, bot]),)
+        return (cat([top, lax.slice_in_dim(x, 0, Lt, axis=1)]), x,
+                cat([lax.slice_in_dim(x, T_in - Lt, T_in, axis=1), bot]))
 
     def where_(a):
         """(piece index, offset in it) of the tile window starting at window row ``a``."""
@@ -281,18 +297,27 @@ def _device_segment(geoms, seg: SegmentHalo, rows: int, unroll: int):
 
     def forward(params, top, x, bot, d, rng):
         ps = pieces(top, x, bot)
-        ref = (params, x, d)
-        out = _like(jnp.zeros((x.shape[0], T_out, Wo, Co), x.dtype), ref)
+
+        def tile(s):
+            return _ov_seq(nodes, params, read(ps, s * S), d * T_out + s, rng).astype(x.dtype)
+
+        # the block starts as the first tile padded below, not as a zeros constant: XLA
+        # may create a constant at the program start, merge it with equal ones elsewhere
+        # and then copy it into the loop (measured: one extra block per segment)
+        y0 = tile(starts[0])
+        out = lax.pad(y0, jnp.zeros((), x.dtype),
+                      [(0, 0, 0), (0, T_out - T, 0), (0, 0, 0), (0, 0, 0)])
+        if len(starts) == 1:
+            return out
 
         def body(out, s):
-            y = _ov_seq(nodes, params, read(ps, s * S), d * T_out + s, rng)
-            return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), s, axis=1), None
+            return lax.dynamic_update_slice_in_dim(out, tile(s), s, axis=1), None
 
-        out, _ = lax.scan(body, out, jnp.asarray(starts, jnp.int32), unroll=unroll)
+        out, _ = lax.scan(body, out, jnp.asarray(starts[1:], jnp.int32), unroll=unroll)
         return out
 
     def backward(params, top, x, bot, d, rng, g, want_dx):
-        ps = pieces(top, x, bot)
+        ps = pieces(top, x, bot, after=g)
         ref = (params, x, d)
         dp0 = jax.tree.map(lambda p: _like(jnp.zeros_like(p), ref), params)
 
@@ -312,7 +337,8 @@ def _device_segment(geoms, seg: SegmentHalo, rows: int, unroll: int):
                 (dpi,) = vjp(gy)
             return (jax.tree.map(jnp.add, dp, dpi), dps), None
 
-        dps = tuple(_like(jnp.zeros_like(p), ref) for p in ps) if want_dx else None
+        dps = (tuple(_like(_zeros_after(p.shape, p.dtype, g), ref) for p in ps)
+               if want_dx else None)
         (dp, dps), _ = lax.scan(body, (dp0, dps), (jnp.asarray(starts, jnp.int32),
                                                    jnp.asarray(own, jnp.int32)), unroll=unroll)
         return dp, (split(dps, top, x, bot) if want_dx else (None, None, None))

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from jaxmem._prims.ties import zeros_after
+
 from . import halo as H
 from .layers import (
     BatchNorm,
@@ -95,6 +97,12 @@ def _is_zero(g):
     return isinstance(g, SymbolicZero)
 
 
+def _zeros_tree_after(tree, after):
+    """``zeros_like`` of every leaf of ``tree``, made only once ``after`` exists (see
+    ``zeros_after``: a constant would be created at program start and held until used)."""
+    return jax.tree.map(lambda t: zeros_after(jnp.shape(t), jnp.result_type(t), after), tree)
+
+
 def _layer_rows(g: H._Geom, p, x, row0, rng):
     """Apply a non-residual layer to a window whose first row is global row ``row0``."""
     layer = g.layer
@@ -146,7 +154,9 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
 
     def forward(params, x, rng):
         xg = _grow(x, L)
-        out = jnp.zeros(out_shape[:1] + (Hout,) + out_shape[2:], x.dtype)
+        # made from x, not a constant: XLA would create every segment's output buffer at
+        # program start and hold it through the earlier segments
+        out = zeros_after(out_shape[:1] + (Hout,) + out_shape[2:], x.dtype, x)
 
         def body(out, o):
             xw = _read_window(xg, iv_f.at(o), iv_f.L, top, bot)
@@ -158,7 +168,8 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
 
     def backward(params, x, rng, extra, g, want_dx):
         xg = _grow(x, L)
-        dp0 = jax.tree.map(jnp.zeros_like, params)
+        # accumulators made from the cotangent, so they exist only in the backward pass
+        dp0 = _zeros_tree_after(params, g)
         own0 = jnp.asarray([i * T_b for i in range(len(st_b))], jnp.int32)
 
         def body(carry, io):
@@ -179,7 +190,7 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
             dp = jax.tree.map(jnp.add, dp, dpi)
             return (dp, dxg), None
 
-        dxg = jnp.zeros_like(xg) if want_dx else None
+        dxg = zeros_after(xg.shape, xg.dtype, g) if want_dx else None
         (dp, dxg), _ = lax.scan(body, (dp0, dxg), (jnp.asarray(st_b, jnp.int32), own0),
                                 unroll=unroll)
         return dp, (None if dxg is None else _rows(dxg, 0, Hin))
@@ -260,8 +271,8 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
     plan_f = H.share_plan(geoms, rows_fp)
     plan_b = plan_f if rows_bp == rows_fp else H.share_plan(geoms, rows_bp)
 
-    def carries0(slots, dtype):
-        return [jnp.zeros((s[0], h) + s[2:], dtype) for _, s, h in slots]
+    def carries0(slots, dtype, after):
+        return [zeros_after((s[0], h) + s[2:], dtype, after) for _, s, h in slots]
 
     def tile(nodes, params, carries, xn, i, rng):
         new = list(carries)
@@ -275,7 +286,8 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
         # the output stream lags by -e_out rows, so a tile (T rows) can be taller than the
         # whole output map (e.g. rows=2 behind a wide dilated VALID conv): write into a
         # buffer of at least T rows and drop the rows below H_out at the end.
-        out = jnp.zeros(out_shape[:1] + (max(Hout, T),) + out_shape[2:], x.dtype)
+        # (made from x, not a constant: see _overlap_segment)
+        out = zeros_after(out_shape[:1] + (max(Hout, T),) + out_shape[2:], x.dtype, x)
 
         def body(c, i):
             carries, out = c
@@ -286,7 +298,7 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
             out = _add_window(out, y, i * T + e_out, -e_out, T)
             return (new, out), (carries if keep else None)
 
-        (_, out), saved = lax.scan(body, (carries0(slots, x.dtype), out),
+        (_, out), saved = lax.scan(body, (carries0(slots, x.dtype, x), out),
                                    jnp.arange(n, dtype=jnp.int32), unroll=unroll)
         return _rows(out, 0, Hout), saved
 
@@ -302,7 +314,7 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
         bot = max(0, n * T_in - Hin)
         xg = _grow(x, T_in)
         g = _grow(g, T)  # a tile can be taller than the output map (see run)
-        dp0 = jax.tree.map(jnp.zeros_like, params)
+        dp0 = _zeros_tree_after(params, g)  # backward-only accumulators, as in overlap
 
         def body(c, inp):
             dp, dcar, dxg = c
@@ -320,9 +332,9 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
             dp = jax.tree.map(jnp.add, dp, dpi)
             return (dp, dcs, dxg), None
 
-        dxg = jnp.zeros_like(xg) if want_dx else None
+        dxg = zeros_after(xg.shape, xg.dtype, g) if want_dx else None
         (dp, _, dxg), _ = lax.scan(
-            body, (dp0, carries0(slots, x.dtype), dxg),
+            body, (dp0, carries0(slots, x.dtype, g), dxg),
             (jnp.arange(n, dtype=jnp.int32), saved), reverse=True, unroll=unroll)
         return dp, (None if dxg is None else _rows(dxg, 0, Hin))
 
