@@ -48,7 +48,6 @@ import sys
 import time
 
 import flax
-import flax.linen as nn
 import jax
 import optax
 
@@ -58,67 +57,13 @@ from jaxmem.bench.flax_models import ResNet
 from jaxmem.measure import compiled_memory
 from jaxmem.selective import subset as S
 
-
-class LinenLMRematUnrolled(nn.Module):
-    """``LinenLM`` unrolled with every block under ``nn.remat`` (Flax's default policy, as in
-    ``linen_lm_scan``'s ``nn.scan(nn.remat(ScanBlock))``): the like-for-like twin of the
-    scanned model. Same layers and options; the parameter tree names each block
-    ``block_i/block``."""
-
-    vocab_size: int = 64
-    num_layers: int = 2
-    d_model: int = 32
-    num_heads: int = 4
-    max_len: int = 16
-    dropout_rate: float = 0.1
-
-    @nn.compact
-    def __call__(self, tokens, *, deterministic: bool = True):
-        embed = nn.Embed(self.vocab_size, self.d_model)
-        pos = self.param("pos_embedding", nn.initializers.normal(0.02),
-                         (1, self.max_len, self.d_model))
-        x = embed(tokens) + pos[:, : tokens.shape[1]]
-        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
-        block = nn.remat(FM.ScanBlock, static_argnums=(2,))
-        for i in range(self.num_layers):
-            x, _ = block(self.num_heads, dropout_rate=self.dropout_rate, name=f"block_{i}")(
-                x, deterministic)
-        x = nn.LayerNorm(name="ln_f")(x)
-        return embed.attend(x)
-
-
-def linen_lm_remat(*, convert=None, depth=None, seed=0, batch_size=None, d_model=32, seq=16,
-                   vocab=64) -> FM.Case:
-    """Unrolled causal LM with ``nn.remat`` per block; same batch, keys and optimizer as
-    ``linen_lm`` / ``linen_lm_scan`` for a given ``seed``."""
-
-    convert = convert or FM._identity
-    depth = 2 if depth is None else depth
-    b = batch_size or 4
-    kx, ki, kd = jax.random.split(jax.random.key(seed), 3)
-    tokens = jax.random.randint(kx, (b, seq + 1), 0, vocab)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    ref = LinenLMRematUnrolled(vocab_size=vocab, num_layers=depth, d_model=d_model,
-                               max_len=seq)
-    variables = ref.init(ki, inputs, deterministic=True)
-    model = convert(ref)
-
-    def apply_batch(model_, v, batch, rng, train, mutable):
-        return model_.apply(v, batch[0], deterministic=not train,
-                            rngs={"dropout": rng} if train else None)
-
-    return FM._linen_case("linen_lm_remat", make_model=lambda: model, variables=variables,
-                          batch=(inputs, targets), tx=optax.adamw(1e-3, weight_decay=1e-4),
-                          rng=kd, apply_batch=apply_batch, depth=depth)
-
-
 #: the models measured: ``jaxmem.bench.flax_models.STEPS`` plus the unrolled remat twin of
 #: ``linen_lm_scan`` (placed after it)
 STEPS = {}
 for _k, _v in FM.STEPS.items():
     STEPS[_k] = _v
     if _k == "linen_lm_scan":
-        STEPS["linen_lm_remat"] = linen_lm_remat
+        STEPS["linen_lm_remat"] = FM.linen_lm_remat
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "flax_code")
 MIB = 2.0**20

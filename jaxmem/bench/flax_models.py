@@ -174,7 +174,9 @@ class ScanBlock(nn.Module):
 
 
 class LinenLM(nn.Module):
-    """Decoder-only LM; ``scan=True`` stacks the blocks with ``nn.scan(nn.remat(...))``."""
+    """Decoder-only LM; ``scan=True`` stacks the blocks with ``nn.scan(nn.remat(...))``;
+    ``remat=True`` (unrolled) puts each block under ``nn.remat`` with the same default policy,
+    naming each block ``block_i/block``: the scanned model's like-for-like unrolled twin."""
 
     vocab_size: int = 64
     num_layers: int = 2
@@ -183,6 +185,7 @@ class LinenLM(nn.Module):
     max_len: int = 16
     dropout_rate: float = 0.1
     scan: bool = False
+    remat: bool = False
 
     @nn.compact
     def __call__(self, tokens, *, deterministic: bool = True):
@@ -198,6 +201,11 @@ class LinenLM(nn.Module):
                             in_axes=nn.broadcast, length=self.num_layers)
             x, _ = stack(self.num_heads, dropout_rate=self.dropout_rate, name="blocks")(
                 x, deterministic)
+        elif self.remat:
+            block = nn.remat(ScanBlock, static_argnums=(2,))
+            for i in range(self.num_layers):
+                x, _ = block(self.num_heads, dropout_rate=self.dropout_rate,
+                             name=f"block_{i}")(x, deterministic)
         else:
             for i in range(self.num_layers):
                 x = Block(self.num_heads, dropout_rate=self.dropout_rate, name=f"block_{i}")(
@@ -515,7 +523,7 @@ def linen_resnet(*, convert=None, depth=None, seed=0, batch_size=None, width=8,
                        apply_batch=apply_batch, depth=depth)
 
 
-def _linen_lm(scan, *, convert=None, depth=None, seed=0, batch_size=None, d_model=32,
+def _linen_lm(scan, *, remat=False, convert=None, depth=None, seed=0, batch_size=None, d_model=32,
               seq=16, vocab=64) -> Case:
     convert = convert or _identity
     depth = 2 if depth is None else depth
@@ -523,7 +531,8 @@ def _linen_lm(scan, *, convert=None, depth=None, seed=0, batch_size=None, d_mode
     kx, ki, kd = jax.random.split(jax.random.key(seed), 3)
     tokens = jax.random.randint(kx, (b, seq + 1), 0, vocab)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    ref = LinenLM(vocab_size=vocab, num_layers=depth, d_model=d_model, max_len=seq, scan=scan)
+    ref = LinenLM(vocab_size=vocab, num_layers=depth, d_model=d_model, max_len=seq, scan=scan,
+                 remat=remat)
     variables = ref.init(ki, inputs, deterministic=True)
     model = convert(ref)
 
@@ -531,7 +540,8 @@ def _linen_lm(scan, *, convert=None, depth=None, seed=0, batch_size=None, d_mode
         return model_.apply(v, batch[0], deterministic=not train,
                             rngs={"dropout": rng} if train else None)
 
-    return _linen_case("linen_lm_scan" if scan else "linen_lm", make_model=lambda: model,
+    name = "linen_lm_scan" if scan else "linen_lm_remat" if remat else "linen_lm"
+    return _linen_case(name, make_model=lambda: model,
                        variables=variables, batch=(inputs, targets),
                        tx=optax.adamw(1e-3, weight_decay=1e-4), rng=kd,
                        apply_batch=apply_batch, depth=depth)
@@ -540,6 +550,12 @@ def _linen_lm(scan, *, convert=None, depth=None, seed=0, batch_size=None, d_mode
 def linen_lm(**kw) -> Case:
     """Unrolled causal LM; ``depth`` = number of blocks (default 2)."""
     return _linen_lm(False, **kw)
+
+
+def linen_lm_remat(**kw) -> Case:
+    """Unrolled causal LM with ``nn.remat`` on every block (the twin of ``linen_lm_scan``; not
+    in :data:`STEPS`)."""
+    return _linen_lm(False, remat=True, **kw)
 
 
 def linen_lm_scan(**kw) -> Case:

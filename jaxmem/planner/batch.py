@@ -38,17 +38,6 @@ def _largest(fits: Callable[[int], Any], start: int, limit: int) -> tuple[int, A
         if b >= limit:
             return lo, lo_val
         b = min(2 * b, limit)
-    if lo == 0 and hi > 1:   # start was too large: bisect down from it
-        hi_ = hi
-        lo_ = 0
-        while hi_ - lo_ > 1:
-            mid = (lo_ + hi_) // 2
-            v = fits(mid)
-            if v is None:
-                hi_ = mid
-            else:
-                lo_, lo_val = mid, v
-        return lo_, lo_val
     while hi - lo > 1:
         mid = (lo + hi) // 2
         v = fits(mid)

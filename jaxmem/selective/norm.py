@@ -38,10 +38,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
+from jaxmem._prims.ties import laid_out_like as _laid_out_like
 from jaxmem._prims.ties import tie, vary_like
 from jaxmem.selective._core import (
     as_int,
@@ -55,79 +54,6 @@ from jaxmem.selective._core import (
 )
 
 __all__ = ["batch_norm", "group_norm", "layer_norm", "normalize", "rms_norm"]
-
-
-# ------------------------------------------------- parameters laid out like the activation
-def _like_rule(mesh, operand_types, result_types):
-    """Shardy rule: the result's non-unit axes are ``x``'s factors (``p``'s are its own)."""
-    del mesh, result_types
-    p_t, x_t = operand_types
-    pf = tuple(f"p{i}" for i in range(len(p_t.shape)))
-    xf = tuple(f"x{i}" for i in range(len(x_t.shape)))
-    rf = tuple(f"x{i}" if d != 1 else f"r{i}" for i, d in enumerate(p_t.shape))
-    return SdyShardingRule((pf, xf), (rf,))
-
-
-def _like_sharding(mesh, p_shape, x_sharding):
-    spec = tuple(x_sharding.spec) + (None,) * (len(p_shape) - len(x_sharding.spec))
-    return NamedSharding(mesh, PartitionSpec(*(a if d != 1 else None
-                                               for a, d in zip(spec, p_shape))))
-
-
-def _like_partition(mesh, arg_shapes, result_shape):
-    """Each shard takes its part of ``p`` in the result's layout (``p`` is resharded once)."""
-    out = result_shape.sharding
-    return mesh, lambda p, x: p, out, (out, arg_shapes[1].sharding)
-
-
-def _like_infer(mesh, arg_shapes, result_shape):
-    del result_shape
-    return _like_sharding(mesh, arg_shapes[0].shape, arg_shapes[1].sharding)
-
-
-@custom_partitioning
-def _like_local(p, x):
-    del x
-    return p
-
-
-_like_local.def_partition(partition=_like_partition, infer_sharding_from_operands=_like_infer,
-                          sharding_rule=_like_rule)
-
-
-@jax.custom_batching.custom_vmap
-def _like_batched(p, x):
-    return _like_local(p, x)
-
-
-@_like_batched.def_vmap
-def _like_batched_rule(axis_size, in_batched, p, x):
-    del axis_size, x  # batched: ``p`` as it is
-    return p, in_batched[0]
-
-
-@jax.custom_jvp
-def _like(p, x):
-    return _like_batched(p, x)
-
-
-@_like.defjvp
-def _like_jvp(primals, tangents):
-    return _like(*primals), tangents[0]
-
-
-def _laid_out_like(p, x):
-    """``p`` (shape ``1`` or ``x.shape[i]`` on each axis) unchanged, bit for bit, with its
-    non-unit axes sharded as ``x``'s: ``p[i] -> p[i]``, derivative passed through.
-
-    A parameter split where ``x`` is whole (FSDP splits parameters over the batch axis) is
-    gathered once here, and every use of the result -- the forward pass, this norm's backward
-    pass and a following bilinear layer's recomputation of ``y`` -- shares that copy; XLA
-    would otherwise gather the parameter again at each use.  Where ``x`` is split along the
-    feature axes each device keeps its part (no communication)."""
-    if p is None or p.ndim != x.ndim or p.size == 0:
-        return p
-    return _like(p, x)
 
 
 def _stat_dtype(x):
