@@ -436,7 +436,8 @@ def main(argv=None):
     cmd = ".venv/bin/python benchmarks/flax_code/bench_flax_code.py" + (
         " --quick" if args.quick else "") + (
         f" --models {args.models}" if names != list(STEPS) else "") + (
-        " --skip-finetune" if args.skip_finetune else "")
+        " --skip-finetune" if args.skip_finetune else "") + (
+        f" --repeats {args.repeats}" if args.repeats else "")
     t0 = time.perf_counter()
     models = bench_models(names, variants, repeats, slopes=not args.quick)
     remat = remat_residuals() if "linen_lm_remat" in names else None
