@@ -16,6 +16,10 @@ dilation ``d``, kernel ``k``, padding ``(lo, hi)``, input size ``n`` and output 
 (feature groups: ``feature_group_count`` for dx after regrouping the kernel,
 ``batch_group_count`` for dK). Negative pads crop rows that no output row reads.
 The result equals ``jax.vjp`` of ``lax.conv_general_dilated`` up to summation order.
+
+Inside ``shard_map`` a kernel replicated over an axis the input varies over (data
+parallelism) is cast to varying first, as ``lax.conv_general_dilated`` does implicitly:
+the cast transposes to a ``psum``, so ``dK`` is the summed gradient, typed like ``K``.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxmem._prims.ties import vary_like
 
 __all__: list[str] = []  # internal to rowconv: its layers call _conv2d
 
@@ -37,9 +43,13 @@ def _conv(x, k, strides, pads, dil, groups, lhs_dil=(1, 1), batch_groups=1):
         batch_group_count=batch_groups)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _conv2d(x, k, strides, pads, dil, groups):
     """``lax.conv_general_dilated`` (NHWC, HWIO) with a loop-friendly backward."""
+    return _conv2d_vjp(vary_like(x, k), vary_like(k, x), strides, pads, dil, groups)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _conv2d_vjp(x, k, strides, pads, dil, groups):
     return _conv(x, k, strides, pads, dil, groups)
 
 
@@ -73,4 +83,4 @@ def _bwd(strides, pads, dil, groups, res, g):
     return dx.astype(x.dtype), dk
 
 
-_conv2d.defvjp(_fwd, _bwd)
+_conv2d_vjp.defvjp(_fwd, _bwd)

@@ -17,6 +17,10 @@ only true image borders), and cotangents of overlapping halo rows are *summed* (
 or passed on (share), outputs and gradients equal the untiled stack up to floating-point
 summation order. The while loop is what keeps XLA from hoisting all tiles' recomputation
 together (an unrolled Python loop gets re-scheduled back to full-size memory).
+
+Inside a user's ``shard_map`` (e.g. the batch split over a data axis, parameters
+replicated) the segment's inputs are cast to one varying type first; the cast transposes
+to a ``psum``, so a replicated parameter gets the summed gradient, as through plain JAX ops.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jaxmem._prims.ties import zeros_after
+from jaxmem._prims.ties import varying_axes, zeros_after
 
 from . import halo as H
 from .layers import (
@@ -198,9 +202,30 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
     return _wrap(forward, lambda p, x, r: (forward(p, x, r), None), backward, params, x, rng)
 
 
+def _vary_all(tree):
+    """Every leaf of ``tree`` cast to vary over the union of the ``shard_map`` axes any
+    leaf varies over (``lax.pcast(..., to="varying")``; the identity outside
+    ``shard_map``). A replicated parameter beside a per-device batch then has the
+    batch's type, and autodiff transposes the cast into a ``psum`` of its gradient, as
+    it does for plain JAX ops."""
+    leaves, tree_def = jax.tree.flatten(tree)
+    axes = frozenset().union(*(varying_axes(v) for v in leaves))
+    if not axes:
+        return tree
+
+    def one(v):
+        want = tuple(sorted(axes - varying_axes(v)))
+        return lax.pcast(v, want, to="varying") if want else v
+
+    return jax.tree.unflatten(tree_def, [one(v) for v in leaves])
+
+
 def _wrap(forward, forward_res, backward, params, x, rng):
     """custom_vjp around (forward, backward); the input cotangent is computed only when
-    ``x`` is perturbed (``symbolic_zeros``); residuals are (params, x, rng) either way."""
+    ``x`` is perturbed (``symbolic_zeros``); residuals are (params, x, rng) either way.
+    Inside ``shard_map`` the three are first cast to one varying type (``_vary_all``),
+    so the rules' scan carries and cotangents have the types of their primals."""
+    params, x, rng = _vary_all((params, x, rng))
     flags = {}
 
     @jax.custom_vjp
