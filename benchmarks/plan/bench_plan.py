@@ -7,7 +7,8 @@ policy=save_only_these_names(<unit boundaries>))``. Bytes are compiled bytes
 (temp + output + argument - alias); times are ratios to the default, measured side by side
 (median of interleaved runs).
 
-    .venv/bin/python benchmarks/plan/bench_plan.py [--quick]
+    .venv/bin/python benchmarks/plan/bench_plan.py [--quick] [--models gpt,resnet50,vit,vgg16]
+        [--out DIR]
 """
 from __future__ import annotations
 
@@ -54,6 +55,45 @@ def resnet_case(quick):
     return f"resnet50 (w 0.125, 32x32, b{x.shape[0]})", loss, (v["params"], x)
 
 
+def _xent(logits, labels):
+    """Mean softmax cross-entropy: ``-mean_i log softmax(logits_i)[labels_i]``."""
+    lp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(lp, labels[:, None], axis=1))
+
+
+def vit_case(quick):
+    cfg = models.ViTConfig(image_size=32, patch_size=4, d_model=64, n_head=4, n_layer=4,
+                           mlp_ratio=4, num_classes=10)
+    m = models.ViT(cfg)
+    n = 8 if quick else 16
+    x = jax.random.normal(jax.random.key(4), (n, 32, 32, 3))
+    y = jax.random.randint(jax.random.key(5), (n,), 0, 10)
+    params = m.init(jax.random.key(6), x)["params"]
+
+    def loss(p, x, y):
+        return _xent(m.apply({"params": p}, x), y)
+
+    return f"vit (4x64, patch 4, 32x32, b{n})", loss, (params, x, y)
+
+
+def vgg_case(quick):
+    del quick  # batch 1 at 512x512 in both modes
+    m = models.vgg16(width=0.125, num_classes=10)
+    x = jax.random.normal(jax.random.key(7), (1, 512, 512, 3))
+    y = jax.random.randint(jax.random.key(8), (1,), 0, 10)
+    params = m.init(jax.random.key(9), x)["params"]
+
+    def loss(p, x, y):
+        return _xent(m.apply({"params": p}, x), y)
+
+    return "vgg16 (w 0.125, 512x512, b1)", loss, (params, x, y)
+
+
+CASES = {"gpt": gpt_case, "resnet50": resnet_case, "vit": vit_case, "vgg16": vgg_case}
+#: models with smooth activations (GELU): also planned with ``allow_approximate=True``
+APPROXIMATE = ("gpt", "vit")
+
+
 def uniform_steps(loss, args):
     """The uniform policies a user writes: ``jax.checkpoint`` (``nn.remat``) on every block
     with one policy, and ``save_only_these_names`` of the block boundaries on the whole loss."""
@@ -93,7 +133,8 @@ def total(fn, args):
 
 
 def times(fns, args, reps):
-    jitted = [jax.jit(jax.value_and_grad(f)) for f in fns]
+    """Median seconds of each value-and-grad step in ``fns``, interleaved."""
+    jitted = [jax.jit(f) for f in fns]
     for j in jitted:
         jax.block_until_ready(j(*args))
     ts = [[] for _ in fns]
@@ -105,29 +146,34 @@ def times(fns, args, reps):
     return [float(np.median(t)) for t in ts]
 
 
-def run(quick):
+def run(quick, names=tuple(CASES)):
     rows = []
-    for case in (gpt_case, resnet_case):
-        name, loss, args = case(quick)
+    for key in names:
+        t_case = time.perf_counter()
+        name, loss, args = CASES[key](quick)
         default = total(loss, args)
         uni = uniform_steps(loss, args)
         uni_bytes = {k: total(f, args) for k, f in uni.items()}
         print(name, "default", default / MIB, {k: v / MIB for k, v in uni_bytes.items()},
               flush=True)
-        for frac in (0.5, 0.25, 0.1):
+        runs = [(f, False) for f in (0.5, 0.25, 0.1)]
+        if key in APPROXIMATE:
+            runs += [(f, True) for f in (0.25, 0.1)]
+        for frac, approx in runs:
             budget = int(frac * default)
             row = {"model": name, "fraction": frac, "budget_bytes": budget,
-                   "default_bytes": default}
+                   "default_bytes": default, "allow_approximate": approx}
             t0 = time.perf_counter()
             try:
-                p = plan(loss, *args, budget=frac)
+                p = plan(loss, *args, budget=frac, allow_approximate=approx)
             except BudgetError as e:
                 row.update(met=False, smallest_bytes=e.smallest_bytes, error=str(e))
                 p = None
             row["plan_seconds"] = time.perf_counter() - t0
             fitting = [k for k, b in uni_bytes.items() if b <= budget]
             row["uniform_fitting"] = {k: uni_bytes[k] for k in fitting}
-            fns = [loss] + ([p.step] if p else []) + [uni[k] for k in fitting]
+            fns = [jax.value_and_grad(loss)] + ([p.value_and_grad()] if p else []) + [
+                jax.value_and_grad(uni[k]) for k in fitting]
             ts = times(fns, args, 3 if quick else 5)
             if p is not None:
                 row.update(met=p.compiled_bytes <= budget, compiled_bytes=p.compiled_bytes,
@@ -135,30 +181,46 @@ def run(quick):
                            prediction_error=p.prediction_error, time_ratio=ts[1] / ts[0],
                            predicted_time=p.predicted_time, solver=p.solver_status,
                            iterations=p.iterations,
-                           gap=p.solver_gap,
-                           choices={c.label: c.option for c in p.choices})
+                           gap=p.solver_gap, selective=p.selective,
+                           approximate=p.approximate, notes=list(p.notes),
+                           choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
+                                    + (f" {c.rows}" if c.rows else "") for c in p.choices})
+                if p.approximate:
+                    g = jax.grad(p.step)(*args)
+                    g0 = jax.grad(loss)(*args)
+                    row["gradient_rel_error"] = max(
+                        float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
+                        for a, b in zip(jax.tree_util.tree_leaves(g),
+                                        jax.tree_util.tree_leaves(g0)))
             off = 2 if p is not None else 1
             row["uniform_time_ratio"] = {k: ts[off + i] / ts[0] for i, k in enumerate(fitting)}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
         rows.append({"model": name, "uniform_bytes": uni_bytes, "default_bytes": default})
+        print(f"{name}: {time.perf_counter() - t_case:.0f} s", flush=True)
     return rows
 
 
-def _summary(choices):
-    """``store`` units omitted; the others as ``label: option``."""
+def _summary(choices, selective=False, notes=()):
+    """``store`` units omitted; the others as ``label: option``; ``scope`` first when the plan
+    runs under ``jaxmem.scope()`` (selective differentiation)."""
+    if any(n.startswith("the OLLA order alone fits") for n in notes):
+        return "untouched step in an OLLA order (nothing recomputed)"
     parts = [f"{k}: {v}" for k, v in choices.items() if v != "store"]
-    return "; ".join(parts) if parts else "all stored"
+    text = "; ".join(parts) if parts else "all stored"
+    return f"scope; {text}" if selective else text
 
 
-def markdown(rows, quick=False):
+def markdown(rows, quick=False, names=tuple(CASES)):
     lines = ["# jaxmem.plan: budgets of 50/25/10 % of the default compiled bytes", "",
              ("Compiled bytes (temp + output + argument - alias) of `value_and_grad(loss)`; "
               "time = median step time / default's, measured side by side. Uniform = the "
               "cheapest uniform JAX remat policy whose compiled bytes fit the budget "
               "(none = no uniform policy fits)."), "",
              "Command: `.venv/bin/python benchmarks/plan/bench_plan.py"
-             + (" --quick`" if quick else "`"), "",
+             + (" --quick" if quick else "")
+             + ("" if tuple(names) == tuple(CASES) else " --models " + ",".join(names))
+             + "`", "",
              ("Times were taken on a 2-core machine shared with other jobs: read them as "
               "rough; a ratio below 1 is contention noise, not a speed-up."), "",
              ("| model | budget | met | compiled MiB (x default) | predicted err | time "
@@ -170,15 +232,21 @@ def markdown(rows, quick=False):
         uni = r.get("uniform_time_ratio", {})
         best = min(uni.items(), key=lambda kv: kv[1]) if uni else None
         ustr = f"{best[0]} ({best[1]:.2f}x)" if best else "none"
+        pct = f"{int(r['fraction'] * 100)} %" + (" approx." if r.get("allow_approximate")
+                                                  else "")
         if r.get("met"):
+            err = (f"; gradient error {r['gradient_rel_error']:.1e}"
+                   if "gradient_rel_error" in r else "")
             lines.append(
-                f"| {r['model']} | {int(r['fraction'] * 100)} % | yes | "
+                f"| {r['model']} | {pct} | yes | "
                 f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
                 f" | {r['prediction_error'] * 100:+.1f} % | {r['time_ratio']:.2f}x "
-                f"({r['predicted_time']:.2f}x) | {_summary(r['choices'])} | {ustr} |")
+                f"({r['predicted_time']:.2f}x) | "
+                f"{_summary(r['choices'], r.get('selective', False), r.get('notes', ()))}"
+                f"{err} | {ustr} |")
         else:
             lines.append(
-                f"| {r['model']} | {int(r['fraction'] * 100)} % | no (smallest "
+                f"| {r['model']} | {pct} | no (smallest "
                 f"{r['smallest_bytes'] / MIB:.2f} MiB, "
                 f"{r['smallest_bytes'] / r['default_bytes']:.2f}x) | - | - | - | - | {ustr} |")
     lines += ["", ("`smallest` of an unmet budget is the least compiled total of a plan the "
@@ -186,7 +254,13 @@ def markdown(rows, quick=False):
                    "lower bound. `time (predicted)`: measured ratio, and the planner's static "
                    "estimate (recomputed FLOPs + `fence_cost` 0.1 of a step per checkpointed "
                    "item). `plan` lists the units not stored; `a..b: segment` recomputes units "
-                   "a to b as one chunk.")]
+                   "a to b as one chunk; `scope` = run under `jaxmem.scope()` (selective "
+                   "differentiation), which the planner picks when it compiles smaller; "
+                   "`fewbit b bit` = the unit stored with b-bit GELU codes (rows marked "
+                   "`approx.`, `allow_approximate=True`; gradient error = largest relative "
+                   "L2 error of a gradient leaf vs the exact step); `rows r` = the VGG trunk "
+                   "row-tiled into r tiles (exact); `(step): store` with an OLLA note = the "
+                   "untouched step in an OLLA order.")]
     lines += ["", ("Uniform JAX policies (plain `jax.checkpoint` on every block, as `nn.remat` "
                    "would), compiled MiB (default in brackets):"), ""]
     for r in rows:
@@ -196,16 +270,30 @@ def markdown(rows, quick=False):
     return "\n".join(lines) + "\n"
 
 
+def _models_arg(text):
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in CASES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"--models must be a comma-separated subset of {','.join(CASES)}, got {text!r}")
+    return tuple(dict.fromkeys(names))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", type=_models_arg, default=tuple(CASES),
+                    help=f"comma-separated subset of {','.join(CASES)} (default: all)")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT,
+                    help="folder for plan.json and plan.md (default: benchmarks/results/plan)")
     a = ap.parse_args()
-    rows = run(a.quick)
-    OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick}
-    (OUT / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (OUT / "plan.md").write_text(markdown(rows, a.quick))
-    print(markdown(rows, a.quick))
+    rows = run(a.quick, a.models)
+    a.out.mkdir(parents=True, exist_ok=True)
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
+            "models": list(a.models)}
+    (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (a.out / "plan.md").write_text(markdown(rows, a.quick, a.models))
+    print(markdown(rows, a.quick, a.models))
 
 
 if __name__ == "__main__":

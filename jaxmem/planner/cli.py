@@ -77,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budget", required=True,
                     help="bytes (4096), a size (512MiB, 1.5GB) or a fraction (0.25)")
     ap.add_argument("--approximate", action="store_true",
-                    help="allow few-bit residuals (not implemented yet)")
+                    help="allow few-bit activation codes per unit (approximate gradients)")
+    ap.add_argument("--no-order", action="store_true",
+                    help="do not try the untouched step in an OLLA order first")
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--out", default="jaxmem-plan", help="folder for plan.json / plan.png")
     a = ap.parse_args(list(argv) if argv is not None else None)
@@ -91,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with console.status("measuring and solving"):
         try:
             p = plan(loss, *args, budget=_budget(a.budget), allow_approximate=a.approximate,
-                     time_limit=a.time_limit)
+                     time_limit=a.time_limit, order=not a.no_order)
         except BudgetError as e:
             console.print(f"[red]{e}")
             (out / "plan.json").write_text(json.dumps(
@@ -99,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "dominant": e.dominant}, indent=1))
             return 2
     console.print(p)
+    for note in p.notes:
+        console.print(f"note: {note}")
     (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=1))
     if _png(p, out / "plan.png"):
         console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")

@@ -21,7 +21,8 @@ from jax import lax
 from jax._src import core
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["PREFIX", "Traced", "Unit", "run_chunks", "tag", "trace"]
+__all__ = ["PREFIX", "Conversion", "Traced", "Unit", "row_twin", "run_chunks", "tag", "trace",
+           "units_at"]
 
 PREFIX = "jaxmem/"
 
@@ -35,33 +36,83 @@ def tag(x: Any, name: str) -> Any:
         or hasattr(a, "aval") else a, x)
 
 
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """How one tagged layer call is traced: ``kind`` ``"fewbit"`` (its smooth activations keep
+    ``value``-bit codes; approximate gradients), ``"rows"`` (a conv trunk row-tiled into
+    ``value`` tiles by :mod:`jaxmem.rowconv`; exact) or ``"exact"`` (jaxmem's exact options)."""
+
+    kind: str
+    value: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("exact", "fewbit", "rows"):
+            raise ValueError(f"Conversion: kind must be 'exact', 'fewbit' or 'rows', got "
+                             f"{self.kind!r}")
+
+
+def row_twin(module: Any, rows: int):
+    """The row-tiled twin of a Linen conv trunk (same parameters), or ``None`` when
+    ``module`` is not one :mod:`jaxmem.rowconv` tiles exactly (a VGG trunk without batch norm,
+    float32)."""
+    from jaxmem.models.vgg import VGGFeatures
+    from jaxmem.rowconv.flax import RowVGGFeatures
+
+    if isinstance(module, VGGFeatures) and not module.batch_norm and module.dtype in (
+            None, jnp.float32):
+        return RowVGGFeatures(cfg=tuple(module.cfg), width=module.width, rows=rows)
+    return None
+
+
 @contextlib.contextmanager
-def _linen_tags():
-    """Tag the outputs of every Linen method call (``__call__`` and public methods)."""
+def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set | None = None):
+    """Tag the outputs of every Linen method call (``__call__`` and public methods); a call
+    whose label is in ``conversions`` is traced with that conversion (its label goes into
+    ``applied`` when the conversion took effect)."""
     import flax.linen as nn
 
+    from jaxmem._glue import options as _options
+
     counts: dict[str, int] = {}
+    conversions = conversions or {}
+
+    def convert(label, m, next_fun, args, kwargs):
+        conv = conversions.get(label)
+        if conv is None:
+            return next_fun(*args, **kwargs)
+        if conv.kind == "rows":
+            twin = row_twin(m, conv.value) if not kwargs else None
+            if twin is None:
+                return next_fun(*args, **kwargs)
+            if applied is not None:
+                applied.add(label)
+            return twin.apply({"params": m.variables["params"]}, *args)
+        bits = conv.value if conv.kind == "fewbit" else None
+        with _options.using(_options.Options(selective=True, fewbit=bits, attention=True)):
+            out = next_fun(*args, **kwargs)
+        if applied is not None and bits is not None:
+            applied.add(label)
+        return out
 
     def interceptor(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
         meth = context.method_name
         if meth == "setup" or (meth.startswith("_") and meth != "__call__"):
-            return out
+            return next_fun(*args, **kwargs)
         m = context.module
         try:
             if m.scope is None or m.is_initializing():
-                return out
+                return next_fun(*args, **kwargs)
             path = "/".join(str(p) for p in m.scope.path)
         except Exception:  # noqa: BLE001  # pragma: no cover - unbound modules
-            return out
+            return next_fun(*args, **kwargs)
         if not path:
-            return out
+            return next_fun(*args, **kwargs)
         label = path if meth == "__call__" else f"{path}.{meth}"
         k = counts.get(label, 0)
         counts[label] = k + 1
         if k:
             label = f"{label}#{k}"
-        return tag(out, label)
+        return tag(convert(label, m, next_fun, args, kwargs), label)
 
     with nn.intercept_methods(interceptor):
         yield
@@ -85,10 +136,13 @@ class Traced:
     in_tree: Any
     out_tree: Any
     ends: dict[str, int]   # tag label -> index of its last tagging equation
+    converted: frozenset = frozenset()   # labels whose conversion took effect
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None) -> Traced:
-    """Trace ``fn(*args)`` with Linen boundary tags (and ``scope_ctx`` active, if given)."""
+def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None,
+          conversions: dict[str, Conversion] | None = None) -> Traced:
+    """Trace ``fn(*args)`` with Linen boundary tags (and ``scope_ctx`` active, if given);
+    ``conversions`` maps layer labels to the :class:`Conversion` they are traced with."""
     flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
     out_tree_box: list[Any] = []
 
@@ -100,7 +154,8 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None) -> Traced
         return leaves
 
     ctx = scope_ctx if scope_ctx is not None else contextlib.nullcontext()
-    with ctx, _linen_tags():
+    applied: set = set()
+    with ctx, _linen_tags(conversions, applied):
         closed = jax.make_jaxpr(flat_fn)(*flat)
     ends: dict[str, int] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
@@ -108,12 +163,13 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None) -> Traced
             nm = eqn.params.get("name", "")
             if isinstance(nm, str) and nm.startswith(PREFIX):
                 ends[nm[len(PREFIX):]] = i
-    return Traced(closed, in_tree, out_tree_box[-1], ends)
+    return Traced(closed, in_tree, out_tree_box[-1], ends, frozenset(applied))
 
 
-def choose_units(tr: Traced, max_units: int = 64) -> list[Unit]:
+def choose_units(tr: Traced, max_units: int = 64, finer: int = 0) -> list[Unit]:
     """Cut the jaxpr at the outputs of the shallowest tagged layers, then split any unit that
-    holds more than half of all equations at its children's outputs (while <= ``max_units``).
+    holds more than half of all equations at its children's outputs (while <= ``max_units``);
+    ``finer`` times more, split every unit at its children's outputs (while <= ``max_units``).
     The equations after the last cut form a final untagged unit ``"(rest)"``."""
     n = len(tr.closed.jaxpr.eqns)
     labels = sorted(tr.ends, key=lambda k: tr.ends[k])
@@ -136,8 +192,24 @@ def choose_units(tr: Traced, max_units: int = 64) -> list[Unit]:
         kids = [lbl for lbl in labels if parent_of(lbl) == base
                 and units_index(units, tr.ends[lbl]) is big and lbl not in cuts]
         if (big.stop - big.start) * 2 <= n or not kids or len(cuts) + len(kids) > max_units:
-            return units
+            break
         cuts = sorted(set(cuts) | set(kids), key=lambda k: tr.ends[k])
+    for _ in range(finer):
+        units = _units_from(tr, cuts, n)
+        kids = [lbl for lbl in labels if lbl not in cuts and parent_of(lbl) is not None
+                and any(u.label.split("#")[0].split(".")[0] == parent_of(lbl)
+                        and units_index(units, tr.ends[lbl]) is u for u in units)]
+        if not kids or len(cuts) + len(kids) > max_units:
+            break
+        cuts = sorted(set(cuts) | set(kids), key=lambda k: tr.ends[k])
+    return _units_from(tr, cuts, n)
+
+
+def units_at(tr: Traced, labels: Sequence[str]) -> list[Unit]:
+    """Units of ``tr`` cut after the given labels (those the trace does not have are merged
+    into the unit that follows them, e.g. the layers inside a row-tiled trunk)."""
+    return _units_from(tr, [lbl for lbl in labels if lbl in tr.ends],
+                       len(tr.closed.jaxpr.eqns))
 
 
 def units_index(units, eqn_index):
@@ -281,7 +353,8 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
                flat_args: Sequence[Any], fence: bool = True) -> list[Any]:
     """Evaluate ``closed`` on ``flat_args`` unit by unit; a unit whose option is ``"dots"`` or
     ``"recompute"`` runs under ``jax.checkpoint`` with that policy (fenced, see
-    :func:`fenced_checkpoint`, unless ``fence=False``)."""
+    :func:`fenced_checkpoint`, unless ``fence=False``); ``"offload"`` keeps its residuals in
+    host memory (:func:`jaxmem.planner.offload.offload_chunk`)."""
     jaxpr = closed.jaxpr
     env: dict = {}
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -292,7 +365,10 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
         ins, outs = chunk_io(jaxpr, u.start, u.stop)
         f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)
         opt = options.get(u.label, "store")
-        if opt != "store":
+        if opt == "offload":
+            from jaxmem.planner.offload import offload_chunk
+            f = offload_chunk(f)   # residuals to host memory; not fenced (nothing recomputed)
+        elif opt != "store":
             f = fenced_checkpoint(f, POLICIES[opt]) if fence else \
                 jax.checkpoint(f, policy=POLICIES[opt], prevent_cse=True)
         vals = f(*[env[v] for v in ins])

@@ -1,0 +1,154 @@
+"""jaxmem.plan's conversion options: few-bit codes per unit (approximate, opt-in) and row
+tiling of a VGG conv trunk (exact); host offload is offered only where it saves device memory."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem import models
+from jaxmem.planner import plan
+from jaxmem.planner import trace as T
+
+
+class _GeluBlock(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(x)))
+
+
+class _GeluMLP(nn.Module):
+    depth: int = 3
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = _GeluBlock(self.width)(x)
+        return x
+
+
+def _mlp_case():
+    m = _GeluMLP()
+    x = jax.random.normal(jax.random.key(0), (128, 64))
+    params = m.init(jax.random.key(1), x)
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(m.apply(p, x)) ** 2)
+
+    return loss, params, x
+
+
+def _rel(a, b):
+    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def mlp_plans():
+    loss, params, x = _mlp_case()
+    approx = plan(loss, params, x, budget=0.7, allow_approximate=True)
+    return loss, params, x, approx
+
+
+def test_plan_fewbit_units_meet_budget_and_stay_close(mlp_plans):
+    loss, params, x, p = mlp_plans
+    assert p.compiled_bytes <= p.budget_bytes
+    fb = [c for c in p.choices if c.option == "fewbit"]
+    assert fb and p.approximate and all(c.bits in (1, 2, 3, 4) for c in fb)
+    assert all(c.rows is None for c in p.choices)
+    # the forward pass is untouched; the gradient is the few-bit approximation of GELU's
+    np.testing.assert_allclose(p.step(params, x), loss(params, x), rtol=1e-6)
+    g, g0 = jax.grad(p.step)(params, x), jax.grad(loss)(params, x)
+    err = _rel(g, g0)
+    assert 0 < err < 0.1
+    assert p.to_dict()["approximate"] is True
+    # same inputs, same plan
+    again = plan(loss, params, x, budget=0.7, allow_approximate=True)
+    assert [(c.label, c.option, c.bits) for c in again.choices] == \
+        [(c.label, c.option, c.bits) for c in p.choices]
+
+
+def test_plan_exact_never_uses_fewbit(mlp_plans):
+    loss, params, x, p = mlp_plans
+    exact = plan(loss, params, x, budget=p.budget_bytes)
+    assert not exact.approximate and all(c.option != "fewbit" for c in exact.choices)
+    assert exact.compiled_bytes <= exact.budget_bytes
+    assert _rel(jax.grad(exact.step)(params, x), jax.grad(loss)(params, x)) < 1e-5
+
+
+def test_plan_allow_approximate_type_checked():
+    loss, params, x = _mlp_case()
+    with pytest.raises(TypeError, match="allow_approximate"):
+        plan(loss, params, x, budget=0.5, allow_approximate="yes")
+    with pytest.raises(ValueError, match="approx_cost"):
+        plan(loss, params, x, budget=0.5, approx_cost=-1.0)
+
+
+def test_row_tiled_trunk_exact_and_smaller():
+    """A VGG trunk traced with ``Conversion('rows', r)`` runs row-tiled: same loss and
+    gradients as the untouched model (float32, fresh random input), fewer compiled bytes."""
+    from jaxmem.measure import compiled_memory
+    from jaxmem.planner.api import _make_step
+
+    m = models.VGG((8, "M", 8, 8, "M"), 1.0, False, 10, (16,))
+    x = jax.random.normal(jax.random.key(4), (2, 32, 32, 3))
+    params = m.init(jax.random.key(5), x)["params"]
+
+    def loss(p, x):
+        return jnp.mean(m.apply({"params": p}, x) ** 2)
+
+    tr = T.trace(loss, (params, x))
+    cuts = [u.label for u in T.choose_units(tr) if u.label != "(rest)"]
+    tiled = _make_step(loss, None, cuts, (), {"features": T.Conversion("rows", 4)})
+    traced = T.trace(loss, (params, x), conversions={"features": T.Conversion("rows", 4)})
+    assert traced.converted == {"features"}
+    assert not any(lbl.startswith("features/") for lbl in traced.ends)
+    np.testing.assert_allclose(tiled(params, x), loss(params, x), rtol=1e-5)
+    assert _rel(jax.grad(tiled)(params, x), jax.grad(loss)(params, x)) < 1e-5
+    plain = compiled_memory(jax.value_and_grad(loss), params, x).total_bytes
+    rows = compiled_memory(jax.value_and_grad(tiled), params, x).total_bytes
+    assert rows < plain
+
+
+def test_row_twin_only_for_exactly_tileable_trunks():
+    assert T.row_twin(models.VGGFeatures(width=0.25), 4) is not None
+    assert T.row_twin(models.VGGFeatures(width=0.25, batch_norm=True), 4) is None
+    assert T.row_twin(nn.Dense(3), 4) is None
+    with pytest.raises(ValueError, match="kind"):
+        T.Conversion("tiles", 4)
+
+
+def test_offload_not_offered_where_host_is_device_memory(mlp_plans):
+    from jaxmem.planner.offload import offload_available
+    *_, p = mlp_plans
+    ok, why = offload_available()
+    if ok:
+        pytest.skip("this backend can offload; the planner offers it")
+    assert any("host offload not offered" in n and why in n for n in p.notes)
+    assert all(c.option != "offload" for c in p.choices)
+
+
+def test_plan_order_alone_when_it_fits():
+    """A budget the OLLA order alone meets: nothing is recomputed, and the order's
+    value-and-grad step gives the untouched values and gradients."""
+    m = models.gpt(n_layer=1, d_model=32, ctx=32)
+    tok = jax.random.randint(jax.random.key(6), (8, 32), 0, 256)
+    params = m.init(jax.random.key(7), tok)["params"]
+
+    def loss(p, t):
+        return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])
+
+    p = plan(loss, params, tok, budget=0.95)
+    if p.order is None or not p.order.applied:
+        pytest.fail(f"the order did not apply: {p.notes}")
+    assert p.compiled_bytes == p.order.compiled_bytes <= p.budget_bytes < p.default_bytes
+    assert all(c.option == "store" for c in p.choices) and p.predicted_time == 1.0
+    v, g = p.value_and_grad()(params, tok)
+    v0, g0 = jax.value_and_grad(loss)(params, tok)
+    np.testing.assert_allclose(v, v0, rtol=1e-5)
+    assert _rel(g, g0) < 1e-4
+    with pytest.raises(TypeError, match="order"):
+        plan(loss, params, tok, budget=0.95, order="yes")
