@@ -294,16 +294,19 @@ def _row_items(step, args, factory, tr0, units, cut_labels, keep, flops):
     for r in ROW_COUNTS:
         convs = {lbl: _trace.Conversion("rows", r) for lbl in tr0.ends}
         tr = _trace.trace(step, args, factory() if factory else None, convs)
-        for trunk in sorted(tr.converted & set(cut_labels)):
+        trunks = sorted(tr.converted & set(cut_labels))
+        if not trunks:
+            break   # whether a layer has a row twin does not depend on r
+        units_c = _trace.units_at(tr, cut_labels)
+        jx = tr.closed.jaxpr
+        outer = set(jx.invars) | set(jx.constvars)
+        for trunk in trunks:
             inside = {lbl for lbl in labels if lbl.startswith(trunk + "/")}
             cover = tuple(u for u, lbl in enumerate(labels) if lbl in inside or lbl == trunk)
             if not cover or cover != tuple(range(cover[0], cover[-1] + 1)):
                 continue
-            units_c = _trace.units_at(tr, cut_labels)
             if not _aligned(tr, units_c, labels, inside):
                 continue
-            jx = tr.closed.jaxpr
-            outer = set(jx.invars) | set(jx.constvars)
             uc = next(x for x in units_c if x.label == trunk)
             kb, _ = _keep_bytes(jx, uc, outer)
             held = sum(keep[u][0] for u in cover)
@@ -383,13 +386,14 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
     if not isinstance(order, bool):
         raise TypeError(f"plan: order must be True or False, got {order!r}")
     err = None
+    measured: dict[str, Any] = {}   # default compile and variant choice, shared by the retry
     for finer in range(_MAX_FINER + 1):
         try:
             return _plan(step, *example_args, budget=budget, order=order and finer == 0,
                          allow_approximate=allow_approximate, time_limit=time_limit,
                          max_iterations=max_iterations, fence_cost=fence_cost,
                          approx_cost=approx_cost, offload_bandwidth=offload_bandwidth,
-                         offload_flops=offload_flops, _finer=finer)
+                         offload_flops=offload_flops, _finer=finer, _measured=measured)
         except BudgetError as e:
             if err is None or e.smallest_bytes < err.smallest_bytes:
                 err = e
@@ -402,8 +406,10 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
          allow_approximate: bool = False, time_limit: float = 10.0,
          max_iterations: int = 6, fence_cost: float = 0.1,
          approx_cost: float = 0.01, offload_bandwidth: float = 25e9,
-         offload_flops: float = 50e12, order: bool = True, _finer: int = 0) -> MemoryPlan:
-    """:func:`plan` with units split ``_finer`` levels below the default cut."""
+         offload_flops: float = 50e12, order: bool = True, _finer: int = 0,
+         _measured: dict | None = None) -> MemoryPlan:
+    """:func:`plan` with units split ``_finer`` levels below the default cut; ``_measured``
+    keeps the untouched step's compile and the variant choice for a later call."""
     if not callable(step):
         raise TypeError(f"plan: step must be callable, got {type(step).__name__}")
     if not example_args:
@@ -411,8 +417,6 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
     if not isinstance(allow_approximate, bool):
         raise TypeError(f"plan: allow_approximate must be True or False, got "
                         f"{allow_approximate!r}")
-    if not isinstance(order, bool):
-        raise TypeError(f"plan: order must be True or False, got {order!r}")
     if not (isinstance(approx_cost, (int, float)) and approx_cost >= 0):
         raise ValueError(f"plan: approx_cost must be a number >= 0, got {approx_cost!r}")
     if not (isinstance(time_limit, (int, float)) and time_limit > 0):
@@ -428,7 +432,11 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         parse_budget(budget, 1)   # validate before compiling anything
     elif not isinstance(budget, (int, np.integer, str)) or isinstance(budget, bool):
         parse_budget(budget)
-    cm0 = compiled_memory(jax.value_and_grad(step), *args)
+    if _measured is None:
+        _measured = {}
+    if "default" not in _measured:
+        _measured["default"] = compiled_memory(jax.value_and_grad(step), *args)
+    cm0 = _measured["default"]
     default_bytes = cm0.total_bytes
     budget_bytes = parse_budget(budget, default_bytes)
     floor = cm0.argument_bytes + cm0.output_bytes - cm0.alias_bytes
@@ -448,19 +456,21 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                 selective=False, solver_status="OPTIMAL", solver_gap=0.0, iterations=1,
                 notes=(f"the OLLA order alone fits: {order_result.why}",), order=order_result)
 
-    import jaxmem
-    variants = [(False, None), (True, lambda: jaxmem.scope())]
-    best = None
-    for sel, factory in variants:
-        s = _make_step(step, factory, (), (), {})
-        try:
-            b = _compiled_total(s, args)
-        except Exception:  # noqa: BLE001, S112 - a scope that cannot trace is simply not used
-            continue
-        # a tie goes to jaxmem's scope when few-bit codes may be offered (they need it)
-        if best is None or b < best[2] or (b == best[2] and allow_approximate):
-            best = (sel, factory, b)
-    selective, factory, store_bytes = best
+    if "variant" not in _measured:
+        import jaxmem
+        variants = [(False, None), (True, lambda: jaxmem.scope())]
+        best = None
+        for sel, factory in variants:
+            s = _make_step(step, factory, (), (), {})
+            try:
+                b = _compiled_total(s, args)
+            except Exception:  # noqa: BLE001, S112 - a scope that cannot trace is not used
+                continue
+            # a tie goes to jaxmem's scope when few-bit codes may be offered (they need it)
+            if best is None or b < best[2] or (b == best[2] and allow_approximate):
+                best = (sel, factory, b)
+        _measured["variant"] = best
+    selective, factory, store_bytes = _measured["variant"]
 
     tr = _trace.trace(step, args, factory() if factory else None)
     units = _trace.choose_units(tr, finer=_finer)
@@ -531,8 +541,8 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         return o.rstrip("0123456789")
 
     def features(choice):
-        """Savings by option kind (dots, recompute, segments, few-bit, rows), minus the
-        largest work."""
+        """Savings by option kind (``kinds``; rows items are measured, see ``known``), minus
+        the largest work."""
         f = dict.fromkeys(kinds, 0.0)
         w = 0.0
         for i in choice:
