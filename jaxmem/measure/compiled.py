@@ -35,8 +35,17 @@ from jaxmem.measure._validate import (
     fn_name,
     normalize_argnums,
 )
+from jaxmem.measure.target import (
+    GEMM_BACKENDS,
+    GpuPlanUnavailable,
+    _cuda_c_api,
+    buffer_assignment_text,
+    check_target,
+    compile_lowered,
+    lower_for_target,
+)
 
-__all__ = ["CompiledMemory", "compiled_memory"]
+__all__ = ["CompiledMemory", "buffer_assignment", "compiled_hlo", "compiled_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +60,21 @@ class CompiledMemory:
     reported_peak_bytes: int | None = None
     backend: str = ""
     fn_name: str = ""
+    target: str = "cpu"
+    devices: int = 1
+    gemm_backend: str = ""
 
     @property
     def total_bytes(self) -> int:
         """``temp + output + argument - alias`` (generated code excluded)."""
         return self.temp_bytes + self.output_bytes + self.argument_bytes - self.alias_bytes
+
+    @property
+    def plan(self) -> str:
+        """Which plan this is: ``"cpu"``, ``"h100 plan"``, ``"h100 plan x8"``."""
+        if self.target == "cpu":
+            return "cpu"
+        return f"{self.target} plan" + (f" x{self.devices}" if self.devices > 1 else "")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -65,35 +84,21 @@ class CompiledMemory:
     def __str__(self) -> str:
         mib = 2.0**20
         return (
-            f"compiled memory of {self.fn_name} on {self.backend}: total "
+            f"compiled memory of {self.fn_name} on {self.plan}: total "
             f"{self.total_bytes / mib:.2f} MiB = temp {self.temp_bytes / mib:.2f} + output "
             f"{self.output_bytes / mib:.2f} + argument {self.argument_bytes / mib:.2f} - alias "
             f"{self.alias_bytes / mib:.2f} MiB (code {self.generated_code_bytes} B)"
         )
 
 
-def compiled_memory(
-    fn: Callable[..., Any],
-    *args: Any,
-    static_argnums: int | Sequence[int] = (),
-    donate_argnums: int | Sequence[int] = (),
-) -> CompiledMemory:
-    """Compile ``fn`` for ``args`` (``fn`` is jitted for you) and report XLA's memory plan.
-
-    Args:
-      fn: any JAX-traceable function (already-jitted functions are fine).
-      *args: arrays / Python numbers / pytrees of them; non-array arguments must be listed in
-        ``static_argnums``. Abstract ``jax.ShapeDtypeStruct`` leaves are accepted too (nothing
-        is executed).
-      static_argnums, donate_argnums: passed to ``jax.jit``. Donated arguments show up as
-        ``alias_bytes`` when XLA reuses their buffers for outputs.
-
-    Raises:
-      TypeError: non-callable ``fn`` or a non-array argument that is not static.
-      TraceError (a ValueError): ``fn`` failed to trace/lower/compile; the message names ``fn``.
-    """
-    who = "compiled_memory"
+def _prepare(fn: Callable[..., Any], args: Sequence[Any], static_argnums: Any,
+             donate_argnums: Any, target: Any, devices: Any, gemm: Any, who: str
+             ) -> tuple[Any, str, str]:
+    """Check the arguments and lower ``fn`` for ``target``: ``(lowered, target, name)``."""
     check_callable(fn, who)
+    target = check_target(target, devices, who)
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"{who}: `gemm` must be one of {GEMM_BACKENDS}, got {gemm!r}")
     name = fn_name(fn)
     n = len(args)
     static = normalize_argnums(static_argnums, n, who, "static_argnums") \
@@ -108,16 +113,73 @@ def compiled_memory(
             a, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
     check_array_args([concrete_view(a) for a in args], dynamic, (), who)
+    if target != "cpu":
+        _cuda_c_api_or_raise(who)
     try:
-        jitted = jax.jit(fn, static_argnums=static, donate_argnums=donate)
-        compiled = jitted.lower(*args).compile()
+        lowered = lower_for_target(fn, args, static, donate, target, int(devices))
     except Exception as e:
-        raise TraceError(f"{who}: could not trace/compile {name}: {type(e).__name__}: {e}") from e
+        raise TraceError(f"{who}: could not trace/lower {name}: {type(e).__name__}: {e}") from e
+    return lowered, target, name
+
+
+def _cuda_c_api_or_raise(who: str) -> None:
+    try:
+        _cuda_c_api()
+    except GpuPlanUnavailable as e:
+        raise GpuPlanUnavailable(f"{who}: {e}") from None
+
+
+def _compile(lowered: Any, target: str, gemm: str, name: str, who: str) -> tuple[Any, str]:
+    try:
+        return compile_lowered(lowered, target, gemm)
+    except Exception as e:
+        raise TraceError(f"{who}: could not compile {name} for target {target!r}: "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def compiled_memory(
+    fn: Callable[..., Any],
+    *args: Any,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+    target: str = "cpu",
+    devices: int = 1,
+    gemm: str = "auto",
+) -> CompiledMemory:
+    """Compile ``fn`` for ``args`` (``fn`` is jitted for you) and report XLA's memory plan.
+
+    Args:
+      fn: any JAX-traceable function (already-jitted functions are fine).
+      *args: arrays / Python numbers / pytrees of them; non-array arguments must be listed in
+        ``static_argnums``. Abstract ``jax.ShapeDtypeStruct`` leaves are accepted too (nothing
+        is executed).
+      static_argnums, donate_argnums: passed to ``jax.jit``. Donated arguments show up as
+        ``alias_bytes`` when XLA reuses their buffers for outputs.
+      target: ``"cpu"`` (this process's CPU device) or a GPU: ``"h100"``, ``"h100_pcie"``,
+        ``"h200"``, ``"a100"``, ``"b200"`` — XLA:GPU's plan for that GPU, compiled here
+        without one (:mod:`jaxmem.measure.target`; needs the ``gpu-plan`` extra). Arguments
+        are placed replicated on the target's devices unless they are
+        ``ShapeDtypeStruct`` leaves already sharded on :func:`target_mesh`.
+      devices: GPUs in the target topology (1..8); figures are per device.
+      gemm: GPU targets only: ``"auto"`` (XLA's Triton GEMMs, cuBLAS where no Triton tiling
+        is found without autotuning), ``"triton"`` or ``"cublas"``; the one used is
+        ``gemm_backend`` of the result.
+
+    Raises:
+      TypeError: non-callable ``fn`` or a non-array argument that is not static.
+      ValueError: an unknown ``target``, ``devices`` out of range or an unknown ``gemm``.
+      GpuPlanUnavailable: a GPU target without the CUDA plugin (the message says how to
+        install it).
+      TraceError (a ValueError): ``fn`` failed to trace/lower/compile; the message names ``fn``.
+    """
+    who = "compiled_memory"
+    lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
+                                     devices, gemm, who)
+    compiled, gemm_backend = _compile(lowered, target, gemm, name, who)
     m = compiled.memory_analysis()
     if m is None:
         raise RuntimeError(
-            f"{who}: this backend ({jax.default_backend()}) returned no memory_analysis() for "
-            f"{name}"
+            f"{who}: this backend ({target}) returned no memory_analysis() for {name}"
         )
     peak = getattr(m, "peak_memory_in_bytes", None)
     return CompiledMemory(
@@ -127,7 +189,37 @@ def compiled_memory(
         alias_bytes=int(m.alias_size_in_bytes),
         generated_code_bytes=int(m.generated_code_size_in_bytes),
         reported_peak_bytes=None if peak is None else int(peak),
-        backend=jax.default_backend(),
+        backend=jax.default_backend() if target == "cpu" else "cuda",
         fn_name=name,
+        target=target,
+        devices=int(devices),
+        gemm_backend=gemm_backend,
     )
 
+
+def compiled_hlo(fn: Callable[..., Any], *args: Any, static_argnums: int | Sequence[int] = (),
+                 donate_argnums: int | Sequence[int] = (), target: str = "cpu",
+                 devices: int = 1, gemm: str = "auto") -> str:
+    """The optimized HLO text XLA compiles ``fn`` to for ``target`` (arguments as in
+    :func:`compiled_memory`): read fusions, collectives and what the backward keeps."""
+    who = "compiled_hlo"
+    lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
+                                     devices, gemm, who)
+    return _compile(lowered, target, gemm, name, who)[0].as_text()
+
+
+def buffer_assignment(fn: Callable[..., Any], *args: Any,
+                      static_argnums: int | Sequence[int] = (),
+                      donate_argnums: int | Sequence[int] = (), target: str = "cpu",
+                      devices: int = 1, gemm: str = "auto") -> str:
+    """XLA's buffer assignment for ``fn`` on ``target`` (the ``--xla_dump_to`` listing of
+    every allocation, its size and the values that share it; arguments as in
+    :func:`compiled_memory`)."""
+    who = "buffer_assignment"
+    lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
+                                     devices, gemm, who)
+    try:
+        return buffer_assignment_text(lowered, target, gemm)
+    except Exception as e:
+        raise TraceError(f"{who}: could not compile {name} for target {target!r}: "
+                         f"{type(e).__name__}: {e}") from e
