@@ -40,6 +40,7 @@ from jaxmem.measure.target import (
     GpuPlanUnavailable,
     _cuda_c_api,
     buffer_assignment_text,
+    check_placement,
     check_target,
     compile_lowered,
     lower_for_target,
@@ -115,6 +116,7 @@ def _prepare(fn: Callable[..., Any], args: Sequence[Any], static_argnums: Any,
     check_array_args([concrete_view(a) for a in args], dynamic, (), who)
     if target != "cpu":
         _cuda_c_api_or_raise(who)
+        check_placement(args, static, target, int(devices), who)
     try:
         lowered = lower_for_target(fn, args, static, donate, target, int(devices))
     except Exception as e:

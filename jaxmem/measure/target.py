@@ -190,6 +190,10 @@ def target_mesh(target: str = "h100", mesh_shape: Sequence[int] | None = None,
     ``compiled_memory(..., target=target, devices=mesh.size)``.
     """
     shape = tuple(mesh_shape) if mesh_shape is not None else (1,) * len(axis_names)
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 for s in shape) \
+            or not 1 <= int(np.prod(shape)) <= MAX_DEVICES:
+        raise ValueError(f"target_mesh: `mesh_shape` must be ints >= 1 with a product in "
+                         f"1..{MAX_DEVICES} (the target's devices), got {mesh_shape!r}")
     n = int(np.prod(shape))
     target = check_target(target, n, "target_mesh")
     if target == "cpu":
@@ -213,6 +217,35 @@ def _on_mesh(x: Any, mesh: jax.sharding.Mesh) -> Any:
                                     weak_type=True)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated,
                                 weak_type=bool(getattr(x, "weak_type", False)))
+
+
+def check_placement(args: Sequence[Any], static: Sequence[int], target: str, devices: int,
+                    who: str) -> None:
+    """Refuse an abstract argument sharded over several devices that are not the target's.
+
+    Such an argument would otherwise be placed replicated, so the per-device figures would
+    silently describe another layout: a ``ShapeDtypeStruct`` sharded on
+    ``target_mesh(other_target, ...)`` or on a mesh whose size is not ``devices``.
+    """
+    if target == "cpu":
+        return
+    mesh_devices = set(_compile_only_devices(target, devices))
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        for x in jax.tree_util.tree_leaves(a):
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(x, jax.ShapeDtypeStruct) \
+                    or not isinstance(sharding, jax.sharding.NamedSharding):
+                continue
+            devs = set(sharding.mesh.devices.flat)
+            if len(devs) > 1 and not devs <= mesh_devices:
+                kind = next(iter(devs)).device_kind
+                raise ValueError(
+                    f"{who}: argument {i} is sharded over {len(devs)} devices ({kind}) that "
+                    f"are not the {devices} compile-only device(s) of `target`={target!r}, "
+                    f"`devices`={devices}; build its mesh with target_mesh({target!r}, ...) "
+                    f"and pass devices=mesh.size")
 
 
 def lower_for_target(fn: Callable[..., Any], args: Sequence[Any], static: Sequence[int],
