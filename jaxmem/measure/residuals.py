@@ -39,9 +39,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
-from jax._src.lax import lax as lax_internal
 
+from jaxmem._compat import core, lax_internal, source_info_util
 from jaxmem.measure._validate import (
     TraceError,
     check_array_args,

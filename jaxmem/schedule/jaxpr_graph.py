@@ -52,7 +52,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core as jcore
+
+from jaxmem._compat import core as jcore
 
 from .graph import Graph
 

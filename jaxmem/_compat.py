@@ -1,0 +1,27 @@
+"""Every use of JAX's private modules (``jax._src``) in one place.
+
+jaxmem needs a few things JAX does not export: the jaxpr core types and the residual
+analysis behind ``jax.ad_checkpoint.print_saved_residuals`` (measuring, scheduling, planning),
+the user-frame lookup of ``source_info_util`` (reports), the config machinery that lets an
+option take part in ``jit``'s cache key, the compilation cache, and the PJRT plugin loader
+(compiling for a GPU target without a GPU). Importing them here, and only here, means a JAX
+upgrade that moves one of them breaks one file with one clear error.
+"""
+from __future__ import annotations
+
+from jax._src import compilation_cache, core, source_info_util, xla_bridge
+from jax._src import config as jax_config
+from jax._src.ad_checkpoint import saved_residuals
+from jax._src.lax import lax as lax_internal
+from jax._src.lib import xla_client
+
+__all__ = [
+    "compilation_cache",
+    "core",
+    "jax_config",
+    "lax_internal",
+    "saved_residuals",
+    "source_info_util",
+    "xla_bridge",
+    "xla_client",
+]
