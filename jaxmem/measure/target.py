@@ -143,8 +143,7 @@ def _quiet_stderr() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _cuda_c_api() -> Any:
-    from jax._src import xla_bridge
-    from jax._src.lib import xla_client
+    from jaxmem._compat import xla_bridge, xla_client
 
     if xla_client.pjrt_plugin_loaded("cuda"):  # JAX registered the plugin itself
         factory = xla_bridge._backend_factories.get("cuda")
@@ -171,7 +170,7 @@ def _target_config(target: str) -> str:
 
 @functools.cache
 def _compile_only_devices(target: str, devices: int) -> tuple[Any, ...]:
-    from jax._src.lib import xla_client
+    from jaxmem._compat import xla_client
 
     c_api = _cuda_c_api()
     with _quiet_stderr():
