@@ -25,6 +25,7 @@ _SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models"
                "linen", "nnx", "distributed", "planner")
 _ATTRS = {"scope": ("jaxmem._glue.patch", "scope"),
           "plan": ("jaxmem.planner", "plan"),
+          "transform": ("jaxmem.transform", "transform"),
           "report": ("jaxmem._glue.report", "report"),
           "Report": ("jaxmem._glue.report", "Report"),
           "NothingConvertedWarning": ("jaxmem._glue.report", "NothingConvertedWarning")}
