@@ -9,48 +9,81 @@ Two settings make that a test of the same math:
 * tests marked ``xla_cpu`` assert *XLA:CPU's* memory plan (compiled-bytes slopes that
   depend on CPU fusion decisions): they run on the CPU device wherever they are run.
   What XLA:GPU plans is measured by the benchmarks (``benchmarks/gpu``), not asserted.
+
+Collection stays cheap: torch is imported here only on a machine with a GPU device node
+(where its CUDA support is asked for), JAX's backends are started only there too, and
+hypothesis is imported only before collecting a test module that names it (its profile is
+registered then, before the module's decorators read it). Tree comparisons live in
+``_assert.py``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
+import importlib.util
+import os
+import sys
 
 import jax
 import pytest
-from hypothesis import HealthCheck, settings
-
-# Property-based suites: deterministic in CI, and no health-check failure just because a
-# shared 2-core machine generates examples slowly (the tests assert behaviour, not speed).
-settings.register_profile("jaxmem", deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow,
-                                                 HealthCheck.function_scoped_fixture])
-settings.load_profile("jaxmem")
 
 
-def _jax_has_gpu() -> bool:
+# ------------------------------------------------------------------ hypothesis profile
+@functools.cache
+def _load_hypothesis_profile() -> None:
+    from hypothesis import HealthCheck, settings
+
+    # Property-based suites: deterministic in CI, and no health-check failure just because a
+    # shared 2-core machine generates examples slowly (the tests assert behaviour, not speed).
+    settings.register_profile("jaxmem", deadline=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow,
+                                                     HealthCheck.function_scoped_fixture])
+    settings.load_profile("jaxmem")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    # before a module that uses hypothesis is imported (its ``@settings`` / ``@given``
+    # decorators read the profile at import), and only then
+    if "hypothesis" in sys.modules or "hypothesis" in module_path.read_text(errors="ignore"):
+        _load_hypothesis_profile()
+
+
+# ------------------------------------------------------------------ devices
+def _gpu_device_node() -> bool:
+    """A GPU driver's device node exists (NVIDIA, ROCm, WSL): without one neither JAX nor
+    torch can see a GPU, so neither needs to be asked (torch's import alone is seconds)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")
+                or os.path.exists("/dev/dxg"))
+
+
+@functools.cache
+def jax_has_gpu() -> bool:
+    if not _gpu_device_node():
+        return False
     try:
         return len(jax.devices("gpu")) > 0
     except RuntimeError:
         return False
 
 
-def _torch_has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
+@functools.cache
+def torch_has_cuda() -> bool:
+    if not _gpu_device_node() or importlib.util.find_spec("torch") is None:
         return False
+    import torch
+
     return bool(torch.cuda.is_available())
 
 
-JAX_GPU = _jax_has_gpu()
-TORCH_CUDA = _torch_has_cuda()
+def pytest_configure(config):
+    if jax_has_gpu():
+        jax.config.update("jax_default_matmul_precision", "highest")
+    if torch_has_cuda():
+        import torch
 
-if JAX_GPU:
-    jax.config.update("jax_default_matmul_precision", "highest")
-if TORCH_CUDA:
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture(autouse=True)
@@ -66,17 +99,28 @@ def _xla_cpu_plan(request):
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="no GPU on this machine")
     for item in items:
-        if "gpu" in item.keywords and not (JAX_GPU or TORCH_CUDA):
+        if "gpu" in item.keywords and not (jax_has_gpu() or torch_has_cuda()):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(params=["cpu"] + (["gpu"] if JAX_GPU else []))
+def pytest_generate_tests(metafunc):
+    # device parameters are decided here, so a module without such tests asks nothing
+    if "jax_device" in metafunc.fixturenames:
+        metafunc.parametrize("jax_device", ["cpu"] + (["gpu"] if jax_has_gpu() else []),
+                             indirect=True)
+    if "torch_device" in metafunc.fixturenames:
+        metafunc.parametrize("torch_device",
+                             ["cpu"] + (["cuda"] if torch_has_cuda() else []),
+                             indirect=True)
+
+
+@pytest.fixture
 def jax_device(request):
     """Run a test on the CPU and, where one exists, on the GPU."""
     return jax.devices(request.param)[0]
 
 
-@pytest.fixture(params=["cpu"] + (["cuda"] if TORCH_CUDA else []))
+@pytest.fixture
 def torch_device(request):
     return request.param
 
