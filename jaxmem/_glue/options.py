@@ -1,9 +1,13 @@
 """The active conversion options of the current context (a ``contextvars.ContextVar``).
 
 ``using(options)`` pushes ``options`` for the duration of a ``with`` block; ``current()``
-returns the innermost pushed options (``None`` outside every scope). Because the stack lives
-in a ``ContextVar``, another thread tracing at the same time sees its own (usually empty)
-stack and gets plain JAX/Flax.
+returns the innermost pushed options (``None`` outside every scope). The stack is a JAX
+configuration state that is part of JAX's trace context and of ``jax.jit``'s cache key
+(``include_in_jit_key``/``include_in_trace_context``, like ``jax.set_mesh``): a function
+jitted inside a scope is traced again when it is called outside it (or inside other
+options), so it never keeps a trace made under options that are no longer active. The state
+is thread-local: another thread tracing at the same time sees its own (usually empty) stack
+and gets plain JAX/Flax.
 
 A layer or function named ``name`` is decided by the innermost options that *cover* it
 (:func:`lookup`): options built by :func:`jaxmem.scope` cover everything (inner overrides
@@ -14,11 +18,12 @@ around them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
 
-__all__ = ["Options", "current", "lookup", "stack", "using"]
+from jax._src import config as _jax_config
+
+__all__ = ["Options", "current", "keyed", "lookup", "stack", "using"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,26 +67,49 @@ class Options:
                 "attention": self.attention}
 
 
-_STACK: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxmem_options", default=())
+def _trace_state(name: str, default):
+    """A thread-local JAX configuration state that is part of the trace context and of
+    ``jax.jit``'s cache key (entering / leaving a value retraces jitted functions)."""
+    return _jax_config.config_ext.Config(name, default, include_in_jit_key=True,
+                                         include_in_trace_context=True)
+
+
+#: the active options, outermost first (a tuple of :class:`Options`)
+_STACK = _trace_state("jaxmem_scope_options", ())
+#: a number per :func:`jaxmem.report` call while it traces, part of ``jax.jit``'s cache key:
+#: a function the reported step jits is traced again for each report (so its calls are
+#: recorded), and a trace made while reporting is not reused outside it
+REPORT_TRACE = _trace_state("jaxmem_report_trace", 0)
 
 
 def stack() -> tuple:
     """All active options, outermost first."""
-    return _STACK.get()
+    return _STACK.value
 
 
 def current() -> Options | None:
     """The innermost active options, ``None`` outside every scope."""
-    s = _STACK.get()
+    s = _STACK.value
     return s[-1] if s else None
 
 
 def lookup(name: str, parts=()) -> Options | None:
     """The innermost active options that cover ``name`` (see :class:`Options`)."""
-    for o in reversed(_STACK.get()):
+    for o in reversed(_STACK.value):
         if o.covers(name, parts):
             return o
     return None
+
+
+@contextlib.contextmanager
+def keyed(state, value) -> Iterator[None]:
+    """Set the trace-context ``state`` (from :func:`_trace_state`) to ``value`` in this
+    thread for the duration of the block."""
+    prev = state.swap_local(value)
+    try:
+        yield
+    finally:
+        state.set_local(prev)
 
 
 @contextlib.contextmanager
@@ -89,8 +117,5 @@ def using(options: Options) -> Iterator[Options]:
     """Push ``options`` for the duration of the block (this context / thread only)."""
     if not isinstance(options, Options):
         raise TypeError(f"using: expected jaxmem._glue.options.Options, got {options!r}")
-    token = _STACK.set(_STACK.get() + (options,))
-    try:
+    with keyed(_STACK, _STACK.value + (options,)):
         yield options
-    finally:
-        _STACK.reset(token)

@@ -26,6 +26,7 @@ import dataclasses
 import dis
 import functools
 import inspect
+import itertools
 import os
 import sys
 import warnings
@@ -128,6 +129,7 @@ class Report:
 
 
 _COLLECT: contextvars.ContextVar = contextvars.ContextVar("jaxmem_report", default=None)
+_report_calls = itertools.count(1)  # one trace-context value per report call
 _FRAMES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxmem_frames", default=())
 _PATH: contextvars.ContextVar[str] = contextvars.ContextVar("jaxmem_path", default="")
 _warned: set = set()
@@ -341,10 +343,12 @@ def report(fn, *args, **kwargs) -> Report:
         a, k = jax.tree.unflatten(tree, full)
         return fn(*a, **k)
 
+    from jaxmem._glue import options as _options
+
     rep = Report()
     token = _COLLECT.set(rep)
     try:
-        with _patch.observing():
+        with _options.keyed(_options.REPORT_TRACE, next(_report_calls)), _patch.observing():
             with _watching_calls(rep) as ran:
                 jax.make_jaxpr(traced)(*[x for x, a in zip(leaves, is_arr) if a])
             _add_imported_by_name(rep, ran, _patch)
@@ -364,18 +368,21 @@ _FORI_REASON = ("not converted: jax.lax.fori_loop lowers to a scan (static bound
 def _watching_calls(rep: Report) -> Iterator[dict]:
     """While active (this thread): note each code object that runs (``code -> (globals,
     path, index in rep.entries)``, first run) and record each ``jax.lax.fori_loop`` call made
-    by user code or Flax (``nnx.fori_loop``), not those JAX makes inside its own functions."""
+    by user code or Flax (``nnx.fori_loop``), not those JAX makes inside its own functions.
+
+    Watches with ``sys.setprofile``, calling a Python profile function already set. When
+    the profile hook is held by a C profiler that cannot be called from Python (``cProfile``,
+    ``profile`` run through it), that profiler is left in place and the calls are watched
+    with ``sys.settrace`` instead (calling a Python trace function already set, e.g.
+    coverage's, and returning its local tracer). Both hooks are restored on exit. If neither
+    hook can be used, nothing is watched (the "not reached" and ``fori_loop`` entries are
+    missing) and a ``RuntimeWarning`` says so."""
     import jax
 
     fori = inspect.unwrap(jax.lax.fori_loop).__code__
     ran: dict = {}
-    prev = sys.getprofile()
 
-    def hook(frame, event, arg):
-        if prev is not None:
-            prev(frame, event, arg)
-        if event != "call":
-            return
+    def note(frame):
         code = frame.f_code
         if code is fori:
             up = frame.f_back
@@ -388,11 +395,46 @@ def _watching_calls(rep: Report) -> Iterator[dict]:
         elif code not in ran:
             ran[code] = (frame.f_globals, current_path(), len(rep.entries))
 
-    sys.setprofile(hook)
+    prev_profile, prev_trace = sys.getprofile(), sys.gettrace()
+    if prev_profile is None or _is_python_hook(prev_profile):
+        def profile_hook(frame, event, arg):
+            if prev_profile is not None:
+                prev_profile(frame, event, arg)
+            if event == "call":
+                note(frame)
+
+        sys.setprofile(profile_hook)
+        try:
+            yield ran
+        finally:
+            sys.setprofile(prev_profile)
+        return
+    if prev_trace is not None and not callable(prev_trace):
+        warnings.warn("jaxmem.report: the profile and trace hooks are both held by C-level "
+                      "tools; names imported before conversion and jax.lax.fori_loop calls "
+                      "are not listed in this report", RuntimeWarning, stacklevel=4)
+        yield ran
+        return
+
+    def trace_hook(frame, event, arg):
+        local = prev_trace(frame, event, arg) if prev_trace is not None else None
+        if event == "call":
+            note(frame)
+        return local
+
+    sys.settrace(trace_hook)
     try:
         yield ran
     finally:
-        sys.setprofile(prev)
+        sys.settrace(prev_trace)
+
+
+def _is_python_hook(fn) -> bool:
+    """Whether ``fn`` (what ``sys.getprofile()`` returned) can be called as
+    ``fn(frame, event, arg)``: a Python profile function, not a C profiler's object."""
+    import cProfile
+
+    return callable(fn) and not isinstance(fn, cProfile.Profile)
 
 
 @functools.lru_cache(maxsize=1)
