@@ -1,0 +1,41 @@
+"""Shared helpers of ``parity_tests/gpu_plan``: every figure is XLA:GPU's plan for an H100."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem.measure import compiled_memory, slope
+
+TARGET = "h100"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
+
+
+def plan(fn, *args, **kw):
+    """``compiled_memory`` on the H100 plan."""
+    return compiled_memory(fn, *args, target=TARGET, **kw)
+
+
+def rand(seed, shape, scale=1.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, jnp.float32)
+
+
+def mlp_per_elem(act, b=128, h=512, depth=2):
+    """Total compiled bytes per hidden element per added layer of a frozen-weight MLP
+    ``x -> act(x @ w)`` (gradient w.r.t. the input; weights closed over), slope between
+    ``depth`` and ``2 * depth`` layers: the protocol of ``benchmarks/gpu/fewbit_packing.py``
+    that produced the real-H100 rows of ``benchmarks/results/gpu``."""
+    ws = [rand(i, (h, h), 1 / np.sqrt(h)) for i in range(2 * depth)]
+    x = rand(99, (b, h))
+
+    def measure(d):
+        def loss(x):
+            for w in ws[:d]:
+                x = act(x @ w)
+            return jnp.sum(x)
+        return plan(jax.grad(loss), x).total_bytes
+
+    return slope(measure, depth) / (b * h)
