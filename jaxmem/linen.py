@@ -21,6 +21,7 @@ import flax.linen as nn
 
 from jaxmem._glue import options as _options
 from jaxmem._glue import patch as _gpatch
+from jaxmem._glue import pickling as _pickling
 
 __all__ = ["convert", "is_converted", "options_of"]
 
@@ -54,12 +55,21 @@ def _wrap_method(sub_ref, name, fn, opts, label):
     return method
 
 
-@functools.lru_cache(maxsize=None)
+def _reduce_ex(self, protocol):
+    """Pickle as the base class's state plus ``_converted_class(base, options)``."""
+    sub = type(self)
+    return _pickling.reduce(self, protocol, "jaxmem.linen._converted_class",
+                            (sub._jaxmem_base, sub._jaxmem_options))
+
+
+@functools.cache
 def _converted_class(cls, opts):
+    """The converted subclass of the Linen class ``cls`` under ``opts`` (one per pair)."""
     label = f"jaxmem.linen.convert({cls.__name__})"
     sub_ref = []
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-          "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls}
+          "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls,
+          "__reduce_ex__": _reduce_ex}
     for name in _method_names(cls):
         ns[name] = _wrap_method(sub_ref, name, getattr(cls, name), opts, label)
     sub = type(cls)(cls.__name__, (cls,), ns)

@@ -18,6 +18,7 @@ from flax import nnx as _nnx
 
 from jaxmem._glue import options as _options
 from jaxmem._glue import patch as _gpatch
+from jaxmem._glue import pickling as _pickling
 
 __all__ = ["convert", "is_converted"]
 
@@ -49,19 +50,27 @@ def _swapped(swaps):
             object.__setattr__(m, name, old)
 
 
-@functools.lru_cache(maxsize=None)
+def _reduce_ex(self, protocol):
+    """Pickle as the base class's state plus ``_converted_class(base, options)``."""
+    sub = type(self)
+    return _pickling.reduce(self, protocol, "jaxmem.nnx._converted_class",
+                            (sub._jaxmem_base, sub._jaxmem_options))
+
+
+@functools.cache
 def _converted_class(cls, opts):
+    """The converted subclass of the NNX class ``cls`` under ``opts`` (one per pair)."""
     label = f"jaxmem.nnx.convert({cls.__name__})"
     holder = []
 
     def __call__(self, *args, **kwargs):
-        with _gpatch.scope_options(opts, label=label, linen=True):
-            with _swapped(_field_swaps(self)):
-                return super(holder[0], self).__call__(*args, **kwargs)
+        with _gpatch.scope_options(opts, label=label, linen=True), \
+                _swapped(_field_swaps(self)):
+            return super(holder[0], self).__call__(*args, **kwargs)
 
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
           "__doc__": cls.__doc__, "__call__": __call__, "_jaxmem_options": opts,
-          "_jaxmem_base": cls}
+          "_jaxmem_base": cls, "__reduce_ex__": _reduce_ex}
     sub = type(cls)(cls.__name__, (cls,), ns)
     holder.append(sub)
     return sub
@@ -126,9 +135,8 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
         hook = getattr(fa, "nnx_convert_attention", None)
         if hook is not None:
             hook(m)
-    if not callable(getattr(type(m), "__call__", None)):
+    if not any("__call__" in vars(k) for k in type(m).__mro__):  # nothing to call
         return m
     base = getattr(type(m), "_jaxmem_base", type(m))
-    m.__class__ = _converted_class(base, opts) if base is type(m) else _converted_class(
-        base, opts)
+    m.__class__ = _converted_class(base, opts)
     return m

@@ -9,11 +9,15 @@ For each intercepted Linen method call it
   (attention, then selective, then fewbit), else the module's own code: a Flax module without
   a handler is reported ``'container'`` when calls inside it are recorded (``nn.Sequential``),
   else ``'unsupported'``; calls made while a module initializes are not part of the step
-  (:func:`jaxmem._glue.report.pretrace`).
+  (:func:`jaxmem._glue.report.pretrace`);
+* a method that re-enters the same method of the same module (a subclass's ``__call__``
+  calling ``super().__call__``, e.g. ``nn.SelfAttention``) runs as it is: the outer call
+  already chose what to do with the module and recorded it, once.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 
 from jaxmem._glue import options as _options
@@ -23,12 +27,15 @@ from jaxmem._glue import report as _report
 __all__ = ["interceptor"]
 
 _SKIP_FIELDS = ("parent", "name")
+#: ``(id(module), method name)`` of the intercepted calls being run, innermost last
+_ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxmem_linen_active",
+                                                               default=())
 
 
 def _path(m) -> str:
     try:
         return "/".join(str(p) for p in m.scope.path) if m.scope is not None else ""
-    except Exception:  # pragma: no cover - unbound / odd scopes
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover - odd scopes
         return ""
 
 
@@ -87,6 +94,18 @@ def _has_enabled_handler(m):
 
 def interceptor(next_fun, args, kwargs, context):
     m = context.module
+    me = (id(m), context.method_name)
+    active = _ACTIVE.get()
+    if active and active[-1] == me:  # super().<method> of the call being run
+        return next_fun(*args, **kwargs)
+    token = _ACTIVE.set(active + (me,))
+    try:
+        return _intercept(m, next_fun, args, kwargs, context)
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _intercept(m, next_fun, args, kwargs, context):
     path = _path(m)
     with _report.at_path(path):
         if not _options.stack() and not _report.collecting():

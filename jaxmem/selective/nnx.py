@@ -36,8 +36,8 @@ import functools
 import inspect
 from typing import Any
 
-import jax
 import flax.nnx.nn.linear as _flax_nnx_linear
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -46,8 +46,12 @@ from jax.typing import ArrayLike
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective.dropout import dropout as _dropout_fn
-from jaxmem.selective.linen import (SelectiveFallbackWarning, _axes_tuple, _warn_fallback,
-                                    selective_lax)
+from jaxmem.selective.linen import (
+    SelectiveFallbackWarning,
+    _axes_tuple,
+    _warn_fallback,
+    selective_lax,
+)
 from jaxmem.selective.patch import patch_functions as scope
 
 __all__ = ["SelectiveFallbackWarning", "convert", "einsum", "scope"]
@@ -354,6 +358,48 @@ def _path_str(path) -> str:
     return "/".join(str(p) for p in path)
 
 
+def _supported_base(cls):
+    """The NNX class of :data:`_RECLASS` that ``cls`` strictly subclasses (``None``: none,
+    or ``cls`` is one of jaxmem's own classes)."""
+    if cls in _RECLASS or cls in _BASE or getattr(cls, "_jaxmem_watched_base", None):
+        return None
+    for base in cls.__mro__[1:]:
+        if base in _RECLASS:
+            return base
+    return None
+
+
+def _watched_reduce_ex(self, protocol):
+    from jaxmem._glue import pickling
+
+    return pickling.reduce(self, protocol, "jaxmem.selective.nnx._watched_class",
+                           (type(self)._jaxmem_watched_base,))
+
+
+@functools.cache
+def _watched_class(cls):
+    """A subclass of ``cls`` (a user subclass of a supported NNX layer, e.g.
+    ``nnx.LoRALinear``) that runs ``cls``'s own code and records a ``'fallback'`` entry at
+    each call: its ``__call__`` may compute something the selective layer does not."""
+    base = _supported_base(cls)
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    reason = (f"subclass of nnx.{base.__name__}: its own code runs (jaxmem converts NNX's own "
+              "layer classes only)")
+
+    def __call__(self, *args, **kwargs):
+        rec = _recorder()
+        if rec is not None:
+            rec(kind="module", target=target, technique="selective", status="fallback",
+                reason=reason, path=getattr(self, _PATH_ATTR, None))
+        return super(sub, self).__call__(*args, **kwargs)
+
+    ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__, "__call__": __call__, "_jaxmem_watched_base": cls,
+          "__reduce_ex__": _watched_reduce_ex}
+    sub = type(cls)(cls.__name__, (cls,), ns)
+    return sub
+
+
 def convert(module: nnx.Module) -> nnx.Module:
     """Convert the supported layers of ``module`` in place (same Variables); returns it.
 
@@ -361,7 +407,9 @@ def convert(module: nnx.Module) -> nnx.Module:
     ``nnx.LinearGeneral``, ``nnx.Conv``, ``nnx.ConvTranspose``, ``nnx.Einsum``, ``nnx.Embed``,
     ``nnx.Dropout``,
     ``nnx.BatchNorm``, ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.GroupNorm``) are
-    converted; user subclasses are left as they are.
+    converted; subclasses of them (``nnx.LoRALinear``, a user's own) run their own code and
+    are listed as ``'fallback'`` in :func:`jaxmem.report` at each call (their class becomes
+    a subclass that records the call and can be pickled).
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(
@@ -373,6 +421,9 @@ def convert(module: nnx.Module) -> nnx.Module:
             continue
         cls = type(m)
         if cls not in _RECLASS:  # already converted, or not an NNX layer we convert
+            if _supported_base(cls) is not None:  # a user subclass: reported, left as is
+                m.__class__ = _watched_class(cls)
+                setattr(m, _PATH_ATTR, _path_str(path))
             continue
         default_dot = (m.dot_general is jax.lax.dot_general if cls is nnx.Linear else
                        cls is nnx.LinearGeneral and m.dot_general is None
