@@ -1,0 +1,51 @@
+"""Real-H100 figures reproduced by the deviceless H100 plan (validated external references).
+
+``jaxmem bench --quick`` on a real H100 (``benchmarks/results/gpu/run1_bench_quick.tgz``,
+``selective.json``, table "cnn", resnet18 width 0.25, case "input", batch 4x32x32): compiled
+temp + output bytes (``jaxmem.bench.selective.jax_bytes``) of JAX default 759080 B and of
+jaxmem.selective 701720 B. The few-bit packing rows of ``run3_fewbit_packing.json`` are
+checked in ``test_gpu_plan_fewbit.py``."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import jax
+import pytest
+from _gp_util import GPU_RESULTS, TARGET
+
+from jaxmem.bench.selective import cnn_models, make_step
+from jaxmem.measure import compiled_memory
+from jaxmem.selective import linen as SL
+
+
+def _real_h100_row():
+    with tarfile.open(os.path.join(GPU_RESULTS, "run1_bench_quick.tgz")) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("selective.json"))
+        data = json.load(io.TextIOWrapper(tar.extractfile(member)))
+    (row,) = [r for r in data["rows"] if r.get("table") == "cnn" and r["model"] == "resnet18"
+              and r["case"] == "input"]
+    return row
+
+
+@pytest.fixture(scope="module")
+def resnet18_input_case():
+    """The bench's quick case, measured as the bench measures it, on the H100 plan."""
+    x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
+    model = cnn_models(True)["resnet18"][0]()
+    variables = model.init(jax.random.key(1), x, train=False)
+    out = {}
+    for impl, m in (("jax", model), ("jaxmem", SL.convert(model))):
+        c = compiled_memory(make_step(m, variables, "input"), variables["params"], x,
+                            target=TARGET)
+        out[impl] = c.temp_bytes + c.output_bytes
+    return out
+
+
+def test_selective_resnet18_quick_case_equals_real_h100(resnet18_input_case):
+    row = _real_h100_row()
+    assert (row["jax_compiled"], row["jaxmem_compiled"]) == (759080, 701720)  # the file
+    assert resnet18_input_case == {"jax": row["jax_compiled"],
+                                   "jaxmem": row["jaxmem_compiled"]}
