@@ -1,0 +1,111 @@
+"""``jaxmem.transform(f, ...)``: convert what a program computes, not what it calls.
+
+``transform(f, *, fewbit=None, attention=True, products=True, activations=True)`` returns
+a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
+outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
+``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
+*computation* matches (see :mod:`jaxmem.transform.interpret`).  Nothing is patched: ``g``
+is an ordinary function of its arguments that works under ``jit``, ``vmap``, ``grad``,
+``lax.scan`` and ``jax.checkpoint``, and the options are fixed when ``g`` is made (two
+transformed functions with different options are two functions, so ``jit`` caches each).
+
+Array leaves of the arguments (``jax.Array``, NumPy arrays and scalars, tracers) are traced;
+every other leaf (Python numbers, strings, callables, ...) is passed to ``f`` as it is.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+
+from jaxmem.transform.interpret import Interpreter
+from jaxmem.transform.options import Options
+from jaxmem.transform.report import Report, collect
+
+__all__ = ["report", "transform"]
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
+
+
+def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
+              products: bool = True, activations: bool = True) -> Callable:
+    """``f`` re-emitted with memory-lean ops where its computation matches.
+
+    Args:
+      f: any function of pytrees of arrays (Flax ``apply``, Equinox, raw JAX).
+      fewbit: ``None`` keeps smooth activations exact; ``1..4`` re-emits each smooth
+        elementwise activation subgraph ``f`` with a ``fewbit``-bit code of its input and a
+        piecewise-constant ``q ~ f'`` fitted for that very ``f`` (forward exact, gradient
+        ``dy * q(x)``).  Piecewise-linear two-slope activations (the ReLU family) always
+        get the exact 1-bit mask.
+      attention: re-emit ``softmax(q k^T [* scale] [+ bias] [masked]) v`` subgraphs with
+        :func:`jaxmem.fewbit.attention_core` (exact, keeps no ``T x S`` array).
+      products: re-emit ``dot_general`` / ``conv_general_dilated`` with
+        :mod:`jaxmem.selective` (the input is kept only if the weight is differentiated).
+      activations: re-emit elementwise activation subgraphs.
+
+    Returns:
+      ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
+      :class:`~jaxmem.transform.report.Report` of one trace; ``g.options``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> def mlp(w, x):
+      ...     return jnp.sum(jax.nn.gelu(x @ w) ** 2)
+      >>> g = jaxmem.transform(mlp)
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> bool(jnp.allclose(jax.grad(g)(w, x), jax.grad(mlp)(w, x)))
+      True
+    """
+    if not callable(f):
+        raise TypeError(f"transform: f must be a callable, got {type(f).__name__}")
+    options = Options(fewbit=fewbit, attention=attention, products=products,
+                      activations=activations)
+    interp = Interpreter(options)
+
+    @functools.wraps(f)
+    def wrapped(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+        out_tree: list = []
+
+        def flat_f(*dyn_vals):
+            vals = list(leaves)
+            for i, x in zip(dyn, dyn_vals):
+                vals[i] = x
+            a, k = jax.tree_util.tree_unflatten(tree, vals)
+            out = f(*a, **k)
+            outs, t = jax.tree_util.tree_flatten(out)
+            out_tree.append(t)
+            return outs
+
+        dyn_vals = [leaves[i] for i in dyn]
+        closed = jax.make_jaxpr(flat_f)(*dyn_vals)
+        outs = interp.run(closed, dyn_vals)
+        return jax.tree_util.tree_unflatten(out_tree[0], outs)
+
+    def _report(*args, **kwargs) -> Report:
+        with collect() as rows:  # a fresh function: no trace cache may skip the recording
+            jax.eval_shape(lambda *a, **k: wrapped(*a, **k), *args, **kwargs)
+        return Report(tuple(rows))
+
+    wrapped.report = _report
+    wrapped.options = options
+    wrapped.__jaxmem_transform__ = (f, options)
+    return wrapped
+
+
+def report(f: Callable, *args: Any, **kwargs: Any) -> Report:
+    """What :func:`transform` converts in ``f`` for these arguments (one trace, nothing
+    computed).  ``f`` may be a transformed function (its options are used) or a plain one
+    (default options)."""
+    if not callable(f):
+        raise TypeError(f"report: f must be a callable, got {type(f).__name__}")
+    g = f if hasattr(f, "__jaxmem_transform__") else transform(f)
+    return g.report(*args, **kwargs)

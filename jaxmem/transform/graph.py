@@ -1,0 +1,230 @@
+"""Jaxpr helpers shared by the matchers and the interpreter.
+
+* :func:`inline_calls` re-traces a closed jaxpr with every plain ``jit`` / ``closed_call``
+  body inlined (those calls are transparent: the same arithmetic, no sharding of their own),
+  so that a pattern spelled across function boundaries (``jnp.einsum`` and ``jnp.where`` are
+  ``jit`` calls) is one flat graph.  Every re-emitted equation keeps the user's source
+  location and gets the inlined call's name pushed on its name stack.
+* :class:`Graph`: producers, consumers and known constants of one flat jaxpr.
+* :func:`location`: ``file:line (function)`` of an equation's user frame.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+from jax._src import source_info_util as siu
+
+__all__ = ["CALL_PRIMS", "Graph", "bind_eqn", "inline_calls", "is_literal", "location",
+           "name_stack"]
+
+#: call primitives whose body is inlined before matching
+CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call")
+
+
+def is_literal(v) -> bool:
+    return isinstance(v, core.Literal)
+
+
+def _plain_jit(params: dict) -> bool:
+    """A ``jit`` call with no shardings, donation or layouts of its own (safe to inline)."""
+    for key in ("in_shardings", "out_shardings"):
+        for s in params.get(key, ()):
+            if type(s).__name__ not in ("UnspecifiedValue", "AUTO") and s is not None:
+                return False
+    return not any(params.get("donated_invars", ()))
+
+
+def _inlinable(eqn) -> bool:
+    name = eqn.primitive.name
+    if name in ("jit", "pjit"):
+        return _plain_jit(eqn.params)
+    return name in ("closed_call", "core_call")
+
+
+def _body(eqn) -> core.ClosedJaxpr:
+    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(j, core.Jaxpr):
+        j = core.ClosedJaxpr(j, ())
+    return j
+
+
+def bind_eqn(eqn, invals: Sequence[Any], prefix: siu.NameStack | None = None) -> list:
+    """``eqn`` applied to ``invals`` unchanged, under the equation's own source location."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with _context(eqn, prefix), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _context(eqn, prefix: siu.NameStack | None):
+    ns = siu.current_name_stack() + eqn.source_info.name_stack
+    if prefix is not None:
+        ns = siu.NameStack(prefix.stack + ns.stack)
+    return siu.user_context(eqn.source_info.traceback, name_stack=ns)
+
+
+def context(eqn, prefix: siu.NameStack | None = None):
+    """Context manager: trace under ``eqn``'s source location and name stack."""
+    return _context(eqn, prefix)
+
+
+def _eval_inlined(jaxpr: core.Jaxpr, consts, args, prefix: siu.NameStack) -> list:
+    env: dict = {}
+
+    def read(v):
+        return v.val if is_literal(v) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if _inlinable(eqn):
+            body = _body(eqn)
+            inner = siu.NameStack(prefix.stack + eqn.source_info.name_stack.stack)
+            if eqn.primitive.name in ("jit", "pjit"):
+                inner = inner.extend(eqn.params.get("name", "jit"))
+            outs = _eval_inlined(body.jaxpr, body.consts, invals, inner)
+        else:
+            outs = bind_eqn(eqn, invals, prefix)
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, core.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def has_calls(jaxpr: core.Jaxpr) -> bool:
+    return any(_inlinable(e) for e in jaxpr.eqns)
+
+
+def inline_calls(closed: core.ClosedJaxpr, args: Sequence[Any]) -> core.ClosedJaxpr:
+    """``closed`` re-traced on ``args`` (values or tracers) with plain calls inlined."""
+    if not has_calls(closed.jaxpr):
+        return closed
+
+    def run(*a):
+        return _eval_inlined(closed.jaxpr, closed.consts, a, siu.NameStack())
+
+    return jax.make_jaxpr(run)(*args)
+
+
+def location(eqn) -> str:
+    """``file:line (function)`` of the user frame that produced ``eqn`` ('' if unknown)."""
+    try:
+        frame = siu.user_frame(eqn.source_info.traceback)
+    except (AttributeError, TypeError, ValueError):  # a traceback JAX cannot read
+        frame = None
+    if frame is None:
+        return ""
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def name_stack(eqn) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def _concrete(x) -> bool:
+    return not isinstance(x, core.Tracer)
+
+
+@dataclasses.dataclass
+class Graph:
+    """Producers, consumers and concrete constants of one (flat) jaxpr.
+
+    ``consts``: constvar -> concrete value (constvars bound to tracers are not constants).
+    A *uniform constant* is a value known at trace time whose elements are all equal (a
+    literal, a concrete size-1 constvar, or a broadcast / elementwise function of those);
+    :meth:`uniform` returns it as a Python float (``None`` otherwise)."""
+
+    jaxpr: core.Jaxpr
+    consts: dict
+    producer: dict = dataclasses.field(default_factory=dict)
+    consumers: dict = dataclasses.field(default_factory=dict)
+    outvars: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def build(cls, jaxpr: core.Jaxpr, constvals: Sequence[Any]) -> Graph:
+        consts = {v: x for v, x in zip(jaxpr.constvars, constvals) if _concrete(x)}
+        g = cls(jaxpr, consts)
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.outvars:
+                g.producer[v] = i
+            for v in eqn.invars:
+                if not is_literal(v):
+                    g.consumers.setdefault(v, []).append(i)
+        g.outvars = {v for v in jaxpr.outvars if not is_literal(v)}
+        g._uniform: dict = {}
+        return g
+
+    def eqn(self, v):
+        i = self.producer.get(v) if not is_literal(v) else None
+        return None if i is None else self.jaxpr.eqns[i]
+
+    def uses(self, v) -> list[int]:
+        return self.consumers.get(v, [])
+
+    def only_used_by(self, v, allowed: set[int]) -> bool:
+        return v not in self.outvars and all(i in allowed for i in self.uses(v))
+
+    def is_const(self, v) -> bool:
+        """Known at trace time (a literal, a concrete constvar, or computed from those)."""
+        return self.uniform(v) is not None or (not is_literal(v) and v in self.consts)
+
+    def uniform(self, v) -> float | None:
+        """The single value of a uniform constant ``v`` (else ``None``)."""
+        if is_literal(v):
+            val = np.asarray(v.val)
+            return float(val.reshape(-1)[0]) if val.size == 1 else None
+        if v in self._uniform:
+            return self._uniform[v]
+        out = None
+        if v in self.consts:
+            val = np.asarray(self.consts[v])
+            if val.size >= 1 and np.issubdtype(val.dtype, np.number):
+                flat = val.reshape(-1)
+                if np.all(flat == flat[0]):
+                    out = float(flat[0])
+        else:
+            eqn = self.eqn(v)
+            if eqn is not None and eqn.primitive.name in _UNIFORM_PRIMS and eqn.invars:
+                vals = [self.uniform(u) for u in eqn.invars]
+                if all(x is not None for x in vals):
+                    out = _fold(eqn, vals)
+        self._uniform[v] = out
+        return out
+
+
+_UNIFORM_PRIMS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                  "convert_element_type", "neg", "sqrt", "rsqrt", "mul", "div", "add", "sub",
+                  "exp", "log", "copy", "max", "min", "integer_pow"}
+
+
+def _fold(eqn, vals) -> float | None:
+    """Evaluate a scalar version of a uniform-constant equation in float64."""
+    name = eqn.primitive.name
+    with np.errstate(all="ignore"):
+        if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy"):
+            return vals[0]
+        if name == "convert_element_type":
+            dt = np.dtype(eqn.params["new_dtype"])
+            return float(np.asarray(vals[0]).astype(dt)) if dt.kind in "fiub" else None
+        a = np.float64(vals[0])
+        table: dict[str, Callable] = {
+            "neg": lambda: -a, "sqrt": lambda: np.sqrt(a), "rsqrt": lambda: 1 / np.sqrt(a),
+            "exp": lambda: np.exp(a), "log": lambda: np.log(a),
+            "integer_pow": lambda: a ** eqn.params["y"],
+        }
+        if name in table:
+            r = table[name]()
+        else:
+            b = np.float64(vals[1])
+            r = {"mul": a * b, "div": a / b, "add": a + b, "sub": a - b,
+                 "max": max(a, b), "min": min(a, b)}[name]
+        dt = eqn.outvars[0].aval.dtype
+        return float(np.asarray(r).astype(dt)) if np.dtype(dt).kind == "f" else float(r)

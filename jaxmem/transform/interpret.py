@@ -1,0 +1,192 @@
+"""The jaxpr re-emitting interpreter.
+
+``Interpreter(options).run(closed_jaxpr, args)`` evaluates a closed jaxpr on ``args``
+(values or tracers of any enclosing transformation) and returns the outputs.  Per jaxpr
+level it
+
+1. inlines plain ``jit`` / ``closed_call`` bodies (:func:`~jaxmem.transform.graph.inline_calls`),
+2. runs the matchers on the flat jaxpr (attention first, then products, then activation
+   subgraphs, each on the equations the earlier ones left),
+3. walks the equations in order: a matched set is re-emitted as its op at its last
+   equation; higher-order primitives are entered (their bodies go through 1-3 again and
+   are re-built with ``lax.scan`` / ``lax.switch`` / ``lax.while_loop`` /
+   ``jax.checkpoint`` / ``jax.jit``); every other equation is bound unchanged
+   (``primitive.bind(*invals, **params)``) under its own source location.
+
+Not entered yet (re-emitted unchanged, reported): ``custom_jvp_call`` / ``custom_vjp_call``
+bodies (their rules must stay theirs), ``shard_map``, ``jit`` calls with their own
+shardings or donation.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax._src import core
+
+from jaxmem.transform.graph import Graph, bind_eqn, context, inline_calls, location, name_stack
+from jaxmem.transform.match import Match
+from jaxmem.transform.options import Options
+from jaxmem.transform.report import Row, record
+
+__all__ = ["Interpreter"]
+
+#: higher-order primitives whose bodies are re-emitted unchanged for now
+_NOT_ENTERED = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map",
+                "jit", "pjit", "custom_lin", "custom_transpose_call"}
+
+
+class Interpreter:
+    """Re-emits jaxprs with jaxmem's memory-lean ops (see the module docstring)."""
+
+    def __init__(self, options: Options):
+        self.options = options
+
+    # ------------------------------------------------------------------ one level
+    def run(self, closed: core.ClosedJaxpr, args: Sequence[Any], path: str = "") -> list:
+        flat = inline_calls(closed, args)
+        return self.eval(flat.jaxpr, flat.consts, args, path)
+
+    def plan(self, graph: Graph, path: str) -> dict[int, Match]:
+        from jaxmem.transform.match_attention import match_attention
+        from jaxmem.transform.match_dot import match_product
+        from jaxmem.transform.match_elementwise import match_activations
+
+        opts = self.options
+        found: list = []
+        taken: set[int] = set()
+
+        def add(item):
+            if isinstance(item, Match):
+                if item.eqns & taken:
+                    return
+                taken.update(item.eqns)
+            found.append(item)
+
+        if opts.attention:
+            for item in match_attention(graph, path):
+                add(item)
+        if opts.products:
+            for i in range(len(graph.jaxpr.eqns)):
+                if i not in taken:
+                    item = match_product(graph, i, path)
+                    if item is not None:
+                        add(item)
+        if opts.activations:
+            for item in match_activations(graph, taken, path, opts.fewbit):
+                add(item)
+        plan: dict[int, Match] = {}
+        for item in found:
+            if isinstance(item, Match):
+                plan[item.anchor] = item
+                record(item.row)
+            else:
+                record(item)
+        return plan
+
+    def eval(self, jaxpr: core.Jaxpr, consts, args, path: str) -> list:
+        graph = Graph.build(jaxpr, consts)
+        plan = self.plan(graph, path)
+        skip = set()
+        for m in plan.values():
+            skip |= m.eqns - {m.anchor}
+        env: dict = {}
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        def write(vs, xs):
+            for v, x in zip(vs, xs):
+                if not isinstance(v, core.DropVar):
+                    env[v] = x
+
+        write(jaxpr.constvars, consts)
+        write(jaxpr.invars, args)
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in skip:
+                continue
+            m = plan.get(i)
+            if m is not None:
+                with context(eqn):
+                    outs = m.emit(*[read(v) for v in m.inputs])
+                write(m.outputs, outs)
+                continue
+            write(eqn.outvars, self.eqn(eqn, [read(v) for v in eqn.invars], path))
+        return [read(v) for v in jaxpr.outvars]
+
+    # --------------------------------------------------------- higher-order primitives
+    def eqn(self, eqn, invals: list, path: str) -> list:
+        name = eqn.primitive.name
+        method = getattr(self, "_" + name, None) if name in _ENTERED else None
+        if method is None:
+            if name in _NOT_ENTERED or any(True for _ in core.jaxprs_in_params(eqn.params)):
+                record(Row("higher-order", name + _named(eqn), "", False,
+                           "not entered yet: its body is re-emitted unchanged", location(eqn),
+                           name_stack(eqn), path))
+            return bind_eqn(eqn, invals)
+        record(Row("higher-order", name + _named(eqn), "entered", True, "", location(eqn),
+                   name_stack(eqn), path))
+        with context(eqn):
+            return method(eqn, invals, _join(path, name))
+
+    def _closed_call(self, eqn, invals, path):
+        return self.run(eqn.params["call_jaxpr"], invals, path)
+
+    def _remat2(self, eqn, invals, path):
+        p = eqn.params
+        body = core.ClosedJaxpr(p["jaxpr"], ())
+
+        def fn(*a):
+            return self.run(body, a, path)
+
+        return list(jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(
+            *invals))
+
+    _checkpoint = _remat2
+
+    def _scan(self, eqn, invals, path):
+        p = eqn.params
+        nc, ncar = p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+        body = p["jaxpr"]
+
+        def step(carry, x):
+            out = self.run(body, [*consts, *carry, *x], path)
+            return out[:ncar], out[ncar:]
+
+        carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+
+    def _cond(self, eqn, invals, path):
+        index, ops = invals[0], invals[1:]
+        branches = [(lambda *a, _b=b, _k=k: self.run(_b, a, f"{path}[{_k}]"))
+                    for k, b in enumerate(eqn.params["branches"])]
+        return list(lax.switch(index, branches, *ops))
+
+    def _while(self, eqn, invals, path):
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+
+        def cond(c):
+            return self.run(p["cond_jaxpr"], [*cconsts, *c], path + ".cond")[0]
+
+        def body(c):
+            return self.run(p["body_jaxpr"], [*bconsts, *c], path)
+
+        return list(lax.while_loop(cond, body, list(init)))
+
+
+_ENTERED = {"closed_call", "remat2", "checkpoint", "scan", "cond", "while"}
+
+
+def _named(eqn) -> str:
+    n = eqn.params.get("name")
+    return f"[{n}]" if n else ""
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}/{name}" if path else name

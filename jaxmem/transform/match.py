@@ -1,0 +1,33 @@
+"""The result of a matcher: a set of equations re-emitted as one memory-lean op."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxmem.transform.report import Row
+
+__all__ = ["Match", "aval_str"]
+
+
+@dataclasses.dataclass
+class Match:
+    """Equations ``eqns`` (indices into the flat jaxpr) replaced by ``emit``.
+
+    ``emit(*values of inputs)`` returns the values of ``outputs`` (jaxpr variables); it runs
+    where the equation ``anchor`` (the last of ``eqns``, the one producing ``outputs``) was,
+    so every input is available and every consumer of an output comes later.  Equations in
+    ``eqns`` other than the anchor are dropped: their values are used by ``eqns`` only."""
+
+    eqns: frozenset[int]
+    anchor: int
+    inputs: list
+    outputs: list
+    emit: Callable[..., list[Any]]
+    row: Row
+
+
+def aval_str(v) -> str:
+    a = v.aval
+    shape = ",".join(str(d) for d in getattr(a, "shape", ()))
+    return f"{getattr(a, 'dtype', '?')}[{shape}]".replace("float", "f").replace("bfloat", "bf")

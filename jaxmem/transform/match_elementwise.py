@@ -1,0 +1,454 @@
+"""Elementwise activation subgraphs -> 1-bit masks (piecewise-linear) or few-bit codes.
+
+An *activation subgraph* is a maximal connected set of elementwise equations (``tanh``,
+``erf``, ``logistic``, ``max``, ``select_n``, comparisons, arithmetic with uniform
+constants, ``custom_jvp`` calls whose body is elementwise, ...) that all depend on one
+array ``x`` only, whose output ``y = f(x)`` has ``x``'s shape, and whose interior values are
+used by nothing else.  However it was spelled (``x * 0.5 * (1 + erf(x / sqrt 2))``,
+``jax.nn.gelu``, ``max(x, 0)``, ``x * sigmoid(x)``), it computes an elementwise ``f``, and
+autodiff keeps one or more ``x``-sized float arrays for ``f'``.  It is re-emitted as:
+
+* **1-bit mask** when ``f`` is piecewise linear with two slopes ``{lo, hi}`` (the ReLU
+  family: relu, leaky relu, relu6, hard tanh, ...): forward ``f(x)`` (the same
+  equations), backward ``dx = where(M, hi, lo) * dy`` with ``M = [f'(x) == hi]`` computed by
+  forward-mode differentiation of the very subgraph (so its own derivative convention at
+  the kinks, e.g. ``jax.nn.relu``'s ``f'(0) = 0``, is kept; a bare ``max(x, 0)``, whose
+  derivative at ``x == 0`` is ``1/2``, gets ``lo`` there) and stored packed, 8 per byte.
+  Exact.  The two slopes are found by evaluating ``f'`` in float64 on a probe that covers
+  ``[-10^4, 10^4]`` densely and both sides of every constant of the subgraph.
+* **few-bit code** of ``x`` when ``fewbit=b`` is given and ``f`` is smooth:
+  :func:`jaxmem.fewbit.fit_function` fits the ``2**b``-level piecewise-constant ``q`` that
+  minimises ``E (f'(x) - q(x))^2`` on ``[-10, 10]`` (Gaussian weight) for *this* ``f``
+  (cached per subgraph structure), and :func:`jaxmem.fewbit.ops.fewbit_op` keeps only the
+  ``b``-bit bin of ``x``: ``dx = dy * q(x)``.  Forward exact, gradient approximate.
+* left exact otherwise (smooth without ``fewbit``; linear subgraphs keep nothing anyway).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+from jaxmem.transform.graph import Graph, bind_eqn, is_literal, location, name_stack
+from jaxmem.transform.match import Match, aval_str
+from jaxmem.transform.report import Row
+
+__all__ = ["ELEMENTWISE", "Subgraph", "match_activations"]
+
+_UNARY = {"neg", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc",
+          "erf_inv", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh",
+          "acosh", "atanh", "abs", "sign", "sqrt", "rsqrt", "cbrt", "integer_pow", "square",
+          "floor", "ceil", "round", "is_finite", "not", "copy", "copy_p",
+          "convert_element_type", "reduce_precision", "lgamma", "digamma"}
+_NARY = {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "and", "or", "xor",
+         "gt", "ge", "lt", "le", "eq", "ne", "nextafter", "select_n", "clamp"}
+#: primitives that are elementwise
+ELEMENTWISE = _UNARY | _NARY
+#: elementwise primitives that keep a function piecewise linear (mul/div: by a constant)
+_PIECEWISE_LINEAR = {"neg", "abs", "sign", "add", "sub", "mul", "div", "max", "min",
+                     "select_n", "clamp", "gt", "ge", "lt", "le", "eq", "ne", "and", "or",
+                     "not", "copy", "copy_p", "convert_element_type"}
+#: primitives that are linear in their one varying operand (nothing to store)
+_LINEAR = {"neg", "add", "sub", "mul", "div", "copy", "copy_p", "convert_element_type"}
+#: errors of a probe / fit that leave the subgraph as it was (reported)
+_FAILURES = (ValueError, TypeError, ArithmeticError, RuntimeError, NotImplementedError)
+_WRAPPERS = {"custom_jvp_call", "jit", "pjit", "closed_call"}
+
+
+def _body(eqn):
+    j = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
+    return j.jaxpr if isinstance(j, core.ClosedJaxpr) else j
+
+
+def _body_elementwise(jaxpr, pl: bool = False) -> bool:
+    """Every equation of a call body is elementwise (piecewise-linear when ``pl``)."""
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if name in _WRAPPERS:
+            if not _body_elementwise(_body(e), pl):
+                return False
+        elif (name not in (_PIECEWISE_LINEAR if pl else ELEMENTWISE)
+              or (pl and name == "mul" and not any(is_literal(v) for v in e.invars))
+              or (pl and name == "div" and not is_literal(e.invars[1]))):
+            return False
+    return True
+
+
+def _shape(v):
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _elementwise_eqn(graph: Graph, eqn) -> bool:
+    name = eqn.primitive.name
+    if name in _WRAPPERS:
+        if len(eqn.outvars) != 1 or name == "custom_jvp_call" and eqn.params.get(
+                "num_consts", 0):
+            return False
+        if not _body_elementwise(_body(eqn)):
+            return False
+    elif name not in ELEMENTWISE or len(eqn.outvars) != 1:
+        return False
+    shape = _shape(eqn.outvars[0])
+    for v in eqn.invars:
+        if graph.is_const(v):
+            if graph.uniform(v) is None:
+                return False
+        elif _shape(v) != shape:
+            return False
+    return True
+
+
+def _floating(v) -> bool:
+    return np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
+
+
+# ------------------------------------------------------------------------- subgraph
+@dataclasses.dataclass(frozen=True, eq=False)
+class Subgraph:
+    """``y = f(x)``: the equations ``eqns`` (in order; constant-producing ones included)
+    from the input variable ``root`` to the output variable ``out``; ``consts`` holds the
+    concrete constvars they read."""
+
+    root: Any
+    out: Any
+    eqns: tuple
+    consts: dict
+    shape: tuple
+    dtype: Any
+
+    def prims(self) -> list[str]:
+        return [e.primitive.name for e in self.eqns]
+
+    def __call__(self, x):
+        """``f(x)``: the very equations for ``x`` of the traced shape and dtype; for any
+        other shape / dtype the same arithmetic with every float computed in ``x``'s dtype
+        (used to fit tables in float64)."""
+        x = jnp.asarray(x)
+        generic = x.shape != self.shape or x.dtype != self.dtype
+        env = {self.root: x}
+        env.update(self.consts)
+
+        def read(v):
+            return v.val if is_literal(v) else env[v]
+
+        for eqn in self.eqns:
+            invals = [read(v) for v in eqn.invars]
+            outs = _generic(eqn, invals, x, self.shape) if generic else bind_eqn(eqn, invals)
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return env[self.out]
+
+
+def _cast(val, x):
+    a = jnp.asarray(val)
+    return a.astype(x.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else a
+
+
+def _generic(eqn, invals, x, shape) -> list:
+    name = eqn.primitive.name
+    invals = [_cast(v, x) for v in invals]
+    if name in _WRAPPERS:
+        body = _body(eqn)
+        env = dict(zip(body.invars, invals))
+        consts = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
+        if isinstance(consts, core.ClosedJaxpr):
+            env.update(zip(body.constvars, consts.consts))
+        for e in body.eqns:
+            ins = [v.val if is_literal(v) else env[v] for v in e.invars]
+            for v, o in zip(e.outvars, _generic(e, ins, x, shape)):
+                env[v] = o
+        return [_cast(v.val, x) if is_literal(v) else env[v] for v in body.outvars]
+    params = dict(eqn.params)
+    if name == "convert_element_type" and jnp.issubdtype(params["new_dtype"], jnp.inexact):
+        params["new_dtype"] = x.dtype
+        params["sharding"] = None
+    if name == "broadcast_in_dim" and tuple(params["shape"]) == tuple(shape):
+        params["shape"] = x.shape
+        params["sharding"] = None
+    params = eqn.primitive.get_bind_params(params)
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _pkey(v):
+    if isinstance(v, (core.ClosedJaxpr, core.Jaxpr)):
+        return str(v)
+    if callable(v):
+        return getattr(v, "__qualname__", type(v).__name__)
+    return repr(v)
+
+
+def structure_key(sub: Subgraph) -> tuple:
+    """Hashable structure of ``sub``: equal keys compute the same function."""
+    ids = {sub.root: "x"}
+    parts = [(str(sub.dtype), sub.shape)]
+    for k, eqn in enumerate(sub.eqns):
+        refs = []
+        for v in eqn.invars:
+            if is_literal(v):
+                refs.append(("lit", repr(np.asarray(v.val).tolist()), str(v.aval.dtype)))
+            elif v in sub.consts:
+                a = np.asarray(sub.consts[v])
+                refs.append(("const", str(a.dtype), a.shape,
+                             hashlib.sha1(a.tobytes()).hexdigest()))
+            else:
+                refs.append(ids[v])
+        for j, v in enumerate(eqn.outvars):
+            ids[v] = (k, j)
+        params = tuple(sorted((p, _pkey(val)) for p, val in eqn.params.items()))
+        parts.append((eqn.primitive.name, params, tuple(refs)))
+    parts.append(ids[sub.out])
+    return tuple(parts)
+
+
+#: one Subgraph object per structure, so fitted tables and jit caches are shared
+_CANON: dict[tuple, Subgraph] = {}
+
+
+def canonical(sub: Subgraph) -> Subgraph:
+    return _CANON.setdefault(structure_key(sub), sub)
+
+
+# ---------------------------------------------------------------------- classification
+def _is_piecewise_linear(graph: Graph, eqns) -> bool:
+    for e in eqns:
+        name = e.primitive.name
+        if name in _WRAPPERS:
+            if not _body_elementwise(_body(e), pl=True):
+                return False
+            continue
+        if name not in _PIECEWISE_LINEAR:
+            return False
+        if name == "mul" and not any(graph.is_const(v) for v in e.invars):
+            return False
+        if name == "div" and not graph.is_const(e.invars[1]):
+            return False
+    return True
+
+
+def _is_linear(graph: Graph, eqns) -> bool:
+    for e in eqns:
+        name = e.primitive.name
+        if name not in _LINEAR:
+            return False
+        if name == "mul" and not any(graph.is_const(v) for v in e.invars):
+            return False
+        if name == "div" and not graph.is_const(e.invars[1]):
+            return False
+    return True
+
+
+def _probe(consts: list[float]) -> np.ndarray:
+    """Points covering [-1e4, 1e4] densely and both sides of every constant (never a
+    constant itself, so no kink is probed exactly)."""
+    base = np.linspace(-50.0, 50.0, 20001) + np.pi * 1e-4
+    logs = np.logspace(-5, 4, 400)
+    pts = [base, logs, -logs]
+    for c in consts:
+        if np.isfinite(c):
+            for s in (1.0, -1.0):
+                for eps in (1e-6, 1e-3, 1e-1):
+                    d = eps * max(1.0, abs(c))
+                    pts.append(np.array([s * c - d, s * c + d]))
+    return np.concatenate(pts)
+
+
+@functools.lru_cache(maxsize=512)
+def two_slopes(sub: Subgraph) -> tuple[float, float] | None:
+    """``(lo, hi)`` if ``f'`` takes exactly two values on the probe, else ``None``."""
+    consts = []
+    for e in sub.eqns:
+        for v in e.invars:
+            if is_literal(v):
+                consts.append(float(np.asarray(v.val).reshape(-1)[0]))
+    consts += [float(np.asarray(c).reshape(-1)[0]) for c in sub.consts.values()]
+    pts = _probe(consts)
+    with jax.enable_x64(True), jax.ensure_compile_time_eval():
+        t = jnp.asarray(pts, jnp.float64)
+        d = jax.jvp(sub, (t,), (jnp.ones_like(t),))[1]
+        d = np.asarray(d, np.float64)
+    d = d[np.isfinite(d)]
+    vals = np.unique(d)
+    if vals.size != 2:
+        return None
+    lo, hi = float(vals[0]), float(vals[1])
+    if not np.isfinite(np.float32(lo)) or not np.isfinite(np.float32(hi)):
+        return None
+    return lo, hi
+
+
+@functools.lru_cache(maxsize=512)
+def mask_activation(sub: Subgraph):
+    """The exact 1-bit op of a two-slope piecewise-linear subgraph."""
+    from jaxmem._prims.mask import mask_op
+
+    lo, hi = two_slopes(sub)
+
+    def region(x):
+        d = jax.jvp(sub, (x,), (jnp.ones_like(x),))[1]
+        return jnp.abs(d - hi) <= jnp.abs(d - lo)
+
+    return mask_op(sub, region, lo, hi, name=_label(sub))
+
+
+@functools.lru_cache(maxsize=512)
+def fewbit_activation(sub: Subgraph, bits: int):
+    """The few-bit op of a smooth subgraph, with a table fitted for it."""
+    from jaxmem.fewbit.activations import numpy_derivative
+    from jaxmem.fewbit.factory import fit_function
+    from jaxmem.fewbit.fit import check_finite_derivative
+    from jaxmem.fewbit.ops import fewbit_op
+
+    interval = (-10.0, 10.0)
+    check_finite_derivative(numpy_derivative(sub), interval, points=2 * 2048 + 1,
+                            what=f"the derivative of {_label(sub)}")
+    f = fit_function(sub, bits, interval, None, 2048, None)
+    op = fewbit_op(sub, f.borders, f.levels, bits, symmetric=f.symmetric, name=_label(sub))
+    return op
+
+
+def _label(sub: Subgraph) -> str:
+    for e in sub.eqns:
+        if e.primitive.name in _WRAPPERS and e.params.get("name"):
+            return str(e.params["name"])
+    stack = str(sub.eqns[-1].source_info.name_stack).split("/")
+    return stack[-1] if stack and stack[-1] else "activation"
+
+
+def _describe(sub: Subgraph) -> str:
+    prims = [e.primitive.name + (f"[{e.params['name']}]" if e.primitive.name in _WRAPPERS
+                                 and e.params.get("name") else "")
+             for e in sub.eqns]
+    text = ",".join(dict.fromkeys(prims))
+    if len(text) > 48:
+        text = text[:45] + "..."
+    return f"elementwise {aval_str(sub.root)}: {text}"
+
+
+# ---------------------------------------------------------------------------- matching
+def _const_support(graph: Graph, eqns: list[int], taken: set[int]):
+    """Constant-producing equations (and concrete constvars) that ``eqns`` read."""
+    extra: set[int] = set()
+    consts: dict = {}
+
+    def visit(v):
+        if is_literal(v):
+            return
+        if v in graph.consts:
+            consts[v] = graph.consts[v]
+            return
+        i = graph.producer.get(v)
+        if i is None or i in extra:
+            return
+        extra.add(i)
+        for u in graph.jaxpr.eqns[i].invars:
+            visit(u)
+
+    for i in eqns:
+        for v in graph.jaxpr.eqns[i].invars:
+            if graph.is_const(v):
+                visit(v)
+    return extra, consts
+
+
+def match_activations(graph: Graph, taken: set[int], path: str,
+                      fewbit: int | None) -> list[Match | Row]:
+    """Activation subgraphs of ``graph`` not among the equations ``taken``."""
+    eqns = graph.jaxpr.eqns
+    root: dict = {}
+    members: dict = {}  # root var -> [eqn indices]
+    for i, eqn in enumerate(eqns):
+        if i in taken or not _elementwise_eqn(graph, eqn):
+            continue
+        varying = [v for v in eqn.invars if not graph.is_const(v)]
+        if not varying:
+            continue
+        roots = {root.get(v, v) for v in varying}
+        if len(roots) != 1:
+            continue
+        r = roots.pop()
+        root[eqn.outvars[0]] = r
+        members.setdefault(r, []).append(i)
+
+    out: list[Match | Row] = []
+    for r, group in members.items():
+        if not _floating(r):
+            continue
+        gset = set(group)
+        # candidate outputs: float values of x's shape; largest subgraph first
+        cands = []
+        for i in group:
+            o = eqns[i].outvars[0]
+            if _floating(o) and _shape(o) == _shape(r):
+                anc = _ancestors(graph, i, gset)
+                cands.append((len(anc), i, o, anc))
+        cands.sort(key=lambda c: (-c[0], c[1]))
+        used: set[int] = set()
+        for _, i, o, anc in cands:
+            if anc & used or not _closed(graph, anc, o):
+                continue
+            if _is_linear(graph, [eqns[j] for j in anc]):
+                continue
+            used |= anc
+            out.append(_convert(graph, r, o, sorted(anc), i, taken, path, fewbit))
+    return out
+
+
+def _ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
+    seen = {i}
+    stack = [i]
+    while stack:
+        for v in graph.jaxpr.eqns[stack.pop()].invars:
+            j = graph.producer.get(v) if not is_literal(v) else None
+            if j is not None and j in group and j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return seen
+
+
+def _closed(graph: Graph, anc: set[int], o) -> bool:
+    """No value computed inside ``anc`` other than ``o`` is used outside it."""
+    for j in anc:
+        for v in graph.jaxpr.eqns[j].outvars:
+            if v is not o and not graph.only_used_by(v, anc):
+                return False
+    return True
+
+
+def _convert(graph, r, o, anc, anchor, taken, path, fewbit) -> Match | Row:
+    eqns = graph.jaxpr.eqns
+    extra, consts = _const_support(graph, anc, taken)
+    order = sorted(set(anc) | extra)
+    sub = canonical(Subgraph(r, o, tuple(eqns[j] for j in order), consts, _shape(r),
+                             np.dtype(r.aval.dtype)))
+    last = eqns[anchor]
+    where, ns = location(last), name_stack(last)
+    what = _describe(sub)
+    if _is_piecewise_linear(graph, [eqns[j] for j in anc]):
+        try:
+            slopes = two_slopes(sub)
+        except _FAILURES as e:  # a subgraph that cannot be probed: leave it as it was
+            return Row("activation", what, "", False, f"probe failed: {e}", where, ns, path)
+        if slopes is not None:
+            op = mask_activation(sub)
+            row = Row("activation", what, "1-bit mask (exact)", True,
+                      f"slopes {slopes[0]:g} / {slopes[1]:g}", where, ns, path)
+            return Match(frozenset(anc), anchor, [r], [o],
+                         lambda x, _op=op: [_op(x)], row)
+    if fewbit is None:
+        return Row("activation", what, "", False,
+                   "smooth: kept exact (fewbit=1..4 stores a few-bit code of its input)",
+                   where, ns, path)
+    try:
+        op = fewbit_activation(sub, int(fewbit))
+    except _FAILURES as e:
+        return Row("activation", what, "", False, f"few-bit fit failed: {e}", where, ns, path)
+    row = Row("activation", what, f"{fewbit}-bit code (fitted table)", True,
+              "forward exact, gradient from a fitted piecewise-constant f'", where, ns, path)
+    return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row)

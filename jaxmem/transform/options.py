@@ -1,0 +1,32 @@
+"""Options of :func:`jaxmem.transform` (validated once, hashable)."""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What :func:`jaxmem.transform` converts.
+
+    fewbit: ``None`` (smooth activations stay exact) or ``1..4`` (bits of their code).
+    attention: re-emit attention subgraphs with the exact memory-lean attention.
+    products: re-emit ``dot_general`` / convolutions with the selective bilinear ops.
+    activations: re-emit elementwise activation subgraphs (masks; codes with ``fewbit``).
+    """
+
+    fewbit: int | None = None
+    attention: bool = True
+    products: bool = True
+    activations: bool = True
+
+    def __post_init__(self):
+        fb = self.fewbit
+        if fb is not None and (isinstance(fb, bool) or not isinstance(fb, int)
+                               or not 1 <= fb <= 4):
+            raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
+        for name in ("attention", "products", "activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"transform: {name} must be True or False, got "
+                                f"{getattr(self, name)!r}")

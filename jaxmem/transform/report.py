@@ -1,0 +1,113 @@
+"""What :func:`jaxmem.transform` matched in a program, from the program's own jaxpr.
+
+Each :class:`Row` is one layer-level decision: a ``dot_general`` / convolution, an
+elementwise activation subgraph, an attention subgraph, or a higher-order primitive
+(entered or not), with what it became (or why it stayed as it was), the user's source
+location (``file:line (function)``) and the name stack.  Rows are recorded while the
+transformed function is traced: :func:`collect` turns recording on for one trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+__all__ = ["Report", "Row", "collect", "record"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One decision of the transformation.
+
+    kind: ``"dot"``, ``"conv"``, ``"activation"``, ``"attention"``, ``"higher-order"``.
+    matched: what was found (primitives, shapes).  became: the op it was re-emitted with
+    (``""`` when not converted).  converted: whether it was replaced.  reason: why not, or
+    a note (e.g. the residual an unconverted activation keeps).  where / name_stack: the
+    user's source location and Flax / ``jax.named_scope`` name stack.  path: the enclosing
+    higher-order primitives (``"scan/cond[1]"``; ``""`` at top level)."""
+
+    kind: str
+    matched: str
+    became: str
+    converted: bool
+    reason: str = ""
+    where: str = ""
+    name_stack: str = ""
+    path: str = ""
+
+
+_ROWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxmem_transform_rows",
+                                                                    default=None)
+
+
+def record(row: Row) -> None:
+    """Append ``row`` to the report being collected (no-op when none is)."""
+    rows = _ROWS.get()
+    if rows is not None:
+        rows.append(row)
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[list]:
+    """Collect the rows recorded while tracing inside the context."""
+    rows: list = []
+    token = _ROWS.set(rows)
+    try:
+        yield rows
+    finally:
+        _ROWS.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The rows of one trace of a transformed function (see :func:`jaxmem.transform.report`)."""
+
+    rows: tuple[Row, ...]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def converted(self) -> list[Row]:
+        return [r for r in self.rows if r.converted]
+
+    def unconverted(self) -> list[Row]:
+        """Rows left as they were (with their reason)."""
+        return [r for r in self.rows if not r.converted]
+
+    def by_kind(self, kind: str) -> list[Row]:
+        return [r for r in self.rows if r.kind == kind]
+
+    def table(self) -> str:
+        """A plain-text table, one row per decision."""
+        head = ("kind", "matched", "became / reason", "where", "name stack")
+        body = []
+        for r in self.rows:
+            what = r.became if r.converted else f"kept: {r.reason}"
+            if r.converted and r.reason:
+                what += f" ({r.reason})"
+            path = f"[{r.path}] " if r.path else ""
+            body.append((r.kind, path + r.matched, what, r.where, r.name_stack))
+        widths = [max([len(h)] + [min(len(b[i]), 60) for b in body]) for i, h in
+                  enumerate(head)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        lines.append("  ".join("-" * w for w in widths))
+        for b in body:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip())
+        n = len(self.converted())
+        lines.append(f"{n} of {len(self.rows)} converted")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __rich__(self):  # pragma: no cover - rich is optional
+        from rich.table import Table
+        t = Table("kind", "matched", "became / reason", "where", "name stack")
+        for r in self.rows:
+            t.add_row(r.kind, r.matched, r.became if r.converted else f"kept: {r.reason}",
+                      r.where, r.name_stack)
+        return t
