@@ -356,7 +356,9 @@ def _scan_body(f):
 
     ``f`` is traced exactly once, inside the scan's own trace (a Flax scan body advances
     Flax's per-call state, e.g. dropout keys, every time it is called: it must not be called
-    an extra time), to a jaxpr. If that jaxpr already holds a ``jax.checkpoint``
+    an extra time), to a jaxpr. If that jaxpr has effects (``jax.debug.callback``,
+    ``jax.debug.print``, io callbacks, ordered effects) it runs as written: recomputing the
+    body in the backward pass would run them a second time. If it already holds a ``jax.checkpoint``
     (``nn.remat``, ``nnx.remat``, a user's checkpoint) it runs as written -- an enclosing
     policy would store what the user's remat recomputes; otherwise it runs under
     ``jax.checkpoint(policy=scan_policy)``. The report gets one entry saying which.
@@ -372,6 +374,13 @@ def _scan_body(f):
         def run(*a):
             return jax.tree.unflatten(out_tree, jaxpr_as_fun(closed)(*jax.tree.leaves(a)))
 
+        if closed.effects:
+            _report.record(kind="function", target="jax.lax.scan", technique="selective",
+                           status="fallback",
+                           reason="body has side effects (" + _effect_names(closed.effects)
+                                  + "): kept as written, so they run as often as in "
+                                    "plain JAX (nothing recomputed)")
+            return run(*args)
         if _has_remat(closed.jaxpr):
             _report.record(kind="function", target="jax.lax.scan", technique="selective",
                            status="nothing-to-save",
@@ -384,6 +393,11 @@ def _scan_body(f):
         return jax.checkpoint(run, policy=scan_policy, prevent_cse=False)(*args)
 
     return body
+
+
+def _effect_names(effects) -> str:
+    names = sorted({type(e).__name__ for e in effects})
+    return ", ".join(names) or "effects"
 
 
 def _scan_rule(opts, orig):
