@@ -167,12 +167,33 @@ def compiled_memory(
         is found without autotuning), ``"triton"`` or ``"cublas"``; the one used is
         ``gemm_backend`` of the result.
 
+    Returns:
+      :class:`CompiledMemory`: ``temp_bytes``, ``argument_bytes``, ``output_bytes``,
+      ``alias_bytes``, ``generated_code_bytes`` and ``total_bytes`` (per device for
+      ``devices > 1``), with ``target``, ``devices``, ``gemm_backend`` (``""`` on CPU) and
+      ``plan`` (``"cpu"``, ``"h100 plan"``, ``"h100 plan x8"``) saying which plan they are.
+      A GPU plan counts no autotuning workspaces: read its ``temp_bytes`` as a lower bound.
+
     Raises:
       TypeError: non-callable ``fn`` or a non-array argument that is not static.
-      ValueError: an unknown ``target``, ``devices`` out of range or an unknown ``gemm``.
+      ValueError: an unknown ``target``, ``devices`` out of range, an unknown ``gemm``, or
+        an argument sharded on compile-only devices other than the target's.
       GpuPlanUnavailable: a GPU target without the CUDA plugin (the message says how to
         install it).
       TraceError (a ValueError): ``fn`` failed to trace/lower/compile; the message names ``fn``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmem.measure import compiled_memory, gpu_plan_available
+      >>> x = jnp.ones((256, 256))
+      >>> m = compiled_memory(lambda x: jnp.tanh(x @ x), x)
+      >>> m.plan, m.argument_bytes, m.output_bytes
+      ('cpu', 262144, 262144)
+      >>> m.total_bytes == m.temp_bytes + m.output_bytes + m.argument_bytes - m.alias_bytes
+      True
+      >>> if gpu_plan_available():  # XLA:GPU's plan for an H100, compiled without a GPU
+      ...     h = compiled_memory(lambda x: jnp.tanh(x @ x), x, target="h100")
+      ...     assert (h.plan, h.argument_bytes, h.output_bytes) == ("h100 plan", 262144, 262144)
     """
     who = "compiled_memory"
     lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
