@@ -1,2 +1,320 @@
-def match_attention(graph, path):
-    return []
+"""Attention subgraphs -> the exact memory-lean attention of :mod:`jaxmem.fewbit`.
+
+Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
+``dot_product_attention``, a hand-written softmax)::
+
+    s = dot_general(q, k)            one free axis each (T of q, S of k), any batch axes
+    s = s * c  |  s / c              optional, c a uniform constant          (scale)
+    s = s + b                        optional                                 (bias)
+    s = select_n(m, fill, s)         optional, fill = finfo.min or -0.7 finfo.max (mask)
+    s = convert(s)                   optional                                 (softmax dtype)
+    p = exp(s - max(s)) / sum(...)   softmax over S (the last axis), max optional
+    p = convert(p)                   optional                                 (weights dtype)
+    o = dot_general(p, v) | (v, p)   contracting S
+
+with every interior value used inside the pattern only.  It is re-emitted as
+:func:`jaxmem.fewbit.attention_core` on ``q, k, v`` transposed to ``(..., T, 1, D)``,
+``(..., S, 1, D)``, ``(..., S, 1, Dv)`` (the batch axes of the scores, one head), the bias /
+mask un-broadcast to their source (so nothing ``T x S`` is stored when they are smaller),
+and the result transposed back: forward the same arithmetic, backward flash-style from
+``q, k, v`` and two row statistics (no ``T x S`` residual).  Exact up to float rounding
+(a division by ``c`` becomes a multiplication by ``1 / c``).
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem.transform.graph import Graph, is_literal, location, name_stack
+from jaxmem.transform.match import Match, aval_str
+from jaxmem.transform.report import Row
+
+__all__ = ["match_attention"]
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _need(cond: bool, why: str):
+    if not cond:
+        raise _NoMatch(why)
+
+
+def _prod(graph: Graph, v, name: str | tuple):
+    """``(index, eqn)`` producing ``v`` if its primitive is ``name``, else ``None``."""
+    names = (name,) if isinstance(name, str) else name
+    if is_literal(v):
+        return None
+    i = graph.producer.get(v)
+    if i is None or graph.jaxpr.eqns[i].primitive.name not in names:
+        return None
+    return i, graph.jaxpr.eqns[i]
+
+
+def _softmax(graph: Graph, p, used: set[int]):
+    """Match ``p = softmax(s, axis=-1)``; returns ``s``."""
+    hit = _prod(graph, p, "div")
+    _need(hit is not None, "no softmax division")
+    i, div = hit
+    used.add(i)
+    e, den = div.invars
+    nd = len(e.aval.shape)
+    # den = broadcast(reduce_sum(e, last axis))
+    hit = _prod(graph, den, "broadcast_in_dim")
+    if hit is not None:
+        used.add(hit[0])
+        den = hit[1].invars[0]
+    hit = _prod(graph, den, "reduce_sum")
+    _need(hit is not None and tuple(hit[1].params["axes"]) == (nd - 1,),
+          "softmax denominator is not a sum over the last axis")
+    used.add(hit[0])
+    _need(hit[1].invars[0] is e, "softmax denominator sums another array")
+    hit = _prod(graph, e, "exp")
+    _need(hit is not None, "softmax numerator is not exp")
+    used.add(hit[0])
+    arg = hit[1].invars[0]
+    hit = _prod(graph, arg, "sub")
+    if hit is None:
+        return arg
+    i, sub = hit
+    s, m = sub.invars
+    chain = [i]
+    while True:
+        nxt = None
+        for name in ("broadcast_in_dim", "stop_gradient", "max", "reshape"):
+            h = _prod(graph, m, name)
+            if h is not None:
+                nxt = h
+                break
+        if nxt is None:
+            break
+        j, eq = nxt
+        chain.append(j)
+        if eq.primitive.name == "max":
+            lits = [v for v in eq.invars if graph.uniform(v) == -math.inf]
+            _need(len(lits) == 1, "softmax max is not a max with -inf")
+            m = next(v for v in eq.invars if v is not lits[0])
+        else:
+            m = eq.invars[0]
+    h = _prod(graph, m, "reduce_max")
+    _need(h is not None and tuple(h[1].params["axes"]) == (nd - 1,)
+          and h[1].invars[0] is s, "softmax shift is not the row max of its input")
+    chain.append(h[0])
+    used.update(chain)
+    return s
+
+
+def _source(graph: Graph, v, rank: int):
+    """``v`` (of a given rank) traced back through ``broadcast_in_dim`` to its source,
+    returned as ``(var, shape)`` where ``shape`` is the source reshaped to ``rank`` axes
+    with size-1 axes (broadcastable to ``v``)."""
+    h = _prod(graph, v, "broadcast_in_dim")
+    if h is not None:
+        eq = h[1]
+        src = eq.invars[0]
+        dims = tuple(eq.params["broadcast_dimensions"])
+        if not is_literal(src) and list(dims) == sorted(dims):
+            shape = [1] * rank
+            for d, n in zip(dims, src.aval.shape):
+                shape[d] = n
+            return src, tuple(shape)
+    return v, tuple(v.aval.shape)
+
+
+def _fill(graph: Graph, v, dtype) -> str | None:
+    val = graph.uniform(v)
+    if val is None:
+        return None
+    if val == float(jnp.finfo(dtype).min):
+        return "min"
+    big = min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
+    if np.float32(val) == np.float32(-0.7 * big):
+        return "large"
+    return None
+
+
+def _match_one(graph: Graph, d2_index: int):
+    eqns = graph.jaxpr.eqns
+    d2 = eqns[d2_index]
+    used = {d2_index}
+    (lc2, rc2), (lb2, rb2) = d2.params["dimension_numbers"]
+    a, b = d2.invars
+    # which operand holds the weights: the one that is a softmax (maybe cast)
+    found = None
+    for cand, other, pc, pb, vc, vb, pside in ((a, b, lc2, lb2, rc2, rb2, "lhs"),
+                                                (b, a, rc2, rb2, lc2, lb2, "rhs")):
+        p, weights_dtype, part = cand, None, set()
+        h = _prod(graph, p, "convert_element_type")
+        if h is not None:
+            part.add(h[0])
+            p = h[1].invars[0]
+            weights_dtype = str(cand.aval.dtype)
+        try:
+            s2 = _softmax(graph, p, part)
+        except _NoMatch:
+            continue
+        found = (p, s2, other, pc, pb, vc, vb, pside, weights_dtype, part)
+        break
+    _need(found is not None, "")  # not a softmax-weighted product: no row
+    p, s2, v, pc, pb, vc, vb, pside, weights_dtype, part = found
+    used |= part
+    rank = len(p.aval.shape)
+    nb = rank - 2
+    _need(tuple(pc) == (rank - 1,) and tuple(pb) == tuple(range(nb)),
+          "the weights are not contracted over their last axis with batch axes first")
+    _need(len(v.aval.shape) == nb + 2 and len(vc) == 1,
+          "v must have one key axis and one feature axis besides the batch axes")
+    softmax_dtype = None
+    s = s2
+    h = _prod(graph, s, "convert_element_type")
+    if h is not None:
+        used.add(h[0])
+        s = h[1].invars[0]
+        softmax_dtype = str(s2.aval.dtype)
+    mask = fill = keep_negated = None
+    h = _prod(graph, s, "select_n")
+    if h is not None:
+        i, sel = h
+        pred, c0, c1 = sel.invars
+        if _fill(graph, c0, s.aval.dtype) is not None and not graph.is_const(c1):
+            fill, s, keep_negated = _fill(graph, c0, s.aval.dtype), c1, False
+        elif _fill(graph, c1, s.aval.dtype) is not None and not graph.is_const(c0):
+            fill, s, keep_negated = _fill(graph, c1, s.aval.dtype), c0, True
+        else:
+            raise _NoMatch("masked scores: fill value is neither finfo.min nor -0.7 finfo.max")
+        used.add(i)
+        mask = pred
+    bias = None
+    h = _prod(graph, s, "add")
+    if h is not None:
+        i, add = h
+        x0, x1 = add.invars
+        d0, d1 = _prod(graph, x0, "dot_general"), _prod(graph, x1, "dot_general")
+        d0 = d0 or _prod(graph, x0, ("mul", "div"))
+        d1 = d1 or _prod(graph, x1, ("mul", "div"))
+        if d0 is not None and graph.uniform(x1) is None:
+            s, bias = x0, x1
+        elif d1 is not None and graph.uniform(x0) is None:
+            s, bias = x1, x0
+        else:
+            raise _NoMatch("scores plus a bias that is not traced to q k^T")
+        used.add(i)
+    scale = None
+    h = _prod(graph, s, ("mul", "div"))
+    if h is not None:
+        i, eq = h
+        x0, x1 = eq.invars
+        if eq.primitive.name == "mul":
+            c = graph.uniform(x1) if graph.uniform(x1) is not None else graph.uniform(x0)
+            s = x0 if graph.uniform(x1) is not None else x1
+            _need(c is not None, "scores multiplied by a non-constant")
+            scale = c
+        else:
+            c = graph.uniform(x1)
+            _need(c is not None and c != 0, "scores divided by a non-constant")
+            scale, s = 1.0 / c, x0
+        used.add(i)
+    h = _prod(graph, s, "dot_general")
+    _need(h is not None, "softmax input is not traced to a q k^T product")
+    d1_index, d1 = h
+    used.add(d1_index)
+    q, k = d1.invars
+    (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
+    lfree = [d for d in range(len(q.aval.shape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(k.aval.shape)) if d not in rc and d not in rb]
+    _need(len(lfree) == 1 and len(rfree) == 1 and len(lb) == nb,
+          "q k^T must have one query and one key axis besides the batch axes")
+    _need(q.aval.dtype == k.aval.dtype == v.aval.dtype, "q, k, v of different dtypes")
+    # every interior value is used inside the pattern only
+    for j in used - {d2_index}:
+        for o in eqns[j].outvars:
+            _need(graph.only_used_by(o, used),
+                  "an attention interior value (scores / weights) is used elsewhere")
+    spec = {"scale": scale, "fill": fill or "min", "softmax_dtype": softmax_dtype,
+                "weights_dtype": weights_dtype, "qk_precision": d1.params.get("precision"),
+                "pv_precision": d2.params.get("precision")}
+    logits = s.aval.dtype
+    if logits != q.aval.dtype:
+        spec["logits_dtype"] = str(logits)
+    vfree = [d for d in range(len(v.aval.shape)) if d not in vc and d not in vb]
+    layout = {"q_perm": tuple(lb) + tuple(lfree) + tuple(lc),
+                  "k_perm": tuple(rb) + tuple(rfree) + tuple(rc),
+                  "v_perm": tuple(vb) + tuple(vc) + tuple(vfree),
+                  "nq": len(lc), "pside": pside, "nb": nb, "keep_negated": keep_negated}
+    return used, q, k, v, bias, mask, spec, layout
+
+
+def _emit_fn(spec_kw: dict, layout: dict, bias_shape, mask_shape):
+    """``emit(q, k, v, [bias], [mask])`` for one matched layout."""
+    from jaxmem.fewbit.attention import AttentionSpec, attention_core
+
+    spec = AttentionSpec(**spec_kw)
+    nb = layout["nb"]
+
+    def heads(x, perm, nlast):
+        x = jnp.transpose(x, perm)
+        lead = x.shape[:nb + 1]
+        x = x.reshape(*lead, math.prod(x.shape[nb + 1:]) if nlast else 1)
+        return jnp.expand_dims(x, nb + 1)                          # (*B, T, 1, D)
+
+    def scores_like(a, shape):
+        return None if a is None else jnp.expand_dims(jnp.reshape(a, shape), nb)
+
+    def emit(q, k, v, *extra):
+        extra = list(extra)
+        bias = extra.pop(0) if bias_shape is not None else None
+        mask = extra.pop(0) if mask_shape is not None else None
+        qh = heads(q, layout["q_perm"], True)
+        kh = heads(k, layout["k_perm"], True)
+        vh = heads(v, layout["v_perm"], True)
+        if mask is not None and layout["keep_negated"]:
+            mask = jnp.logical_not(mask)
+        o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_shape),
+                           mask=scores_like(mask, mask_shape), spec=spec)
+        o = o.reshape(*o.shape[:nb + 1], o.shape[-1])              # (*B, T, Dv)
+        if layout["pside"] == "rhs":                               # dot(v, p): (*B, Dv, T)
+            o = jnp.swapaxes(o, -1, -2)
+        return [o]
+
+    return emit
+
+
+def match_attention(graph: Graph, path: str) -> list[Match | Row]:
+    """Attention subgraphs of ``graph`` (matches, and rows for softmax-weighted products
+    that did not match, with the reason)."""
+    out: list[Match | Row] = []
+    for i, eqn in enumerate(graph.jaxpr.eqns):
+        if eqn.primitive.name != "dot_general":
+            continue
+        try:
+            used, q, k, v, bias, mask, spec, layout = _match_one(graph, i)
+        except _NoMatch as e:
+            if str(e):
+                out.append(Row("attention", f"softmax-weighted dot_general -> "
+                               f"{aval_str(eqn.outvars[0])}", "", False, str(e),
+                               location(eqn), name_stack(eqn), path))
+            continue
+        rank = layout["nb"] + 2
+        inputs = [q, k, v]
+        bias_shape = mask_shape = None
+        if bias is not None:
+            bias, bias_shape = _source(graph, bias, rank)
+            inputs.append(bias)
+        if mask is not None:
+            mask, mask_shape = _source(graph, mask, rank)
+            inputs.append(mask)
+        emit = _emit_fn(spec, layout, bias_shape, mask_shape)
+        parts = [k for k, x in (("scale", spec["scale"]), ("bias", bias), ("mask", mask))
+                 if x is not None]
+        what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
+                + (f" [{', '.join(parts)}]" if parts else ""))
+        row = Row("attention", what, "jaxmem.fewbit.attention_core (exact)", True,
+                  "keeps q, k, v and row statistics, no T x S array", location(eqn),
+                  name_stack(eqn), path)
+        out.append(Match(frozenset(used), i, inputs, list(eqn.outvars), emit, row))
+    return out
+
+
