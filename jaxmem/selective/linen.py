@@ -278,12 +278,13 @@ def _flax_batch_norm(m, next_fun, args, kwargs):
         y, _, _ = _norm.batch_norm(x, scale, bias, ra_mean.value, ra_var.value, train=False,
                                    eps=m.epsilon, axis=ax, dtype=m.dtype)
         return y
-    y, new_m, new_v = _norm.batch_norm(
-        x, scale, bias, ra_mean.value, ra_var.value, train=True, momentum=m.momentum,
-        eps=m.epsilon, axis=ax, dtype=m.dtype, fast_variance=m.use_fast_variance,
-        axis_name=m.axis_name, axis_index_groups=m.axis_index_groups)
-    ra_mean.value = new_m
-    ra_var.value = new_v
+    y, mean, var = _norm.batch_norm(
+        x, scale, bias, None, None, train=True, eps=m.epsilon, axis=ax, dtype=m.dtype,
+        fast_variance=m.use_fast_variance, axis_name=m.axis_name,
+        axis_index_groups=m.axis_index_groups)
+    # Flax's update, with its dtype promotion (float64 statistics under jax_enable_x64)
+    ra_mean.value = m.momentum * ra_mean.value + (1 - m.momentum) * mean
+    ra_var.value = m.momentum * ra_var.value + (1 - m.momentum) * var
     return y
 
 
@@ -359,8 +360,8 @@ def _einsum(m, next_fun, args, kwargs):
         return _own_code(m, "extra arguments", next_fun, args, kwargs)
     try:
         eq = nn.merge_param("einsum_str", m.einsum_str, eq).replace(" ", "")
-    except Exception:
-        return next_fun(*args, **kwargs)  # Flax raises its own error
+    except Exception:  # noqa: BLE001 - Flax raises its own error
+        return next_fun(*args, **kwargs)
     if "->" not in eq or eq.count(",") != 1:
         return next_fun(*args, **kwargs)  # Flax raises its own error
     _converted(m)

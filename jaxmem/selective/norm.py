@@ -220,7 +220,9 @@ def _affine_bwd(eps, out_dtype, res, g):
     if pb:
         db = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if ps or pv:
-        xhat = (tie(xv.astype(rstd.dtype), g) - mv) * rstd
+        # in the wider of x's and the statistics' dtypes (float64 x with float32 running
+        # statistics: float64, as the forward's ``x - mean``)
+        xhat = (tie(xv.astype(jnp.promote_types(xv.dtype, rstd.dtype)), g) - mv) * rstd
     if ps:
         ds = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
     if pv:
