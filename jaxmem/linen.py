@@ -140,4 +140,44 @@ def _convert_with(model, opts):
     sub = _converted_class(base, opts)
     import dataclasses
     attrs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
-    return sub(**attrs)
+    released = _release_name(model)
+    try:
+        return sub(**attrs)
+    except BaseException:
+        if released is not None:
+            released()
+        raise
+
+
+def _release_name(model):
+    """When ``model`` was made inside a parent's ``@nn.compact`` method (or with an explicit
+    name in ``setup``), Flax has already attached it to the parent under its name: free that
+    name so the converted module takes it over (same name, so the same parameters and
+    auto-names as calling ``model`` itself). Returns a function that re-attaches ``model``
+    (used if building the converted module fails), or ``None`` when ``model`` is not
+    attached. Raises ``ValueError`` when ``model`` was already called (its variables exist
+    under that name: convert it before its first call)."""
+    parent = getattr(model, "parent", None)
+    name = getattr(model, "name", None)
+    scope = getattr(parent, "scope", None) if isinstance(parent, nn.Module) else None
+    if scope is None or name is None or parent._state.children.get(name) is not model:
+        return None
+    own = getattr(model, "scope", None)
+    if own is not None and (own.reservations or own._variables):
+        raise ValueError(
+            f"jaxmem.linen.convert: the submodule {name!r} of {type(parent).__name__} was "
+            "already called before it was converted; convert it where it is created, e.g. "
+            f"jaxmem.linen.convert({type(model).__name__}(...))(x), and call only the "
+            "converted module")
+    children, reservations = parent._state.children, scope.reservations
+    held = reservations.get(name)
+    del children[name]
+    if held is not None:
+        del reservations[name]
+
+    def restore():
+        children[name] = model
+        if held is not None:
+            reservations[name] = held
+
+    return restore
