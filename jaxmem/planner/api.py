@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from jax._src import core
 from jaxmem.planner import solve as _solve
 from jaxmem.planner import trace as _trace
 
-__all__ = ["BudgetError", "MemoryPlan", "UnitChoice", "parse_budget", "plan"]
+__all__ = ["BudgetError", "MemoryPlan", "UnitChoice", "budget_spec", "parse_budget", "plan"]
 
 _DEBUG = bool(__import__("os").environ.get("JAXMEM_PLAN_DEBUG"))
 OPTIONS = ("store", "dots", "recompute")
@@ -33,34 +34,66 @@ class BudgetError(ValueError):
         self.finer_units = finer_units   # a finer cut into units exists (plan tries it)
 
 
-def parse_budget(budget: Any, default_bytes: int | None = None) -> int:
-    """Bytes from an int (bytes), a string ``"512MiB"`` / ``"1.5GB"`` / ``"4096"``, or a float
-    in (0, 1] (fraction of ``default_bytes``, the untouched step's compiled bytes)."""
-    if isinstance(budget, bool):
-        raise TypeError(f"plan: budget must be int bytes, a size string or a float fraction "
-                        f"in (0, 1], got {budget!r}")
+_NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?"
+_BUDGET_HELP = ("int bytes (4096), a size string ('512MiB', '1.5GB', '4096') or a fraction in "
+                "(0, 1] of the untouched step's compiled bytes (0.5 or '0.5')")
+
+
+def budget_spec(budget: Any, who: str = "plan") -> tuple[str, float]:
+    """``("bytes", n)`` or ``("fraction", f)`` of a budget, checked without compiling anything.
+
+    Accepted: an int (bytes, numpy integers too); a float in (0, 1] (numpy floats too: a
+    fraction of the untouched step's compiled bytes); a string: digits (bytes, ``"4096"``), a
+    decimal number (a fraction, ``"0.5"``) or a number with a unit (``"512MiB"``, ``"1.5GB"``;
+    units B, KB, MB, GB, KiB, MiB, GiB). Raises a one-line ``TypeError`` (another type) or
+    ``ValueError`` (a value out of range, NaN, infinity, an unknown unit)."""
+    if isinstance(budget, (bool, np.bool_)):
+        raise TypeError(f"{who}: budget must be {_BUDGET_HELP}; got {budget!r}")
     if isinstance(budget, (int, np.integer)):
         if budget <= 0:
-            raise ValueError(f"plan: budget must be > 0 bytes, got {budget}")
-        return int(budget)
-    if isinstance(budget, float):
-        if not (0.0 < budget <= 1.0) or math.isnan(budget):
-            raise ValueError(f"plan: a float budget is a fraction in (0, 1] of the default "
-                             f"step's compiled bytes, got {budget}")
-        if default_bytes is None:
-            raise ValueError("plan: a fraction budget needs the default compiled bytes")
-        return int(budget * default_bytes)
+            raise ValueError(f"{who}: budget must be > 0 bytes, got {budget}")
+        return "bytes", int(budget)
+    if isinstance(budget, (float, np.floating)):
+        f = float(budget)
+        if not (math.isfinite(f) and 0.0 < f <= 1.0):
+            raise ValueError(f"{who}: a float budget is a fraction in (0, 1] of the untouched "
+                             f"step's compiled bytes, got {budget!r} (give bytes as an int or "
+                             f"a size string such as '512MiB')")
+        return "fraction", f
     if isinstance(budget, str):
-        mt = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", budget)
-        if not mt or mt.group(2).lower() not in _UNITS | {"": 1}:
-            raise ValueError(f"plan: budget string {budget!r} is not a size like '512MiB', "
-                             f"'1.5GB' or '4096' (units: B, KB, MB, GB, KiB, MiB, GiB)")
-        val = int(float(mt.group(1)) * _UNITS.get(mt.group(2).lower(), 1))
-        if val <= 0:
-            raise ValueError(f"plan: budget must be > 0 bytes, got {budget!r}")
-        return val
-    raise TypeError(f"plan: budget must be int bytes, a size string or a float fraction in "
-                    f"(0, 1], got {type(budget).__name__} {budget!r}")
+        mt = re.fullmatch(rf"\s*({_NUMBER})\s*([A-Za-z]*)\s*", budget)
+        unit = mt.group(2).lower() if mt else ""
+        if not mt or (unit and unit not in _UNITS):
+            raise ValueError(f"{who}: budget string {budget!r} is not a size like '512MiB', "
+                             f"'1.5GB', '4096' or a fraction like '0.5' (units: B, KB, MB, GB, "
+                             f"KiB, MiB, GiB)")
+        num = mt.group(1)
+        if not unit and re.fullmatch(r"[0-9]+", num):
+            return budget_spec(int(num), who)
+        if not unit:
+            if not 0.0 < float(num) <= 1.0:
+                raise ValueError(f"{who}: budget string {budget!r} without a unit is a "
+                                 f"fraction in (0, 1] of the untouched step's compiled bytes; "
+                                 f"give bytes as digits ('4096') or with a unit ('1.5MiB')")
+            return "fraction", float(num)
+        val = float(num) * _UNITS[unit]
+        if not math.isfinite(val) or int(val) <= 0:
+            raise ValueError(f"{who}: budget {budget!r} must be a finite size of >= 1 byte")
+        return "bytes", int(val)
+    raise TypeError(f"{who}: budget must be {_BUDGET_HELP}; got {type(budget).__name__} "
+                    f"{budget!r}")
+
+
+def parse_budget(budget: Any, default_bytes: int | None = None) -> int:
+    """Bytes of ``budget`` (see :func:`budget_spec` for what is accepted); a fraction is of
+    ``default_bytes``, the untouched step's compiled bytes."""
+    kind, value = budget_spec(budget)
+    if kind == "bytes":
+        return int(value)
+    if default_bytes is None:
+        raise ValueError(f"plan: the fraction budget {budget!r} needs the untouched step's "
+                         f"compiled bytes")
+    return max(1, int(value * default_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +114,8 @@ class UnitChoice:
 
 
 def _nbytes(aval) -> int:
-    return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize if hasattr(aval, "shape") \
+    """Bytes of an abstract value (extended dtypes such as typed PRNG keys included)."""
+    return int(np.prod(aval.shape)) * _trace.itemsize(aval.dtype) if hasattr(aval, "shape") \
         else 0
 
 
@@ -107,9 +141,10 @@ def _residual_split(f, ins_avals, policy):
     return internal, kept
 
 
-def _compiled_total(fn, args) -> int:
+def _compiled_total(fn, args, target="cpu") -> int:
+    """Compiled bytes of ``value_and_grad(fn)`` on ``args`` for ``target``."""
     from jaxmem.measure import compiled_memory
-    return compiled_memory(jax.value_and_grad(fn), *args).total_bytes
+    return compiled_memory(jax.value_and_grad(fn), *args, target=target).total_bytes
 
 
 def _option_text(c: UnitChoice) -> str:
@@ -123,8 +158,11 @@ def _option_text(c: UnitChoice) -> str:
 
 @dataclasses.dataclass
 class MemoryPlan:
-    """What :func:`plan` chose. ``step`` has the loss's signature and values; its gradients
-    are the untouched loss's (exact options only)."""
+    """What :func:`plan` chose. ``step`` takes the loss's arguments (positional and keyword)
+    and returns its values; its gradients are the untouched loss's (exact options only), and
+    ``jax.value_and_grad(step)``, ``jax.grad(step)`` and :meth:`value_and_grad` compile to
+    at most ``budget_bytes`` on ``target``'s plan for arguments of the example's shapes
+    (``compiled_bytes`` is ``value_and_grad(step)``'s)."""
 
     step: Callable[..., Any]
     choices: tuple[UnitChoice, ...]
@@ -140,11 +178,12 @@ class MemoryPlan:
     approximate: bool = False
     notes: tuple[str, ...] = ()
     order: Any = None
+    target: str = "cpu"
 
     def value_and_grad(self) -> Callable[..., Any]:
         """``jax.value_and_grad(self.step)``, or, when an OLLA order was applied
-        (``self.order.applied``), that step run in the order (same values; the compiled bytes
-        reported are this function's)."""
+        (``self.order.applied``), the ordered value-and-grad step itself (same values, for
+        arguments of the example's shapes; ``jax.value_and_grad(self.step)`` runs it too)."""
         if self.order is not None and self.order.applied:
             return self.order.fn
         return jax.value_and_grad(self.step)
@@ -161,7 +200,7 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         keys = ("budget_bytes", "default_bytes", "predicted_bytes", "compiled_bytes",
                 "predicted_time", "selective", "solver_status", "solver_gap", "iterations",
-                "approximate")
+                "approximate", "target")
         d = {k: getattr(self, k) for k in keys}
         d["order"] = None if self.order is None else {
             "applied": self.order.applied, "why": self.order.why,
@@ -196,21 +235,79 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _make_step(fn, factory, cut_labels, runs, conversions):
+def _signature(fn):
+    """``inspect.signature(fn)``, or ``None`` when it has none."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bind(sig, args, kwargs):
+    """``(args, kwargs)`` with every keyword argument that names a positional parameter of
+    the loss moved into ``args`` (``TypeError`` for arguments the loss does not take)."""
+    if sig is None:
+        return tuple(args), dict(kwargs)
+    try:
+        ba = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"plan.step takes the loss's arguments: {e}") from None
+    return tuple(ba.args), dict(ba.kwargs)
+
+
+def _is_static(x) -> bool:
+    """Leaves the planned step does not trace: strings, ``None`` and other non-numbers."""
+    return not (isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+                or hasattr(x, "aval") or isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _hashable(x):
+    try:
+        hash(x)
+    except TypeError:
+        return ("id", id(x))
+    return x
+
+
+def _abstract(x):
+    if isinstance(x, (bool, int, float, complex)):
+        return jax.ShapeDtypeStruct((), jax.numpy.result_type(x), weak_type=True)
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+
+
+def _make_step(fn, factory, cut_labels, runs, conversions, fence=True):
     """The loss evaluated unit by unit: ``runs`` are ``(labels, option)`` over consecutive
-    units (cut after ``cut_labels``), ``conversions`` the per-layer tracing conversions;
-    re-traced for new shapes."""
+    units (cut after ``cut_labels``), ``conversions`` the per-layer tracing conversions,
+    recomputed units fenced (``fence``, see :func:`jaxmem.planner.trace.fenced_checkpoint`);
+    takes the loss's positional and keyword arguments; re-traced for new shapes."""
     cache: dict[Any, tuple[Any, list[_trace.Unit], dict]] = {}
     cut_labels, runs = tuple(cut_labels), tuple(runs)
     conversions = dict(conversions)
+    sig = _signature(fn)
+    fn = _trace.unjit(fn)
 
-    def step(*args):
-        flat, tree = jax.tree_util.tree_flatten(tuple(args))
-        key = (tree, tuple((tuple(np.shape(a)), str(jax.numpy.result_type(a))) for a in flat))
+    def step(*args, **kwargs):
+        args, kwargs = _bind(sig, args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        static = tuple(i for i, a in enumerate(leaves) if _is_static(a))
+        key = (tree, tuple((i, _hashable(a)) if i in static else
+                           (tuple(np.shape(a)), str(jax.numpy.result_type(a)),
+                            isinstance(a, (bool, int, float, complex)))
+                           for i, a in enumerate(leaves)))
         if key not in cache:
-            abstract = jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), args)
-            tr = _trace.trace(fn, abstract, factory() if factory else None, conversions or None)
+            spec = [a if i in static else _abstract(a) for i, a in enumerate(leaves)]
+            static_vals = {i: leaves[i] for i in static}
+
+            def traced(*dyn):
+                it = iter(dyn)
+                full = [static_vals[i] if i in static_vals else next(it)
+                        for i in range(len(leaves))]
+                a, k = jax.tree_util.tree_unflatten(tree, full)
+                return fn(*a, **k)
+
+            dyn_spec = tuple(x for i, x in enumerate(spec) if i not in static_vals)
+            tr = _trace.trace(traced, dyn_spec, factory() if factory else None,
+                              conversions or None)
             units = _trace.units_at(tr, cut_labels)
             by_label = {u.label: u for u in units}
             merged, opts, used = [], {}, 0
@@ -230,10 +327,73 @@ def _make_step(fn, factory, cut_labels, runs, conversions):
                                  f"units, the plan covers {used}")
             cache[key] = (tr, merged, opts)
         tr, merged, opts = cache[key]
-        outs = _trace.run_chunks(tr.closed, merged, opts, flat)
+        dyn = [a for i, a in enumerate(leaves) if i not in static]
+        outs = _trace.run_chunks(tr.closed, merged, opts, dyn, fence=fence)
         return jax.tree_util.tree_unflatten(tr.out_tree, outs)
 
     step.__name__ = getattr(fn, "__name__", "step") + "_planned"
+    return step
+
+
+def _float0_like(x):
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _ordered_step(fn, order_fn, example_args):
+    """The loss whose gradient runs the OLLA-ordered ``value_and_grad`` step ``order_fn``.
+
+    For arguments of the example's structure, shapes and dtypes the result is a
+    ``jax.custom_vjp`` function: its value is ``fn``'s, its forward pass runs ``order_fn``
+    (value and gradient w.r.t. the first argument, in the order), and its backward pass
+    scales that gradient by the cotangent, so ``jax.grad`` / ``jax.value_and_grad`` of it
+    compile to the ordered step. Cotangents of the other arguments (rarely wanted) are the
+    untouched loss's, computed by an extra pass in the backward (XLA drops it when unused);
+    non-float leaves get ``float0`` zeros. Other shapes run ``fn`` itself."""
+    sig = _signature(fn)
+    want = jax.tree_util.tree_structure(tuple(example_args))
+    want_leaves = [(tuple(np.shape(a)), str(jax.numpy.result_type(a)))
+                   for a in jax.tree_util.tree_leaves(tuple(example_args))]
+
+    @jax.custom_vjp
+    def ordered(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        v, g = order_fn(*args)
+        return v, (g, args)
+
+    def bwd(res, ct):
+        g, args = res
+        out = [jax.tree_util.tree_map(lambda x: (ct * x).astype(x.dtype), g)]
+        rest = args[1:]
+        leaves, tree = jax.tree_util.tree_flatten(rest)
+        fl = [i for i, x in enumerate(leaves) if _trace._is_float(x)]
+        cts = [_float0_like(x) for x in leaves]
+        if fl:
+            def on_float(*xf):
+                full = list(leaves)
+                for i, x in zip(fl, xf):
+                    full[i] = x
+                return fn(args[0], *jax.tree_util.tree_unflatten(tree, full))
+
+            _, vjp = jax.vjp(on_float, *[leaves[i] for i in fl])
+            for i, c in zip(fl, vjp(ct)):
+                cts[i] = c
+        out += list(jax.tree_util.tree_unflatten(tree, cts))
+        return tuple(out)
+
+    ordered.defvjp(fwd, bwd)
+
+    def step(*args, **kwargs):
+        args, kwargs = _bind(sig, args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if not kwargs and tree == want and [
+                (tuple(np.shape(a)), str(jax.numpy.result_type(a))) for a in leaves] \
+                == want_leaves:
+            return ordered(*args)
+        return fn(*args, **kwargs)
+
+    step.__name__ = getattr(fn, "__name__", "step") + "_ordered"
     return step
 
 
@@ -320,7 +480,8 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
          allow_approximate: bool = False, time_limit: float = 10.0,
          max_iterations: int = 6, fence_cost: float = 0.1,
          approx_cost: float = 0.01, offload_bandwidth: float = 25e9,
-         offload_flops: float = 50e12, order: bool = True) -> MemoryPlan:
+         offload_flops: float = 50e12, order: bool = True,
+         target: str = "cpu") -> MemoryPlan:
     """Fit ``jax.value_and_grad(step)`` (gradient w.r.t. the first argument) into ``budget``.
 
     ``step(params, *batch) -> scalar loss`` may call Flax Linen modules (their outputs become
@@ -363,11 +524,27 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         OLLA order (:func:`jaxmem.planner.order.
         ordered`: the step's operations re-emitted in a low-peak order between
         ``optimization_barrier`` fences); when that alone fits, it is returned (nothing
-        recomputed; use :meth:`MemoryPlan.value_and_grad`).
+        recomputed): ``plan.step`` is then a ``jax.custom_vjp`` function whose gradient runs
+        the ordered step, and :meth:`MemoryPlan.value_and_grad` is the ordered step itself.
+      target: whose compiled bytes the plan is made and checked against: ``"cpu"`` (this
+        process's CPU, default) or a GPU (``"h100"``, ``"h100_pcie"``, ``"h200"``,
+        ``"a100"``, ``"b200"``): XLA:GPU's plan compiled here without a GPU
+        (:func:`jaxmem.measure.compiled_memory`; no autotuning, so cuBLAS/cuDNN workspaces
+        are not counted). On a GPU target recomputed units run unfenced when that compiles
+        to fewer bytes (measured once per plan, every unit recomputed), and host offload is
+        offered.
 
     Returns:
-      A :class:`MemoryPlan`: ``plan.step`` has ``step``'s signature and values, with the
-      per-item choices, predicted and compiled bytes.
+      A :class:`MemoryPlan`: ``plan.step`` takes ``step``'s positional and keyword arguments
+      and returns its values; ``jax.value_and_grad(plan.step)`` and ``jax.grad(plan.step)``
+      (w.r.t. the first argument) compile within the budget on ``target`` for arguments of
+      the example's shapes. With the per-item choices, predicted and compiled bytes.
+
+    Raises:
+      BudgetError: no compiled plan fits; ``smallest_bytes`` is a budget this function meets
+        for the same step and arguments.
+      TypeError / ValueError: a bad argument (``budget``: see :func:`budget_spec`; ``target``
+        not one of :data:`jaxmem.measure.target.TARGETS`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -390,6 +567,7 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
     for finer in range(_MAX_FINER + 1):
         try:
             return _plan(step, *example_args, budget=budget, order=order and finer == 0,
+                         target=target,
                          allow_approximate=allow_approximate, time_limit=time_limit,
                          max_iterations=max_iterations, fence_cost=fence_cost,
                          approx_cost=approx_cost, offload_bandwidth=offload_bandwidth,
@@ -406,8 +584,8 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
          allow_approximate: bool = False, time_limit: float = 10.0,
          max_iterations: int = 6, fence_cost: float = 0.1,
          approx_cost: float = 0.01, offload_bandwidth: float = 25e9,
-         offload_flops: float = 50e12, order: bool = True, _finer: int = 0,
-         _measured: dict | None = None) -> MemoryPlan:
+         offload_flops: float = 50e12, order: bool = True, target: str = "cpu",
+         _finer: int = 0, _measured: dict | None = None) -> MemoryPlan:
     """:func:`plan` with units split ``_finer`` levels below the default cut; ``_measured``
     keeps the untouched step's compile and the variant choice for a later call."""
     if not callable(step):
@@ -428,14 +606,13 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         raise ValueError(f"plan: fence_cost must be a number >= 0, got {fence_cost!r}")
     args = tuple(example_args)
     from jaxmem.measure import compiled_memory
-    if isinstance(budget, float):
-        parse_budget(budget, 1)   # validate before compiling anything
-    elif not isinstance(budget, (int, np.integer, str)) or isinstance(budget, bool):
-        parse_budget(budget)
+    from jaxmem.measure.target import check_target
+    budget_spec(budget)   # validate before compiling anything
+    target = check_target(target, 1, "plan")
     if _measured is None:
         _measured = {}
     if "default" not in _measured:
-        _measured["default"] = compiled_memory(jax.value_and_grad(step), *args)
+        _measured["default"] = compiled_memory(jax.value_and_grad(step), *args, target=target)
     cm0 = _measured["default"]
     default_bytes = cm0.total_bytes
     budget_bytes = parse_budget(budget, default_bytes)
@@ -445,16 +622,22 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
     if order and max(floor, _ORDER_MIN_FRACTION * default_bytes) <= budget_bytes < default_bytes:
         from jaxmem.planner.order import ordered
         order_result = ordered(jax.value_and_grad(step), *args, time_limit=time_limit,
-                               min_reduction=0.01)
+                               min_reduction=0.01, target=target)
         if order_result.applied and order_result.compiled_bytes <= budget_bytes:
-            return MemoryPlan(
-                step=step, choices=(UnitChoice("(step)", "store", 0, 0, 0.0,
-                                               f"OLLA order: {order_result.why}"),),
-                budget_bytes=budget_bytes, default_bytes=default_bytes,
-                predicted_bytes=order_result.compiled_bytes,
-                compiled_bytes=order_result.compiled_bytes, predicted_time=1.0,
-                selective=False, solver_status="OPTIMAL", solver_gap=0.0, iterations=1,
-                notes=(f"the OLLA order alone fits: {order_result.why}",), order=order_result)
+            # the returned step's own gradient must run the order: compile what users call
+            o_step = _ordered_step(step, order_result.fn, args)
+            o_bytes = max(_compiled_total(o_step, args, target),
+                          order_result.compiled_bytes)
+            if o_bytes <= budget_bytes:
+                return MemoryPlan(
+                    step=o_step, choices=(UnitChoice("(step)", "store", 0, 0, 0.0,
+                                                     f"OLLA order: {order_result.why}"),),
+                    budget_bytes=budget_bytes, default_bytes=default_bytes,
+                    predicted_bytes=order_result.compiled_bytes, compiled_bytes=o_bytes,
+                    predicted_time=1.0, selective=False, solver_status="OPTIMAL",
+                    solver_gap=0.0, iterations=1,
+                    notes=(f"the OLLA order alone fits: {order_result.why}",),
+                    order=order_result, target=target)
 
     if "variant" not in _measured:
         import jaxmem
@@ -463,7 +646,7 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         for sel, factory in variants:
             s = _make_step(step, factory, (), (), {})
             try:
-                b = _compiled_total(s, args)
+                b = _compiled_total(s, args, target)
             except Exception:  # noqa: BLE001, S112 - a scope that cannot trace is not used
                 continue
             # a tie goes to jaxmem's scope when few-bit codes may be offered (they need it)
@@ -523,7 +706,10 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
             notes.append("few-bit not offered: jaxmem's conversion did not lower this step")
     raw += _row_items(step, args, factory, tr, units, cut_labels, keep, flops)
     from jaxmem.planner import offload as _offload
-    can_offload, why_not = _offload.offload_available()
+    if target == "cpu":
+        can_offload, why_not = _offload.offload_available()
+    else:   # XLA:GPU plans pinned_host residuals apart from device memory
+        can_offload, why_not = True, ""
     if can_offload:
         step_seconds = 3.0 * max(total_flops, 1.0) / offload_flops
         for u in range(n):
@@ -567,12 +753,13 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
     def uniform(o):
         return tuple(idx[((u,), o)] for u in range(n))
 
-    def fit():
+    def fit(only=None):
         """``default - compiled ~= sum_k a_k * saving_k - b * work`` over option kinds k:
-        least squares over every compiled plan, with a weak prior pulling each coefficient
-        to 1."""
-        rows = [features(c) for c in tried]
-        ys = [float(store_bytes - v) - known(c) for c, v in tried.items()]
+        least squares over every compiled plan (those in ``only``, if given), with a weak
+        prior pulling each coefficient to 1."""
+        over_plans = [c for c in tried if only is None or c in only]
+        rows = [features(c) for c in over_plans]
+        ys = [float(store_bytes - tried[c]) - known(c) for c in over_plans]
         lam = 1e-2 * max(store_bytes, 1)
         dim = len(kinds) + 1
         a_mat = np.vstack(rows + [np.eye(dim) * lam]) / max(store_bytes, 1)
@@ -615,15 +802,36 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                 convs.setdefault(lbl, _trace.Conversion("exact"))
         return tuple(runs), convs
 
+    # recomputed units run behind the lax.cond fence on CPU (XLA:CPU undoes a bare
+    # jax.checkpoint); on a GPU target both are compiled once (every unit recomputed) and
+    # the fewer bytes decide
+    fence_mode = {"on": True if target == "cpu" else None}
+
     def build(choice):
         runs, convs = realise(choice)
-        return _make_step(step, factory, cut_labels, runs, convs)
+        return _make_step(step, factory, cut_labels, runs, convs, fence=fence_mode["on"])
 
     def compile_choice(choice):
         if choice not in tried:
             preds[choice] = predict(choice, fit())
-            tried[choice] = _compiled_total(build(choice), args)
+            tried[choice] = _compiled_total(build(choice), args, target)
         return tried[choice]
+
+    def choose_fence():
+        if fence_mode["on"] is not None or not n:
+            fence_mode["on"] = True if fence_mode["on"] is None else fence_mode["on"]
+            return
+        choice = uniform("recompute")
+        runs, convs = realise(choice)
+        with_fence, without = (_compiled_total(_make_step(step, factory, cut_labels, runs,
+                                                          convs, fence=f), args, target)
+                               for f in (True, False))
+        fence_mode["on"] = with_fence < without
+        preds[choice] = predict(choice, fit())
+        tried[choice] = min(with_fence, without)
+        notes.append(f"{target} plan: recomputed units {'fenced' if fence_mode['on'] else 'unfenced'}"
+                     f" (every unit recomputed: fenced {with_fence / mib:.2f} MiB, unfenced "
+                     f"{without / mib:.2f} MiB)")
 
     def cost_of(choice):
         return sum(raw[i][4] for i in choice)
@@ -643,13 +851,20 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         chosen += [idx[((u,), "store")] for u in range(n) if u not in covered]
         return tuple(sorted(chosen)) if best_item else None
 
+    calibration: set[tuple[int, ...]] = {all_store}
+
     def calibrate():
+        """Compile the plans every search starts from (they do not depend on the budget)."""
+        choose_fence()
+        calibration.add(uniform("recompute"))
         compile_choice(uniform("recompute"))
         if any(keep[u][1] < keep[u][0] for u in range(n)):
+            calibration.add(uniform("dots"))
             compile_choice(uniform("dots"))
         for kind in ("fewbit", "offload"):
             c = least_of(kind)
             if c is not None:
+                calibration.add(c)
                 compile_choice(c)
         for i, r in enumerate(raw):
             if kind_of(r[1]) == "rows" and i not in measured:
@@ -657,7 +872,22 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                 # alone and use the measured saving for this item from then on
                 alone = tuple(sorted([i] + [idx[((u,), "store")] for u in range(n)
                                             if u not in r[0]]))
+                calibration.add(alone)
                 measured[i] = store_bytes - compile_choice(alone)
+
+    def reachable():
+        """Compile the plan of least predicted bytes under a model fitted on the calibration
+        plans alone: every refused search compiles it (and those plans) whatever its budget,
+        so the least of their bytes is a budget :func:`plan` meets. Returns those plans."""
+        if not n:
+            return {all_store}
+        calibrate()
+        sol = _solve.solve_items(n, items_for(fit(calibration)), base, None, "bytes",
+                                 time_limit)
+        if sol.choice is None:
+            return set(calibration)
+        compile_choice(sol.choice)
+        return set(calibration) | {sol.choice}
 
     def least_bytes():
         """Compile the plan of least predicted bytes (and every unit recomputed)."""
@@ -715,6 +945,11 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         else:
             it = max_iterations
     fits = [c for c, v in tried.items() if v <= budget_bytes]
+    if not fits and budget_bytes < store_bytes:
+        if budget_bytes >= floor:
+            least_bytes()
+        canonical = reachable()
+        fits = [c for c, v in tried.items() if v <= budget_bytes]
     if fits:
         choice = min(fits, key=lambda c: (cost_of(c), tried[c], c))
         choices = []
@@ -751,24 +986,29 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                           solver_status=status if sol is not None else "OPTIMAL",
                           solver_gap=sol.gap if sol is not None and sol.choice is not None
                           else 0.0, iterations=max(it, 1), approximate=any(
-                              c.bits is not None for c in choices), notes=tuple(notes))
-    if budget_bytes >= floor:
-        least_bytes()
-    smallest = min(tried.values())
+                              c.bits is not None for c in choices), notes=tuple(notes),
+                          target=target)
+    smallest = min(tried[c] for c in canonical)
     big = max(range(n), key=lambda i: keep[i][0]) if n else None
     dominant = {"arguments (parameters, batch, state)": cm0.argument_bytes,
                 "outputs (loss, gradients)": cm0.output_bytes}
+    dominant["temporaries of that plan"] = max(0, smallest - floor)
     if big is not None:
-        dominant[f"largest unit working set ({units[big].label})"] = keep[big][0]
+        dominant[f"largest unit working set ({units[big].label}; part of the temporaries)"] \
+            = keep[big][0]
     parts = ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in
                       sorted(dominant.items(), key=lambda kv: -kv[1]))
     lead = (f"the step's arguments (parameters, batch, state) take "
             f"{cm0.argument_bytes / mib:.2f} MiB and its outputs (loss, gradients) "
             f"{cm0.output_bytes / mib:.2f} MiB before any activation is kept; "
             if budget_bytes < floor else "")
+    if not n:
+        lead += ("no layer boundary was found in the loss (no Flax Linen method call and no "
+                 "jaxmem.planner.tag(x, name)), so nothing can be recomputed: tag the outputs "
+                 "of its layers with jaxmem.planner.tag; ")
     raise BudgetError(
         f"plan: budget {budget_bytes / mib:.2f} MiB cannot be met; {lead}the smallest "
-        f"compiled total reached is {smallest / mib:.2f} MiB (default "
+        f"compiled total reached is {smallest / mib:.2f} MiB (a budget plan meets; default "
         f"{default_bytes / mib:.2f} MiB; {n} units, {len(tried)} plans compiled); dominated "
         f"by {parts}" + (" (arguments and outputs)" if budget_bytes < floor else ""),
         smallest, dominant, finer_units=budget_bytes >= floor and len(

@@ -79,14 +79,14 @@ def max_batch(step: Callable[..., Any], make_args: Callable[[int], tuple], budge
       True
     """
     from jaxmem.measure import compiled_memory
-    from jaxmem.planner.api import BudgetError, parse_budget, plan
+    from jaxmem.planner.api import BudgetError, budget_spec, parse_budget, plan
 
     if not callable(step):
         raise TypeError(f"max_batch: step must be callable, got {type(step).__name__}")
     if not callable(make_args):
         raise TypeError(f"max_batch: make_args must be callable (batch -> args), got "
                         f"{type(make_args).__name__}")
-    if isinstance(budget, float):
+    if budget_spec(budget, "max_batch")[0] == "fraction":
         raise TypeError(f"max_batch: budget must be bytes or a size string such as '256MiB', "
                          f"got the fraction {budget!r} (the default's bytes change with batch)")
     if not (isinstance(limit, int) and limit >= 1):

@@ -17,31 +17,36 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
+class _UsageError(Exception):
+    """A bad command line or a ``module:function`` of the wrong shape (exit status 2)."""
+
+
 def _load(spec: str):
     if ":" not in spec:
-        raise SystemExit(f"jaxmem plan: expected module:function, got {spec!r}")
+        raise _UsageError(f"expected module:function, got {spec!r}")
     modname, fn = spec.split(":", 1)
     sys.path.insert(0, str(pathlib.Path.cwd()))
     try:
         mod = importlib.import_module(modname)
+    except ImportError as e:
+        raise _UsageError(f"cannot import {modname!r}: {e}") from None
     finally:
         sys.path.pop(0)
     make = getattr(mod, fn, None)
     if not callable(make):
-        raise SystemExit(f"jaxmem plan: {modname} has no callable {fn!r}")
+        raise _UsageError(f"{modname} has no callable {fn!r}")
     out = make()
-    if not (isinstance(out, tuple) and len(out) == 2 and callable(out[0])):
-        raise SystemExit(f"jaxmem plan: {spec}() must return (loss, args), got "
-                         f"{type(out).__name__}")
+    want = ("must return (loss, args): the loss loss(params, *batch) -> scalar and a tuple "
+            "(or list) of its positional example arguments, e.g. (loss, (params, batch))")
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise _UsageError(f"{spec}() {want}; got {type(out).__name__}")
+    if not callable(out[0]):
+        raise _UsageError(f"{spec}() {want}; its first item is a {type(out[0]).__name__}, "
+                          f"not callable")
+    if not isinstance(out[1], (tuple, list)):
+        raise _UsageError(f"{spec}() {want}; its second item is a {type(out[1]).__name__}, "
+                          f"not a tuple (wrap a single argument: (loss, (params,)))")
     return out[0], tuple(out[1])
-
-
-def _budget(text: str):
-    try:
-        v = float(text)
-    except ValueError:
-        return text
-    return v if ("." in text and v <= 1.0) else int(v)
 
 
 def _png(p, path: pathlib.Path) -> bool:
@@ -73,9 +78,15 @@ def _png(p, path: pathlib.Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jaxmem plan", description=__doc__.splitlines()[0])
-    ap.add_argument("target", help="module:function returning (loss, args)")
+    ap.add_argument("step", metavar="module:function",
+                    help="module:function returning (loss, args)")
     ap.add_argument("--budget", required=True,
-                    help="bytes (4096), a size (512MiB, 1.5GB) or a fraction (0.25)")
+                    help="bytes (4096), a size (512MiB, 1.5GB) or a fraction in (0, 1] of the "
+                         "untouched step's compiled bytes (0.25)")
+    ap.add_argument("--target", default="cpu",
+                    help="plan against this target's compiled bytes: cpu (default) or a GPU "
+                         "(h100, h100_pcie, h200, a100, b200: XLA:GPU's plan, compiled here "
+                         "without one)")
     ap.add_argument("--approximate", action="store_true",
                     help="allow few-bit activation codes per unit (approximate gradients)")
     ap.add_argument("--no-order", action="store_true",
@@ -85,15 +96,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(list(argv) if argv is not None else None)
     from rich.console import Console
 
+    from jaxmem.measure.target import check_target
     from jaxmem.planner import BudgetError, plan
+    from jaxmem.planner.api import budget_spec
     console = Console()
-    loss, args = _load(a.target)
+    try:
+        budget_spec(a.budget, "--budget")
+        check_target(a.target, 1, "--target")
+        loss, args = _load(a.step)
+    except (_UsageError, ValueError, TypeError) as e:
+        print(f"jaxmem plan: {e}", file=sys.stderr)
+        return 2
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with console.status("measuring and solving"):
         try:
-            p = plan(loss, *args, budget=_budget(a.budget), allow_approximate=a.approximate,
-                     time_limit=a.time_limit, order=not a.no_order)
+            p = plan(loss, *args, budget=a.budget, allow_approximate=a.approximate,
+                     time_limit=a.time_limit, order=not a.no_order, target=a.target)
         except BudgetError as e:
             console.print(f"[red]{e}")
             (out / "plan.json").write_text(json.dumps(

@@ -102,10 +102,15 @@ def _check_args(fn, time_limit, chunks, search, verify,
     return float(time_limit), tuple(sorted({int(c) for c in chunks}))
 
 
-def _compile(fn, args):
+def _compile(fn, args, target="cpu"):
     """``(executable, temp + output + argument - alias)`` of ``jax.jit(fn)`` on ``args``
     (the figure :func:`jaxmem.measure.compiled_memory` reports as ``total_bytes``); a
-    function that is already jitted is lowered as it is, so calling it reuses the compile."""
+    function that is already jitted is lowered as it is, so calling it reuses the compile.
+    For a GPU ``target`` the bytes are XLA:GPU's plan and the executable is ``None`` (the
+    compile-only devices run nothing)."""
+    if target != "cpu":
+        from jaxmem.measure import compiled_memory
+        return None, compiled_memory(fn, *args, target=target).total_bytes
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)   # a jitted fn keeps its cache
     exe = jitted.lower(*args).compile()
     m = exe.memory_analysis()
@@ -223,7 +228,8 @@ def _unsupported_why(err: Exception) -> str:
 
 def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0,
             chunks: int | Sequence[int] = (4, 16), search: str = "local",
-            verify: bool = True, min_reduction: float = 0.0) -> OrderResult:
+            verify: bool = True, min_reduction: float = 0.0,
+            target: str = "cpu") -> OrderResult:
     """Fence ``fn`` into a low-peak order when that lowers XLA's compiled bytes.
 
     Args:
@@ -244,6 +250,9 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
       min_reduction: keep the fenced step only when it saves more than this fraction of
         the compiled bytes, ``ordered < (1 - min_reduction) * baseline`` (default 0: any
         saving).
+      target: whose compiled bytes decide (:func:`jaxmem.measure.compiled_memory`'s
+        ``target``: ``"cpu"`` or a GPU such as ``"h100"``); ``verify`` runs both steps on
+        this process's CPU.
 
     Returns:
       An :class:`OrderResult`; ``result.fn`` is the fenced step when ``result.applied``,
@@ -264,15 +273,17 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
     """
     time_limit, ks = _check_args(fn, time_limit, chunks, search, verify, min_reduction)
     from jaxmem.measure import compiled_memory
+    from jaxmem.measure.target import check_target
+    target = check_target(target, 1, "ordered")
     from jaxmem.schedule.jaxpr_graph import UnsupportedPrimitiveError, trace
     from jaxmem.schedule.simulate import simulate
 
     t0 = time.perf_counter()
     args = tuple(example_args)
     try:
-        base_exe, base = _compile(fn, args)
+        base_exe, base = _compile(fn, args, target)
     except Exception:
-        compiled_memory(fn, *args)   # raises TraceError naming fn
+        compiled_memory(fn, *args, target=target)   # raises TraceError naming fn
         raise
 
     def keep(why, **kw):
@@ -305,7 +316,7 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
     for k in ks:
         try:
             step = _fenced_step(ts, order, k, name)
-            exe, total = _compile(step, args)
+            exe, total = _compile(step, args, target)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
             errors.append(f"{k} chunks: {type(e).__name__}: {e}")
             continue
@@ -329,8 +340,8 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
                        for a in jax.tree_util.tree_leaves(args))
     if verify and concrete:
         try:
-            want = base_exe(*args)
-            got = exe(*args)
+            want = (base_exe or _compile(fn, args)[0])(*args)
+            got = (exe or _compile(step, args)[0])(*args)
             err = _max_rel_err(got, want)
             tol = _tolerance(want)
         except Exception as e:  # noqa: BLE001 - an ordered step that cannot run is dropped

@@ -128,6 +128,88 @@ class Unit:
     depth: int
 
 
+def unjit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a ``jax.jit`` wraps (repeatedly), else ``fn``: a jitted loss traced before
+    (e.g. by the untouched step's compile) would replay its cached, untagged jaxpr."""
+    while hasattr(fn, "lower") and callable(getattr(fn, "__wrapped__", None)):
+        fn = fn.__wrapped__
+    return fn
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype``: numpy dtypes and JAX's extended dtypes (a typed PRNG
+    key ``key<fry>`` holds two uint32 words: 8 bytes)."""
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else int(np.dtype(dtype).itemsize)
+
+
+#: call primitives the planner sees through when they hold a layer boundary: ``jax.jit``
+#: (``pjit``) and ``jax.checkpoint`` / ``nn.remat`` (whose own recomputation the plan replaces)
+_INLINED = frozenset({"pjit", "jit", "checkpoint", "remat", "remat2"})
+
+
+def _sub_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
+    """``(jaxpr, consts)`` of an inlinable call equation, else ``None``."""
+    if eqn.primitive.name not in _INLINED:
+        return None
+    sub = eqn.params.get("jaxpr")
+    if isinstance(sub, core.ClosedJaxpr):
+        return sub.jaxpr, list(sub.consts)
+    if isinstance(sub, core.Jaxpr):
+        return sub, []
+    return None
+
+
+def _has_tag(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name" and str(eqn.params.get("name", "")).startswith(PREFIX):
+            return True
+        sub = _sub_jaxpr(eqn)
+        if sub is not None and _has_tag(sub[0]):
+            return True
+    return False
+
+
+def _eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluate ``jaxpr`` binding every equation again, except call equations (``jit``,
+    ``checkpoint``) that hold a layer boundary: their bodies are evaluated in place."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        sub = _sub_jaxpr(eqn)
+        if sub is not None and _has_tag(sub[0]):
+            outs = _eval_inlined(sub[0], sub[1], *invals)
+        else:
+            with eqn.ctx.manager:
+                ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = ans if eqn.primitive.multiple_results else [ans]
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, core.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inline_tagged_calls(closed: Any) -> Any:
+    """``closed`` with the ``jit`` / ``checkpoint`` calls that hide layer boundaries inlined
+    (the same values; a user's own ``jax.checkpoint`` around tagged layers is dropped, the
+    plan decides what is recomputed)."""
+    if not any((sub := _sub_jaxpr(e)) is not None and _has_tag(sub[0])
+               for e in closed.jaxpr.eqns):
+        return closed
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                  weak_type=bool(getattr(v.aval, "weak_type", False)))
+             for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *xs: _eval_inlined(closed.jaxpr, closed.consts, *xs))(*avals)
+
+
 @dataclasses.dataclass
 class Traced:
     """The loss jaxpr with its unit boundaries."""
@@ -145,6 +227,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None,
     ``conversions`` maps layer labels to the :class:`Conversion` they are traced with."""
     flat, in_tree = jax.tree_util.tree_flatten(tuple(args))
     out_tree_box: list[Any] = []
+    fn = unjit(fn)
 
     def flat_fn(*xs):
         a = jax.tree_util.tree_unflatten(in_tree, xs)
@@ -157,6 +240,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None,
     applied: set = set()
     with ctx, _linen_tags(conversions, applied):
         closed = jax.make_jaxpr(flat_fn)(*flat)
+    closed = _inline_tagged_calls(closed)
     ends: dict[str, int] = {}
     for i, eqn in enumerate(closed.jaxpr.eqns):
         if eqn.primitive.name == "name":

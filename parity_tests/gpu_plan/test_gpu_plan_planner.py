@@ -1,0 +1,63 @@
+"""``jaxmem.plan(..., target="h100")``: the plan is made, and holds, on XLA:GPU's plan for an
+H100 (compiled here without a GPU; skipped without the CUDA PJRT plugin, see conftest)."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.measure import compiled_memory
+from jaxmem.planner import BudgetError, plan
+
+TARGET = "h100"
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(6):
+            x = nn.tanh(nn.Dense(256, name=f"d{i}")(x))
+        return nn.Dense(1, name="head")(x)
+
+
+@pytest.fixture(scope="module")
+def half():
+    m = _Net()
+    x = jax.random.normal(jax.random.key(0), (512, 256))
+    params = m.init(jax.random.key(1), x)
+
+    def loss(p, x):
+        return jnp.mean(m.apply(p, x) ** 2)
+
+    return loss, params, x, plan(loss, params, x, budget=0.5, target=TARGET, order=False,
+                                 max_iterations=3, time_limit=2.0)
+
+
+def test_h100_plan_within_half_of_its_default(half):
+    loss, params, x, p = half
+    default = compiled_memory(jax.value_and_grad(loss), params, x, target=TARGET)
+    assert p.target == TARGET and p.default_bytes == default.total_bytes
+    assert p.budget_bytes == int(0.5 * default.total_bytes)
+    assert any(c.option != "store" for c in p.choices)
+    for fn in (jax.value_and_grad(p.step), jax.grad(p.step)):
+        assert compiled_memory(fn, params, x, target=TARGET).total_bytes <= p.budget_bytes
+    assert any(f"{TARGET} plan: recomputed units" in n for n in p.notes)
+
+
+def test_h100_plan_gradients_exact_on_cpu(half):
+    loss, params, x, p = half
+    x2 = jax.random.normal(jax.random.key(5), x.shape)
+    v0, g0 = jax.value_and_grad(loss)(params, x2)
+    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, x2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_h100_refusal_names_its_target_bytes(half):
+    loss, params, x, _ = half
+    with pytest.raises(BudgetError) as e:
+        plan(loss, params, x, budget=4096, target=TARGET, order=False, max_iterations=1)
+    assert e.value.smallest_bytes > 4096
+    with pytest.raises(ValueError, match="target"):
+        plan(loss, params, x, budget=0.5, target="h1000")

@@ -1,0 +1,245 @@
+"""jaxmem.planner.plan keeps its promises: every documented use of a plan holds the budget,
+every refusal's ``smallest_bytes`` is reachable, and the loss may be jitted, take typed PRNG
+keys or keyword arguments."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem import models
+from jaxmem.measure import compiled_memory
+from jaxmem.planner import BudgetError, parse_budget, plan
+from jaxmem.planner.cli import main as cli_main
+
+
+def _rel(a, b):
+    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _total(fn, *args, **kw):
+    return compiled_memory(fn, *args, **kw).total_bytes
+
+
+# --- 1: an OLLA-order plan holds the budget whichever way it is differentiated --------------
+
+@pytest.fixture(scope="module")
+def order_plan():
+    m = models.gpt(n_layer=1, d_model=32, ctx=32)
+    tok = jax.random.randint(jax.random.key(6), (8, 32), 0, 256)
+    params = m.init(jax.random.key(7), tok)["params"]
+
+    def loss(p, t):
+        return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])
+
+    p = plan(loss, params, tok, budget=0.95)
+    if p.order is None or not p.order.applied:
+        pytest.fail(f"the order did not apply: {p.notes}")
+    return loss, params, tok, p
+
+
+def test_order_plan_every_documented_use_within_budget(order_plan):
+    loss, params, tok, p = order_plan
+    assert p.compiled_bytes <= p.budget_bytes < p.default_bytes
+    for name, fn in (("value_and_grad(step)", jax.value_and_grad(p.step)),
+                     ("grad(step)", jax.grad(p.step)),
+                     ("plan.value_and_grad()", p.value_and_grad())):
+        assert _total(fn, params, tok) <= p.budget_bytes, name
+    tok2 = jax.random.randint(jax.random.key(11), tok.shape, 0, 256)   # fresh input
+    v0, g0 = jax.value_and_grad(loss)(params, tok2)
+    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, tok2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    assert _rel(g1, g0) < 1e-4
+    assert _rel(jax.jit(jax.grad(p.step))(params, tok2), g0) < 1e-4
+    np.testing.assert_allclose(p.step(params, tok2), loss(params, tok2), rtol=1e-5)
+    # another batch size than planned for: same values (the untouched step runs)
+    tok3 = tok2[:4]
+    np.testing.assert_allclose(jax.grad(p.step)(params, tok3)["wte"]["embedding"],
+                               jax.grad(loss)(params, tok3)["wte"]["embedding"], rtol=1e-4,
+                               atol=1e-7)
+
+
+def test_order_plan_step_takes_keywords(order_plan):
+    loss, params, tok, p = order_plan
+    np.testing.assert_allclose(p.step(params, t=tok), loss(params, tok), rtol=1e-5)
+    assert _rel(jax.grad(p.step)(params, t=tok), jax.grad(loss)(params, tok)) < 1e-4
+
+
+# --- 2 and 4: typed PRNG keys, dropout, keyword arguments ------------------------------------
+
+class _DropNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        for i in range(3):
+            x = nn.Dense(64, name=f"d{i}")(x)
+            x = nn.Dropout(0.25, deterministic=not train, name=f"drop{i}")(nn.tanh(x))
+        return nn.Dense(1, name="head")(x)
+
+
+@pytest.fixture(scope="module")
+def dropout_plan():
+    m = _DropNet()
+    x = jax.random.normal(jax.random.key(0), (128, 64))
+    params = m.init(jax.random.key(1), x, train=False)["params"]
+
+    def loss(p, x, key, scale=1.0):
+        y = m.apply({"params": p}, x, rngs={"dropout": key})
+        return scale * jnp.mean(y ** 2)
+
+    key = jax.random.key(2)
+    return loss, params, x, key, plan(loss, params, x, key, budget=0.9, order=False)
+
+
+def test_typed_key_and_dropout_planned_exactly(dropout_plan):
+    loss, params, x, key, p = dropout_plan
+    assert p.compiled_bytes <= p.budget_bytes
+    assert _total(jax.value_and_grad(p.step), params, x, key) <= p.budget_bytes
+    x2 = jax.random.normal(jax.random.key(5), x.shape)
+    k2 = jax.random.key(9)
+    v0, g0 = jax.value_and_grad(loss)(params, x2, k2)
+    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, x2, k2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    assert _rel(g1, g0) < 1e-5
+
+
+def test_planned_step_takes_keyword_arguments(dropout_plan):
+    loss, params, x, key, p = dropout_plan
+    want = loss(params, x, key, scale=2.0)
+    np.testing.assert_allclose(p.step(params, x, key=key, scale=2.0), want, rtol=1e-5)
+    np.testing.assert_allclose(p.step(params, x=x, key=key, scale=2.0), want, rtol=1e-5)
+    g = jax.jit(jax.grad(p.step))(params, x, key=key, scale=2.0)
+    assert _rel(g, jax.grad(loss)(params, x, key, scale=2.0)) < 1e-5
+    with pytest.raises(TypeError):
+        p.step(params, x, key, nope=1)
+
+
+# --- 3: a refusal's smallest_bytes is reachable, and never within the budget ----------------
+
+def _tanh_mlp(depth=6, width=64, batch=256):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(depth):
+                x = nn.tanh(nn.Dense(width, name=f"d{i}")(x))
+            return nn.Dense(1, name="head")(x)
+
+    m = Net()
+    x = jax.random.normal(jax.random.key(3), (batch, width))
+    params = m.init(jax.random.key(4), x)
+    return (lambda p, x: jnp.mean(m.apply(p, x) ** 2)), params, x
+
+
+def test_refusal_smallest_is_above_budget_and_reachable():
+    loss, params, x = _tanh_mlp()
+    default = _total(jax.value_and_grad(loss), params, x)
+    with pytest.raises(BudgetError) as e:
+        plan(loss, params, x, budget=0.6, order=False, max_iterations=1)
+    small = e.value.smallest_bytes
+    assert small > int(0.6 * default)
+    for budget in (small, (small + default) // 2):
+        try:
+            p = plan(loss, params, x, budget=budget, order=False, max_iterations=1)
+        except BudgetError as err:
+            pytest.fail(f"budget {budget} (>= smallest {small}) refused: {err}")
+        assert p.compiled_bytes <= budget
+        assert _total(jax.value_and_grad(p.step), params, x) <= budget
+
+
+# --- 5: a jitted loss and nn.remat blocks are seen through ----------------------------------
+
+def test_jitted_loss_and_remat_blocks_are_seen_through():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.tanh(nn.Dense(64, name="fc")(x)) + x
+
+    class Net(nn.Module):
+        remat: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            blk = nn.remat(Block) if self.remat else Block
+            for i in range(4):
+                x = blk(name=f"b{i}")(x)
+            return nn.Dense(1, name="head")(x)
+
+    x = jax.random.normal(jax.random.key(0), (256, 64))
+    for remat, jit in ((False, True), (True, False)):
+        m = Net(remat=remat)
+        params = m.init(jax.random.key(1), x)
+
+        def loss(p, x, m=m):
+            return jnp.mean(m.apply(p, x) ** 2)
+
+        f = jax.jit(loss) if jit else loss
+        p = plan(f, params, x, budget=0.8, order=False)
+        assert p.compiled_bytes <= p.budget_bytes
+        labels = {c.label for c in p.choices}
+        assert any("b1" in lbl or "b0.." in lbl for lbl in labels), labels
+        g0 = jax.grad(loss)(params, x)
+        assert _rel(jax.jit(jax.grad(p.step))(params, x), g0) < 1e-5
+
+
+# --- 6: one budget parser -------------------------------------------------------------------
+
+def test_budget_parser_accepts_numpy_and_fraction_strings():
+    assert parse_budget(np.float32(0.5), 1000) == 500
+    assert parse_budget(np.float64(0.25), 1000) == 250
+    assert parse_budget("0.5", 1000) == 500
+    assert parse_budget(np.int64(4096)) == 4096
+    assert parse_budget("4096") == 4096
+    assert parse_budget("1.5KiB") == 1536
+
+
+@pytest.mark.parametrize("bad", ["1.5", "nan", "inf", "-1", "0", "0.0", 1.5, float("nan"),
+                                 float("inf"), 0.0, np.float32(2.0), -3, "0.1B", "1e400MiB"])
+def test_budget_parser_refuses_with_one_line(bad):
+    with pytest.raises(ValueError, match="budget") as e:
+        parse_budget(bad, 1000)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["1.5", "nan", "inf", "-2", "12 parsecs"])
+def test_cli_bad_budget_exits_2_with_one_line(bad, tmp_path, capsys):
+    rc = cli_main(["no_such_module_for_jaxmem:make", "--budget", bad,
+                   "--out", str(tmp_path / "o")])
+    out = capsys.readouterr()
+    assert rc == 2
+    text = (out.out + out.err).strip()
+    assert "budget" in text and "Traceback" not in text and len(text.splitlines()) == 1
+
+
+# --- 7: the CLI says what shape `module:function` must return -------------------------------
+
+USER = '''
+import jax.numpy as jnp
+
+def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w))
+
+def as_dict():
+    return loss, {"w": jnp.ones((4, 4)), "x": jnp.ones((2, 4))}
+
+def as_array():
+    return loss, jnp.ones((2, 4))
+
+def not_a_pair():
+    return loss
+'''
+
+
+@pytest.mark.parametrize("fn", ["as_dict", "as_array", "not_a_pair"])
+def test_cli_wrong_return_shape_is_a_clear_error(fn, tmp_path, monkeypatch, capsys):
+    (tmp_path / "plan_shape_user.py").write_text(USER)
+    monkeypatch.chdir(tmp_path)
+    rc = cli_main([f"plan_shape_user:{fn}", "--budget", "0.5", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr()
+    text = (out.out + out.err).strip()
+    assert rc == 2
+    assert "(loss, args)" in text and "tuple" in text and "Traceback" not in text
+    assert not (tmp_path / "o" / "plan.json").exists() or "error" in json.loads(
+        (tmp_path / "o" / "plan.json").read_text())
