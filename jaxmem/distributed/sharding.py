@@ -11,7 +11,9 @@ Three layouts of a parameter tree over a mesh with axes ``('data', 'model')``:
 * ``"tp"`` (tensor parallel, Megatron-LM): by parameter path, the first Dense of a pair is
   column-parallel (kernel ``P(None, 'model')``, bias ``P('model')``), the second row-parallel
   (kernel ``P('model', None)``), so ``y = (x W1) W2`` needs one all-reduce per pair; conv
-  kernels split their output channels; embeddings split the vocabulary. Batch over ``'data'``.
+  kernels (any path with ``conv`` in a name, any case: ``Conv_0``, ``conv1``) split their
+  output channels; embeddings (``Embed_0``, ``embed``, ``wte``, ...) split the vocabulary.
+  Batch over ``'data'``.
 
 Every rule is a ``(regex, PartitionSpec)`` pair matched against the ``/``-joined path of the
 parameter (first match wins), as in ``param_shardings(params, mesh, rules=...)``.
@@ -42,13 +44,20 @@ MODES = ("dp", "fsdp", "tp")
 #: projections first (split outputs), then row-parallel ones (split inputs).
 _COLUMN = r"(c_attn|c_fc|query|key|value|q_proj|k_proj|v_proj|qkv|fc1|wi|up_proj|gate_proj)"
 _ROW = r"(c_proj|out|o_proj|out_proj|fc2|wo|down_proj)"
+#: Names are matched case-insensitively (``(?i)``), so Flax's auto-names (``Conv_0``,
+#: ``ConvTranspose_1``, ``Embed_0``) match like user names (``conv1``, ``embed``). A conv
+#: kernel (1-, 2- or 3-D convolution: rank 3, 4 or 5) is split on its last axis, the output
+#: channels, by the rule of its own rank only (never on another axis).
+_CONV = r"(?i)(^|/)[^/]*conv[^/]*/kernel$"
 TP_RULES: tuple[tuple[str, P], ...] = (
-    (rf"(^|/){_COLUMN}/kernel$", P(None, "model")),
-    (rf"(^|/){_COLUMN}/bias$", P("model")),
-    (rf"(^|/){_ROW}/kernel$", P("model", None)),
-    (rf"(^|/){_ROW}/bias$", P()),
-    (r"(^|/)(wte|embedding|embed|tok_embeddings)/embedding$", P("model", None)),
-    (r"(^|/)[^/]*conv[^/]*/kernel$", P(None, None, None, "model")),
+    (rf"(?i)(^|/){_COLUMN}/kernel$", P(None, "model")),
+    (rf"(?i)(^|/){_COLUMN}/bias$", P("model")),
+    (rf"(?i)(^|/){_ROW}/kernel$", P("model", None)),
+    (rf"(?i)(^|/){_ROW}/bias$", P()),
+    (r"(?i)(^|/)(wte|embedding|embed|tok_embeddings)(_\d+)?/embedding$", P("model", None)),
+    (_CONV, P(None, None, None, None, "model")),
+    (_CONV, P(None, None, None, "model")),
+    (_CONV, P(None, None, "model")),
 )
 
 
@@ -108,8 +117,9 @@ def _axis_size(mesh: Mesh, axis: str) -> int:
     return int(mesh.shape[axis]) if axis in mesh.axis_names else 1
 
 
-def _fits(spec: P, shape, mesh: Mesh) -> bool:
-    if len(spec) > len(shape):
+def _fits(spec: P, shape, mesh: Mesh, exact: bool = False) -> bool:
+    """Whether ``spec`` can lay out ``shape`` on ``mesh`` (``exact``: same rank only)."""
+    if len(spec) > len(shape) or (exact and len(spec) != len(shape)):
         return False
     for dim, ax in zip(shape, spec):
         if ax is None:
@@ -142,7 +152,8 @@ def param_shardings(params, mesh: Mesh, mode: str = "fsdp", *,
         ``jax.ShapeDtypeStruct``).
       mesh: a mesh with a ``'data'`` axis (and ``'model'`` for ``"tp"``), e.g. :func:`mesh`.
       mode: ``"dp"`` (replicate), ``"fsdp"`` (split the largest axis divisible by the
-        ``'data'`` size over ``'data'``) or ``"tp"`` (Megatron rules :data:`TP_RULES`).
+        ``'data'`` size over ``'data'``) or ``"tp"`` (Megatron rules :data:`TP_RULES`,
+        names matched case-insensitively).
       rules: ``(regex, PartitionSpec)`` pairs tried first on the ``/``-joined path; a spec
         whose axes do not divide the parameter's shape is skipped (the parameter falls to the
         mode's default, replication for ``"tp"``).
@@ -161,15 +172,15 @@ def param_shardings(params, mesh: Mesh, mode: str = "fsdp", *,
     if mode in ("dp", "fsdp") and "data" not in mesh.axis_names:
         raise ValueError(f"param_shardings: mode={mode!r} needs a 'data' mesh axis, mesh has "
                          f"{mesh.axis_names}")
-    user = [(re.compile(r), s) for r, s in (rules or ())]
-    tp = [(re.compile(r), s) for r, s in TP_RULES] if mode == "tp" else []
+    user = [(re.compile(r), s, False) for r, s in (rules or ())]
+    tp = [(re.compile(r), s, r == _CONV) for r, s in TP_RULES] if mode == "tp" else []
     n_data = _axis_size(mesh, "data")
 
     def one(path, leaf):
         shape = tuple(np.shape(leaf))
         name = path_str(path)
-        for rx, spec in user + tp:
-            if rx.search(name) and _fits(spec, shape, mesh):
+        for rx, spec, exact in user + tp:
+            if rx.search(name) and _fits(spec, shape, mesh, exact):
                 return NamedSharding(mesh, spec)
         if mode == "fsdp":
             return NamedSharding(mesh, _fsdp_spec(shape, n_data))

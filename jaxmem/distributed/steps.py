@@ -88,9 +88,14 @@ class TrainStep:
 
     def init(self, params):
         """``(params, optimizer.init(params))`` placed with their shardings (no host copy of
-        the optimizer state: it is created sharded)."""
+        the optimizer state: it is created sharded).
+
+        The returned parameters are always new buffers (``device_put(..., may_alias=False)``),
+        also for leaves already laid out as the step wants them: the step donates what it
+        is given, and the caller's ``params`` stay valid and unchanged after any number of
+        steps. ``params`` is not consumed."""
         psh, osh = self.param_shardings(params), self.opt_shardings(params)
-        params = jax.device_put(params, psh)
+        params = jax.device_put(params, psh, may_alias=False)
         opt_state = jax.jit(self.optimizer.init, out_shardings=osh)(params)
         return params, opt_state
 
