@@ -163,7 +163,10 @@ def markdown(rs, target):
     lines += ["", ("axis-2: bytes formed by a reduction over axis -2 of `[..., G, B]`; current: "
               "`jaxmem.fewbit.pack` (trailing-axis reduction); barrier: the axis -2 bytes through "
               "`lax.optimization_barrier`; flat: `jaxmem.selective.pack_codes` (flattened codes)."),
-              "The dense packing is bits/8 B per element (0.125 / 0.25 / 0.375 / 0.5)."]
+              "The dense packing is bits/8 B per element (0.125 / 0.25 / 0.375 / 0.5).",
+              ("On the H100 plan the JAX default's 32 B are the Triton split-K dot's 8 "
+               "unreduced f32 partial sums of the pre-activation, kept for the backward "
+               "(buffer assignment).") if target != "default" else ""]
     return "\n".join(lines) + "\n"
 
 

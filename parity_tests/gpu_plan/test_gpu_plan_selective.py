@@ -41,8 +41,10 @@ def test_relu_mask_is_one_bit(relu_mlp):
 
 
 def test_elementwise_bool_mask_is_not_kept_packed(relu_mlp):
-    """The same backward with ``x > 0`` as residual: XLA:GPU keeps at least a byte per
-    element (the check above can fail)."""
+    """The same backward with ``x > 0`` as residual: XLA:GPU fuses the compare into the
+    backward and keeps what it reads instead (the check above can fail). At this shape that
+    is the Triton split-K dot's unreduced ``f32[8, b, h]`` partial sums, 32 B per element
+    per layer (buffer assignment), as for plain ``jax.nn.relu``."""
     assert relu_mlp["bool mask"] >= 1.0, relu_mlp
     assert relu_mlp["jax"] >= 1.0, relu_mlp
 
