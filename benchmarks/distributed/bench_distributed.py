@@ -18,7 +18,16 @@ it, so each sharded column is compared with the one-device step at that *per-dev
 the batch). Beside it, the activation-only saving: the residual bytes autodiff keeps
 (``jaxmem.measure.residual_bytes``, activations only) of the loss at the per-device batch.
 
-Usage: ``python benchmarks/distributed/bench_distributed.py [--models gpt,resnet50]``
+Targets (``--target``, default ``h100,cpu``): every compiled figure is measured on each.
+``h100`` is XLA:GPU's plan for 8 x H100 compiled on this machine without a GPU: the sharded
+steps are lowered on a mesh of compile-only devices
+(``jaxmem.measure.target_mesh("h100", (8,))`` reshaped by ``jaxmem.distributed.mesh``) with
+abstract arguments, the one-device steps with ``compiled_memory(..., target="h100")``.
+``cpu`` is XLA:CPU on 8 host devices. Limits of the GPU plan: no autotuning (cuBLAS/cuDNN
+workspaces not counted: ``temp`` is a lower bound), no timing, XLA of this jax version.
+
+Usage: ``python benchmarks/distributed/bench_distributed.py [--models gpt,resnet50]
+[--target h100,cpu]``
 (re-executes itself with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``); each model
 is stored in ``results/distributed/parts/<model>.json`` and the tables are rebuilt from every
 part measured so far into ``benchmarks/results/distributed/distributed.{md,json}``
@@ -46,7 +55,8 @@ import optax
 
 import jaxmem.linen
 from jaxmem import distributed as jd
-from jaxmem.measure import residual_bytes
+from jaxmem.measure import TARGETS, compiled_memory, residual_bytes, target_mesh
+from jaxmem.measure.target import compile_lowered
 from jaxmem.models import gpt, resnet50
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,13 +107,34 @@ def gpt_case(quick):
     return name, model, params, (tok, tok), make_loss
 
 
-def measure(compiled):
+def measure(compiled, gemm=""):
     m = compiled.memory_analysis()
     c = jd.collectives(compiled.as_text())
-    return {"temp": int(m.temp_size_in_bytes),
-            "total": int(m.temp_size_in_bytes + m.output_size_in_bytes
-                         + m.argument_size_in_bytes - m.alias_size_in_bytes),
-            "collectives": c.counts, "collective_bytes": c.bytes}
+    out = {"temp": int(m.temp_size_in_bytes),
+           "total": int(m.temp_size_in_bytes + m.output_size_in_bytes
+                        + m.argument_size_in_bytes - m.alias_size_in_bytes),
+           "collectives": c.counts, "collective_bytes": c.bytes}
+    if gemm:
+        out["gemm_backend"] = gemm
+    return out
+
+
+def _none():
+    return {k: 0 for k in jd.KINDS}
+
+
+def measure_one(fn, args, target):
+    """The one-device step on a GPU target (``compiled_memory``; no collectives)."""
+    c = compiled_memory(fn, *args, donate_argnums=(0, 1), target=target)
+    return {"temp": c.temp_bytes, "total": c.total_bytes, "collectives": _none(),
+            "collective_bytes": _none(), "gemm_backend": c.gemm_backend}
+
+
+def target_devices(target):
+    """The devices sharded steps are laid out on: 8 host CPUs, or 8 compile-only GPUs."""
+    if target == "cpu":
+        return None
+    return list(target_mesh(target, (NDEV,), ("data",)).devices.flat)
 
 
 def _local(batch, b):
@@ -115,7 +146,7 @@ def _zeros(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
-def run_case(case, quick):
+def run_case(case, quick, targets, variants=tuple(VARIANTS)):
     name, model, params, batch, make_loss = case(quick)
     opt = optax.sgd(0.1)
     ostate = jax.eval_shape(opt.init, params)
@@ -129,7 +160,8 @@ def run_case(case, quick):
             for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(sh))))
     zparams = _zeros(params)
     rows = []
-    for variant, kw in VARIANTS.items():
+    for variant in variants:
+        kw = VARIANTS[variant]
         m = model if kw is None else jaxmem.linen.convert(model, **kw)
         loss = make_loss(m)
 
@@ -138,22 +170,34 @@ def run_case(case, quick):
             u, s = opt.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        t0 = time.time()
-        one = jax.jit(one_device_step, donate_argnums=(0, 1))
-        single = measure(one.lower(params, ostate, batch).compile())
         row = {"model": name, "variant": variant, "param_bytes": param_bytes,
-               "param_shard_bytes": shard_bytes,
-               "single": single, "single_local": {}, "residual_local": {}}
+               "param_shard_bytes": shard_bytes, "residual_local": {}, "targets": {},
+               "compile_s": {}}
         for b in sorted(set(LOCAL.values())):
-            row["single_local"][str(b)] = measure(
-                one.lower(params, ostate, _local(batch, b)).compile())
             rep = residual_bytes(loss, zparams, _zeros(_local(batch, b)))
             row["residual_local"][str(b)] = int(rep.activation_bytes)
-        for mode, shape in MODES.items():
-            step = jd.train_step(loss, opt, jd.mesh(**shape), mode)
-            row[mode] = measure(step.lower(params, ostate, batch).compile())
-        row["compile_s"] = round(time.time() - t0, 1)
-        print(f"{name} {variant}: done in {row['compile_s']} s", flush=True)
+        one = jax.jit(one_device_step, donate_argnums=(0, 1))
+        for target in targets:
+            t0 = time.time()
+            if target == "cpu":
+                def single(bt, one=one):
+                    return measure(one.lower(params, ostate, bt).compile())
+            else:
+                def single(bt, f=one_device_step, target=target):
+                    return measure_one(f, (params, ostate, bt), target)
+            res = {"single": single(batch), "single_local": {}}
+            for b in sorted(set(LOCAL.values())):
+                res["single_local"][str(b)] = single(_local(batch, b))
+            devs = target_devices(target)
+            for mode, shape in MODES.items():
+                step = jd.train_step(loss, opt, jd.mesh(**shape, devices=devs), mode)
+                lowered = step.lower(params, ostate, batch)
+                compiled, gemm = compile_lowered(lowered, target, "auto")
+                res[mode] = measure(compiled, gemm)
+            row["targets"][target] = res
+            row["compile_s"][target] = round(time.time() - t0, 1)
+            print(f"{name} {variant} on {target}: done in {row['compile_s'][target]} s",
+                  flush=True)
         rows.append(row)
     return rows
 
@@ -166,13 +210,16 @@ def _saving(r, base, get):
     return 100 * (1 - get(r) / get(base))
 
 
-def table(rows):
+def table(rows, target):
+    """The three tables of one target (each row's ``targets[target]``)."""
     out = []
     by = {}
     for r in rows:
-        by.setdefault(r["model"], {})[r["variant"]] = r
+        if target in r["targets"]:
+            by.setdefault(r["model"], {})[r["variant"]] = {**r, **r["targets"][target]}
     locs = sorted(set(LOCAL.values()))
-    out.append("Per-device `temp` MiB (saving vs default under the same layout):")
+    out.append(f"Per-device `temp` MiB on {LABEL(target)} (saving vs default under the "
+               "same layout):")
     out.append("")
     out.append(f"| model | variant | 1 device, batch {GLOBAL_BATCH} | "
                + " | ".join(f"1 device, batch {b}" for b in locs) + " | "
@@ -223,7 +270,8 @@ def table(rows):
                            f"{mib(res_d)} -> {mib(res_j)} ({100 * (1 - res_j / res_d):.1f}%) | "
                            f"{mib(r[m]['temp'])} / {mib(floor)} |")
     out.append("")
-    out.append("Collectives per device (count / result bytes) of the compiled step:")
+    out.append(f"Collectives per device (count / result bytes) of the compiled step on "
+               f"{LABEL(target)}:")
     out.append("")
     out.append("| model | mode | variant | all-gather | all-reduce | reduce-scatter | "
                "collective-permute | all-to-all | total bytes | <= default |")
@@ -240,8 +288,26 @@ def table(rows):
     return "\n".join(out)
 
 
+def LABEL(target):
+    return (f"the {target.upper()} plan (8 x {target.upper()})" if target != "cpu"
+            else "8 host CPU devices")
+
+
+def gemm_used(rows, target):
+    used = set()
+    for r in rows:
+        res = r["targets"].get(target, {})
+        for v in res.values():
+            if isinstance(v, dict) and v.get("gemm_backend"):
+                used.add(v["gemm_backend"])
+            if isinstance(v, dict):
+                used |= {w["gemm_backend"] for w in v.values()
+                         if isinstance(w, dict) and w.get("gemm_backend")}
+    return "/".join(sorted(used)) or "-"
+
+
 READING = """\
-Reading the tables. A device's `temp` is the larger of two peaks: the activation peak of
+Reading the CPU tables. A device's `temp` is the larger of two peaks: the activation peak of
 the backward and the gradient peak at its end (`floor`: the gradient and its all-reduced
 copy under DP; the full gradient before its reduce-scatter and the gathered parameters
 under FSDP). Where jaxmem's activation peak falls under the floor (DP for both models,
@@ -265,38 +331,122 @@ batch split survives (no extra collective). The TP step still has fewer all-redu
 (201 vs 254) and fewer collective bytes in total than the default."""
 
 
+def summary(rows, targets):
+    """5-10 lines: per model and layout, the GPU plan's default temp and jaxmem saving beside
+    the CPU's, and the collective counts."""
+    gpu = [t for t in targets if t != "cpu"]
+    if not gpu or "cpu" not in targets:
+        return []
+    g = gpu[0]
+    by = {}
+    for r in rows:
+        if g in r["targets"] and "cpu" in r["targets"]:
+            by.setdefault(r["model"], {})[r["variant"]] = r["targets"]
+    out = []
+    for model, vs in by.items():
+        if "default" not in vs or "jaxmem" not in vs:
+            continue
+        d, j = vs["default"], vs["jaxmem"]
+        one = {t: 100 * (1 - j[t]["single"]["temp"] / d[t]["single"]["temp"])
+               for t in (g, "cpu")}
+        out.append(f"- {model}, one device, batch {GLOBAL_BATCH}: default temp "
+                   f"{mib(d[g]['single']['temp'])} MiB on the {g.upper()} plan vs "
+                   f"{mib(d['cpu']['single']['temp'])} MiB on CPU; jaxmem saves {one[g]:.1f}% "
+                   f"vs {one['cpu']:.1f}%.")
+        for m in MODES:
+            sv = {t: 100 * (1 - j[t][m]["temp"] / d[t][m]["temp"]) for t in (g, "cpu")}
+            nc = {t: sum(d[t][m]["collectives"].values()) for t in (g, "cpu")}
+            ncj = {t: sum(j[t][m]["collectives"].values()) for t in (g, "cpu")}
+            out.append(f"  - {m.upper()} per device: default temp {mib(d[g][m]['temp'])} vs "
+                       f"{mib(d['cpu'][m]['temp'])} MiB, jaxmem saves {sv[g]:.1f}% vs "
+                       f"{sv['cpu']:.1f}%; collectives (default / jaxmem) {nc[g]} / {ncj[g]} "
+                       f"vs {nc['cpu']} / {ncj['cpu']}.")
+    return out
+
+
+PLAN_LIMITS = ("GPU plan limits: XLA:GPU's memory plan compiled without a GPU (compile-only "
+               "devices of the CUDA PJRT plugin, 8 devices in one host topology): no "
+               "autotuning, so cuBLAS/cuDNN workspaces are not counted and `temp` is a lower "
+               "bound; no timing; the plan belongs to XLA of jax {jax}. Collective counts on "
+               "the GPU plan are after XLA:GPU's collective combiners, so fewer and larger "
+               "than XLA:CPU's.")
+
+
+def _cpu_only(r):
+    """A row of a part measured on CPU only, in the per-target layout."""
+    keys = ("single", "single_local", *MODES)
+    return {**{k: v for k, v in r.items() if k not in keys},
+            "targets": {"cpu": {k: r[k] for k in keys}}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default="gpt,resnet50")
     ap.add_argument("--md-only", action="store_true", help="rebuild the tables from parts/")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated variants ({', '.join(VARIANTS)})")
+    ap.add_argument("--target", default="h100,cpu",
+                    help=f"comma-separated compile targets ({', '.join(TARGETS)})")
     args = ap.parse_args()
+    targets = [t for t in args.target.split(",") if t]
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
+    for t in targets:
+        if t not in TARGETS:
+            raise SystemExit(f"--target: {t!r} is not one of {TARGETS}")
     assert jax.device_count() == NDEV, jax.device_count()
     cases = {"gpt": gpt_case, "resnet50": resnet_case}
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": NDEV,
-            "quick": args.quick,
-            "command": "python benchmarks/distributed/bench_distributed.py"
-                       + (" --quick" if args.quick else "")}
+            "quick": args.quick, "targets": targets,
+            "command": ".venv/bin/python benchmarks/distributed/bench_distributed.py"
+                       + (" --quick" if args.quick else "")
+                       + (f" --target {args.target}" if targets != ["h100", "cpu"] else "")}
     parts = OUT / "parts"
     parts.mkdir(exist_ok=True)
     for key in ([] if args.md_only else args.models.split(",")):
         if key not in cases:
             raise SystemExit(f"--models: {key!r} is not one of {sorted(cases)}")
-        rows = run_case(cases[key], args.quick)
-        (parts / f"{key}.json").write_text(json.dumps(rows, indent=1))
-    rows = []
+        rows = run_case(cases[key], args.quick, targets, variants)
+        (parts / f"{key}.json").write_text(json.dumps(
+            {"command": meta["command"] + f" --models {key}"
+             + (f" --variants {args.variants}" if variants != list(VARIANTS) else ""),
+             "rows": rows}, indent=1))
+    rows, commands = [], []
     for key in cases:  # every model measured so far (one run per model may be separate)
         if (parts / f"{key}.json").exists():
-            rows += json.loads((parts / f"{key}.json").read_text())
+            part = json.loads((parts / f"{key}.json").read_text())
+            if isinstance(part, list):  # a part measured on 8 host CPU devices only
+                part = {"command": "python benchmarks/distributed/bench_distributed.py "
+                                   f"--models {key} (CPU only)",
+                        "rows": [_cpu_only(r) for r in part]}
+            commands.append(part["command"])
+            rows += part["rows"]
+    meta["part_commands"] = commands
     (OUT / "distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    shown = [t for t in targets if any(t in r["targets"] for r in rows)]
     md = ["# Sharded training steps: per-device compiled bytes and collectives", "",
-          (f"`{meta['command']}` — jax {meta['jax']}, {NDEV} host CPU devices "
-           f"({meta['backend']}); compiled only (XLA memory_analysis per device)."), "",
+          "Regenerate with " + ", then ".join(f"`{c}`" for c in commands) + ".", "",
+          (f"Command `{meta['command']}` — jax {meta['jax']}; compiled only (XLA "
+           "memory_analysis per device) on " + ", ".join(LABEL(t) for t in shown) + "."), "",
           ("Saving = 1 - jaxmem temp / default temp under the same layout. DP and FSDP: "
            f"8x1 mesh, {LOCAL['dp']} examples per device; TP: 4x2 ('data', 'model'), "
            f"{LOCAL['tp']} examples per device and the Megatron-split layers halved. SGD "
-           "(no optimizer state), parameters donated."), "", table(rows), "", READING, ""]
+           "(no optimizer state), parameters donated."), "",
+          PLAN_LIMITS.format(jax=meta["jax"]), ""]
+    summ = summary(rows, shown)
+    if summ:
+        md += ["## Summary: GPU plan vs CPU", ""] + summ + [""]
+    for t in shown:
+        md += [f"## {LABEL(t)[0].upper() + LABEL(t)[1:]}", ""]
+        if t != "cpu":
+            md += [f"GEMM backend: {gemm_used(rows, t)}.", ""]
+        md += [table(rows, t), ""]
+        if t == "cpu":
+            md += [READING, ""]
     (OUT / "distributed.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -1,7 +1,7 @@
 """Flax code as users write it: compiled bytes and step time of the FULL train step.
 
 Command: .venv/bin/python benchmarks/flax_code/bench_flax_code.py [--quick] [--models a,b]
-[--out STEM]. Writes benchmarks/results/flax_code/flax_code{,_quick}.{json,md} (or
+[--target h100,cpu] [--out STEM]. Writes benchmarks/results/flax_code/flax_code{,_quick}.{json,md} (or
 ``STEM.json`` / ``STEM.md``).
 
 For every model of ``jaxmem.bench.flax_models`` (Linen ResNet, Linen causal LM unrolled and
@@ -17,7 +17,9 @@ scanned LM is compared with), the jitted train step
   approximate gradients, opt-in).
 
 Compiled bytes are ``temp + output + argument - alias`` of XLA's plan
-(``jaxmem.measure.compiled_memory``). Step time is a ratio to ``default`` measured side by side
+(``jaxmem.measure.compiled_memory``), on every ``--target`` (default ``h100,cpu``): ``h100``
+is XLA:GPU's plan for one H100 compiled here without a GPU (no autotuning: cuBLAS/cuDNN
+workspaces not counted, temp a lower bound; no timing), ``cpu`` XLA:CPU's. Step time is a ratio to ``default`` measured side by side
 in this run (the three compiled steps called in turn, median of ``--repeats`` calls after one
 warm-up call each). Where a model has a depth knob the per-layer slope is
 ``(bytes(2L) - bytes(L)) / L`` with ``L = SLOPE_DEPTH`` (the base depth unless listed): the
@@ -54,7 +56,7 @@ import optax
 import jaxmem
 from jaxmem.bench import flax_models as FM
 from jaxmem.bench.flax_models import ResNet
-from jaxmem.measure import compiled_memory
+from jaxmem.measure import TARGETS, compiled_memory
 from jaxmem.selective import subset as S
 
 #: the models measured: ``jaxmem.bench.flax_models.STEPS`` plus the unrolled remat twin of
@@ -91,10 +93,11 @@ def _build(name, variant, depth=None):
     return STEPS[name](convert=convert, depth=depth, batch_size=BATCH.get(name))
 
 
-def _bytes(case) -> dict:
-    c = compiled_memory(case.pure_step, *case.pure_args)
+def _bytes(case, target="cpu") -> dict:
+    c = compiled_memory(case.pure_step, *case.pure_args, target=target)
     return {"total": c.total_bytes, "temp": c.temp_bytes, "output": c.output_bytes,
-            "argument": c.argument_bytes, "alias": c.alias_bytes}
+            "argument": c.argument_bytes, "alias": c.alias_bytes,
+            "gemm_backend": c.gemm_backend}
 
 
 def _times(cases: dict, repeats: int) -> tuple[dict, dict]:
@@ -117,30 +120,38 @@ def _times(cases: dict, repeats: int) -> tuple[dict, dict]:
             {k: statistics.median(v) for k, v in cpu.items()})
 
 
-def bench_models(names, variants, repeats, slopes) -> list[dict]:
+def bench_models(names, variants, repeats, slopes, targets) -> list[dict]:
+    """Per model: ``bytes[target][variant]``, ``bytes_ratio[target][variant]``,
+    ``slope[target][variant]`` (compiled figures on each target) and CPU time ratios."""
     rows = []
     for name in names:
         cases = {v: _build(name, v) for v in variants}
-        row = {"model": name, "depth": cases["default"].depth, "bytes": {}, "slope": {}}
-        for v, c in cases.items():
-            row["bytes"][v] = _bytes(c)
+        row = {"model": name, "depth": cases["default"].depth, "bytes": {}, "slope": {},
+               "bytes_ratio": {}, "slope_ratio": {}}
+        for t in targets:
+            row["bytes"][t] = {v: _bytes(c, t) for v, c in cases.items()}
+            row["bytes_ratio"][t] = {v: row["bytes"][t][v]["total"]
+                                     / row["bytes"][t]["default"]["total"] for v in variants}
         secs, cpu = _times(cases, repeats)
         row["seconds"] = secs
         row["cpu_seconds"] = cpu
         row["time_ratio"] = {v: secs[v] / secs["default"] for v in variants}
         row["cpu_ratio"] = {v: cpu[v] / cpu["default"] for v in variants}
-        row["bytes_ratio"] = {v: row["bytes"][v]["total"] / row["bytes"]["default"]["total"]
-                              for v in variants}
         if slopes and row["depth"] is not None:
             L = SLOPE_DEPTH.get(name, row["depth"])
             row["slope_depths"] = [L, 2 * L]
             for v in variants:
-                b1 = (row["bytes"][v]["total"] if L == row["depth"]
-                      else _bytes(_build(name, v, depth=L))["total"])
-                b2 = _bytes(_build(name, v, depth=2 * L))["total"]
-                row["slope"][v] = (b2 - b1) / L
-            row["slope_ratio"] = {v: row["slope"][v] / row["slope"]["default"]
-                                  for v in variants if row["slope"]["default"]}
+                small = None if L == row["depth"] else _build(name, v, depth=L)
+                big = _build(name, v, depth=2 * L)
+                for t in targets:
+                    b1 = (row["bytes"][t][v]["total"] if small is None
+                          else _bytes(small, t)["total"])
+                    b2 = _bytes(big, t)["total"]
+                    row["slope"].setdefault(t, {})[v] = (b2 - b1) / L
+            for t in targets:
+                sl = row["slope"][t]
+                row["slope_ratio"][t] = {v: sl[v] / sl["default"] for v in variants
+                                         if sl["default"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -221,19 +232,25 @@ def _finetune_steps(model, v, x, y, case):
             "subset": subset_step(loss)}
 
 
-def bench_finetune(cases) -> list[dict]:
+FT_LABELS = ("multi_transform", "optax_masked", "subset", "subset_convert")
+
+
+def bench_finetune(cases, targets) -> list[dict]:
+    """Per case: ``bytes[target][label]`` and ``ratio_vs_multi_transform[target][label]``."""
     ref, v, x, y = _finetune_setup()
     conv = jaxmem.linen.convert(ref)
     rows = []
     for case in cases:
-        row = {"case": case, "trainable": FINETUNE[case]}
-        for label, (fn, args) in _finetune_steps(ref, v, x, y, case).items():
-            row[label] = compiled_memory(fn, *args).total_bytes
-        fn, args = _finetune_steps(conv, v, x, y, case)["subset"]
-        row["subset_convert"] = compiled_memory(fn, *args).total_bytes
-        base = row["multi_transform"]
-        row["ratio_vs_multi_transform"] = {k: row[k] / base for k in
-                                           ("optax_masked", "subset", "subset_convert")}
+        row = {"case": case, "trainable": FINETUNE[case], "bytes": {},
+               "ratio_vs_multi_transform": {}}
+        steps = _finetune_steps(ref, v, x, y, case)
+        steps["subset_convert"] = _finetune_steps(conv, v, x, y, case)["subset"]
+        for t in targets:
+            b = {label: compiled_memory(fn, *args, target=t).total_bytes
+                 for label, (fn, args) in steps.items()}
+            row["bytes"][t] = b
+            row["ratio_vs_multi_transform"][t] = {k: b[k] / b["multi_transform"] for k in
+                                                  ("optax_masked", "subset", "subset_convert")}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -254,24 +271,32 @@ def _env() -> dict:
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def _misses(models) -> list[str]:
-    """The targets each model misses (exact variant), in words."""
+def _label(t) -> str:
+    return "H100 plan" if t == "h100" else ("CPU" if t == "cpu" else f"{t} plan")
+
+
+def _misses(models, targets) -> list[str]:
+    """The targets each model misses (exact variant), in words, per compile target."""
     out, by = [], {r["model"]: r for r in models}
     for r in models:
-        br, tr = r["bytes_ratio"]["exact"], r["time_ratio"]["exact"]
-        if br > 0.80:
-            out.append(f"{r['model']}: exact compiled bytes {br:.2f}x (> 0.80x)")
+        for t in targets:
+            br = r["bytes_ratio"][t]["exact"]
+            if br > 0.80:
+                out.append(f"{r['model']}: exact compiled bytes {br:.2f}x on {_label(t)} "
+                           "(> 0.80x)")
+        tr = r["time_ratio"]["exact"]
         if tr > 1.10:
             cpu = r.get("cpu_ratio", {}).get("exact")
             extra = f" wall ({cpu:.2f}x process CPU time)" if cpu is not None else ""
-            out.append(f"{r['model']}: exact step time {tr:.2f}x{extra} (> 1.10x)")
+            out.append(f"{r['model']}: exact step time {tr:.2f}x{extra} on CPU (> 1.10x)")
     # the scanned model against its like-for-like unrolled twin (same nn.remat per block)
     if "linen_lm_remat" in by and "linen_lm_scan" in by:
-        a = by["linen_lm_remat"]["bytes_ratio"]["exact"]
-        b = by["linen_lm_scan"]["bytes_ratio"]["exact"]
-        if b - a > 0.05:
-            out.append(f"linen_lm_scan: exact ratio {b:.2f}x vs unrolled remat twin "
-                       f"linen_lm_remat {a:.2f}x (more than 5 points)")
+        for t in targets:
+            a = by["linen_lm_remat"]["bytes_ratio"][t]["exact"]
+            b = by["linen_lm_scan"]["bytes_ratio"][t]["exact"]
+            if b - a > 0.05:
+                out.append(f"linen_lm_scan: exact ratio {b:.2f}x vs unrolled remat twin "
+                           f"linen_lm_remat {a:.2f}x on {_label(t)} (more than 5 points)")
     return out
 
 
@@ -310,9 +335,8 @@ def remat_residuals(depth=2) -> dict:
     return out
 
 
-def _cells(r) -> list[str]:
-    """Table cells of one model row."""
-    b, sl, slr = r["bytes"], r.get("slope", {}), r.get("slope_ratio", {})
+def _cells(r, targets) -> list[str]:
+    """Table cells of one model row: bytes on each target, then the CPU time ratios."""
     wall, cpu = r["time_ratio"], r.get("cpu_ratio", {})
 
     def t(v):
@@ -320,67 +344,126 @@ def _cells(r) -> list[str]:
             return "-"
         return f"{wall[v]:.2f}x / {cpu[v]:.2f}x" if v in cpu else f"{wall[v]:.2f}x"
 
-    def size(v):
-        return f"{b[v]['total'] / MIB:.2f} ({r['bytes_ratio'][v]:.2f}x)" if v in b else "-"
+    def size(tg, v):
+        b = r["bytes"][tg]
+        if v not in b:
+            return "-"
+        if v == "default":
+            return f"{b[v]['total'] / MIB:.2f}"
+        return f"{b[v]['total'] / MIB:.2f} ({r['bytes_ratio'][tg][v]:.2f}x)"
 
-    def slope(v):
+    cells = [r["model"], "-" if r["depth"] is None else str(r["depth"])]
+    for tg in targets:
+        cells += [size(tg, v) for v in VARIANTS]
+    return cells + [t("exact"), t("fewbit3")]
+
+
+def _slope_cells(r, targets) -> list[str]:
+    def slope(tg, v):
+        sl, slr = r["slope"].get(tg, {}), r["slope_ratio"].get(tg, {})
         if v not in sl:
             return "-"
         ratio = f" ({slr[v]:.2f}x)" if v != "default" and v in slr else ""
         return f"{sl[v] / 1024:.0f}{ratio}"
 
-    return [r["model"], "-" if r["depth"] is None else str(r["depth"]),
-            f"{b['default']['total'] / MIB:.2f}", size("exact"), size("fewbit3"),
-            t("exact"), t("fewbit3"),
-            slope("default"), slope("exact"), slope("fewbit3")]
+    return [r["model"], str(r.get("slope_depths", "-"))] + [
+        slope(tg, v) for tg in targets for v in VARIANTS]
+
+
+def _gemm(res, t) -> str:
+    used = {b.get("gemm_backend") for r in res["models"] for b in r["bytes"].get(t, {}).values()}
+    return "/".join(sorted(u for u in used if u)) or "-"
+
+
+def _summary(res) -> list[str]:
+    """5-10 lines: the headline GPU-plan vs CPU figures."""
+    ts = res["targets"]
+    gpu = [t for t in ts if t != "cpu"]
+    if not gpu or "cpu" not in ts:
+        return []
+    g = gpu[0]
+    out = []
+    for r in res["models"]:
+        b, br = r["bytes"], r["bytes_ratio"]
+        fb = (f", fewbit3 {br[g]['fewbit3']:.2f}x vs {br['cpu']['fewbit3']:.2f}x"
+              if "fewbit3" in br[g] else "")
+        out.append(f"- {r['model']}: default {b[g]['default']['total'] / MIB:.2f} MiB on the "
+                   f"{_label(g)} vs {b['cpu']['default']['total'] / MIB:.2f} MiB on CPU; "
+                   f"exact {br[g]['exact']:.2f}x vs {br['cpu']['exact']:.2f}x{fb}.")
+    return out
+
+
+VARIANT_NAMES = {"default": "default MiB", "exact": "exact MiB (ratio)",
+                 "fewbit3": "fewbit3 MiB (ratio)"}
 
 
 def _markdown(res) -> str:
-    env, cmd = res["environment"], res["command"]
+    env, cmd, ts = res["environment"], res["command"], res["targets"]
+    models = res["models"]
     out = ["# Flax code: full train step, default vs jaxmem\n",
            f"Regenerate with `{cmd}`.\n",
-           (f"jax {env['jax']}, flax {env['flax']}, optax {env['optax']}, backend "
-            f"{env['backend']}, CPU {env['cpu']} ({env['cpu_count']} cores), {env['date']}.\n"),
+           (f"jax {env['jax']}, flax {env['flax']}, optax {env['optax']}, compiled for "
+            + ", ".join(_label(t) for t in ts) + f"; times on CPU {env['cpu']} "
+            f"({env['cpu_count']} cores), {env['date']}.\n"),
            ("Compiled bytes = temp + output + argument - alias of the jitted full train step "
-            "(optimizer update included). Ratios are to `default`; time ratios (wall / "
-            f"process CPU time) are medians of {res['repeats']} side-by-side calls after "
-            "warm-up (wall time is noisy on a shared machine). "
+            "(optimizer update included), on each target: the H100 plan is XLA:GPU's memory "
+            "plan for one H100 compiled on this machine without a GPU "
+            "(`jaxmem.measure.compiled_memory(..., target='h100')`), CPU is XLA:CPU's. "
+            "Ratios are to `default` on the same target; time ratios (wall / "
+            f"process CPU time) are CPU-only, medians of {res['repeats']} side-by-side calls "
+            "after warm-up (wall time is noisy on a shared machine). "
             "Slope = bytes per added unit of depth (KiB), from depth L to 2L (L = the base "
             "depth, except "
             + (", ".join(f"{k} L={v}" for k, v in SLOPE_DEPTH.items()) or "none")
             + ": below that the untouched step's peak is set by the stem, not the blocks). "
             "Batch sizes: "
             + ", ".join(f"{k} {v}" for k, v in res["batch_sizes"].items()) + ".\n"),
-           ("| model | depth | default MiB | exact MiB (ratio) | fewbit3 MiB (ratio) | "
-            "time exact | time fewbit3 | slope default | slope exact (ratio) | "
-            "slope fewbit3 (ratio) |"),
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    out += ["| " + " | ".join(_cells(r)) + " |" for r in res["models"]]
+           (f"GPU plan limits: no autotuning (cuBLAS/cuDNN workspaces not counted: temp is a "
+            f"lower bound); no timing; the plan belongs to XLA of jax {env['jax']}. GEMM "
+            "backend: " + ", ".join(f"{_label(t)} {_gemm(res, t)}" for t in ts if t != "cpu")
+            + ".\n")]
+    summ = _summary(res)
+    if summ:
+        out += ["## Summary: H100 plan vs CPU\n"] + summ + [""]
+    out += ["## Compiled bytes and step time\n",
+            "| model | depth | "
+            + " | ".join(f"{_label(t)} {VARIANT_NAMES[v]}" for t in ts for v in VARIANTS)
+            + " | time exact (CPU) | time fewbit3 (CPU) |",
+            "|---|---|" + "---|" * (len(ts) * len(VARIANTS) + 2)]
+    out += ["| " + " | ".join(_cells(r, ts)) + " |" for r in models]
+    if any(r["slope"] for r in models):
+        out += ["", "## Per-layer slope (KiB per added unit of depth)\n",
+                "| model | depths | "
+                + " | ".join(f"{_label(t)} {v}" for t in ts for v in VARIANTS) + " |",
+                "|---|---|" + "---|" * (len(ts) * len(VARIANTS))]
+        out += ["| " + " | ".join(_slope_cells(r, ts)) + " |" for r in models if r["slope"]]
     out += ["", ("Targets (exact): compiled bytes <= 0.80x, step time <= 1.10x, the scanned "
                  "model within 5 points of its unrolled twin (`linen_lm_scan` vs `linen_lm_remat`: "
                  "both remat every block). Misses:\n")]
-    out += [f"- {m}" for m in _misses(res["models"])] or ["- none"]
-    by = {r["model"]: r for r in res["models"]}
+    out += [f"- {m}" for m in _misses(models, ts)] or ["- none"]
+    by = {r["model"]: r for r in models}
     if "linen_lm" in by and "linen_lm_remat" in by:
-        a = by["linen_lm"]["bytes"]["default"]["total"]
-        b = by["linen_lm_remat"]["bytes"]["default"]["total"]
-        out += ["", (f"`linen_lm_remat` compiles (default) to {b / MIB:.2f} MiB against "
-                     f"{a / MIB:.2f} MiB for `linen_lm` without remat"
-                     + (": unrolled, XLA's CPU plan keeps as much with the remat as "
-                        "without it (the recomputation is scheduled early), so the twin's "
-                        "ratio is jaxmem's saving without remat in effect; under `nn.scan` "
-                        "the remat holds (one block input per layer is stacked)."
-                        if abs(b - a) <= 0.01 * a else "."))]
+        for t in ts:
+            a = by["linen_lm"]["bytes"][t]["default"]["total"]
+            b = by["linen_lm_remat"]["bytes"][t]["default"]["total"]
+            held = ("the plan keeps as much with the remat as without it (the recomputation "
+                    "is scheduled early), so the twin's ratio is jaxmem's saving without remat "
+                    "in effect" if abs(b - a) <= 0.01 * a else
+                    f"the remat holds ({b / a:.2f}x of the bytes without it)")
+            out += ["", (f"On {_label(t)}, `linen_lm_remat` compiles (default) to "
+                         f"{b / MIB:.2f} MiB against {a / MIB:.2f} MiB for `linen_lm` without "
+                         f"remat: {held}.")]
     rr = res.get("remat_residuals")
     if rr:
         out += ["", "## What `nn.remat` already recomputes (unrolled LM, training loss)\n",
                 ("Residual (activation) bytes per added block that autodiff keeps "
-                 "(`jaxmem.measure.residual_bytes`), KiB; one block input is "
-                 f"{rr['block_input_bytes'] / 1024:.0f} KiB. Flax's default `nn.remat` "
-                 "(`policy=None`) keeps only each block's input and recomputes the rest in "
-                 "the backward pass, so per block there is nothing left for jaxmem to shrink "
-                 "(ratio ~1); jaxmem's saving under remat is the recomputed block's working "
-                 "set while its backward runs, which shows in the total, not the slope.\n"),
+                 "(`jaxmem.measure.residual_bytes`, traced, the same on every target), KiB; "
+                 f"one block input is {rr['block_input_bytes'] / 1024:.0f} KiB. Flax's default "
+                 "`nn.remat` (`policy=None`) keeps only each block's input and recomputes the "
+                 "rest in the backward pass, so per block there is nothing left for jaxmem to "
+                 "shrink (ratio ~1); jaxmem's saving under remat is the recomputed block's "
+                 "working set while its backward runs, which shows in the total, not the "
+                 "slope.\n"),
                 "| model | default KiB/block | exact KiB/block (ratio) |", "|---|---|---|"]
         pb = rr.get("block_param_bytes")
         tail = (f"One block's parameters are {pb / 1024:.0f} KiB: with its gradient and Adam's "
@@ -401,15 +484,19 @@ def _markdown(res) -> str:
                  "masked(set_to_zero)`. "
                  "`subset` differentiates only the trainable leaves "
                  "(`jaxmem.selective.subset.value_and_grad(trainable=...)`), `subset_convert` the "
-                 "same on `jaxmem.linen.convert(model)`. Ratios are to `multi_transform`.\n"),
-                "| case | multi_transform MiB | optax_masked | subset | subset_convert |",
-                "|---|---|---|---|---|"]
+                 "same on `jaxmem.linen.convert(model)`. Ratios are to `multi_transform` on the "
+                 "same target.\n"),
+                "| case | " + " | ".join(f"{_label(t)} {k}" + (" MiB" if k == "multi_transform"
+                                                             else "")
+                                       for t in ts for k in FT_LABELS) + " |",
+                "|---|" + "---|" * (len(ts) * len(FT_LABELS))]
         for r in res["finetune"]:
-            rr = r["ratio_vs_multi_transform"]
-            out.append(f"| {r['case']} | {r['multi_transform'] / MIB:.2f} | "
-                       f"{r['optax_masked'] / MIB:.2f} ({rr['optax_masked']:.2f}x) | "
-                       f"{r['subset'] / MIB:.2f} ({rr['subset']:.2f}x) | "
-                       f"{r['subset_convert'] / MIB:.2f} ({rr['subset_convert']:.2f}x) |")
+            cells = []
+            for t in ts:
+                b, rr_ = r["bytes"][t], r["ratio_vs_multi_transform"][t]
+                cells.append(f"{b['multi_transform'] / MIB:.2f}")
+                cells += [f"{b[k] / MIB:.2f} ({rr_[k]:.2f}x)" for k in FT_LABELS[1:]]
+            out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
     if res["quick"]:
         out.append("\n(quick run: base depth only, no slopes, no few-bit.)")
     return "\n".join(out) + "\n"
@@ -423,6 +510,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--skip-finetune", action="store_true",
                     help="measure the models only (no fine-tuning cases)")
+    ap.add_argument("--target", default="h100,cpu",
+                    help="comma-separated compile targets for the compiled bytes "
+                         f"({', '.join(TARGETS)}); times are always CPU")
     ap.add_argument("--out", default=None,
                     help="output path stem (writes STEM.json and STEM.md); default "
                          "benchmarks/results/flax_code/flax_code[_quick]")
@@ -431,19 +521,25 @@ def main(argv=None):
     for n in names:
         if n not in STEPS:
             raise ValueError(f"--models: unknown model {n!r}; allowed: {sorted(STEPS)}")
+    targets = [t for t in args.target.split(",") if t]
+    for t in targets:
+        if t not in TARGETS:
+            raise ValueError(f"--target: unknown target {t!r}; allowed: {TARGETS}")
     variants = ("default", "exact") if args.quick else ("default", "exact", "fewbit3")
     repeats = args.repeats or (5 if args.quick else 7)
     cmd = ".venv/bin/python benchmarks/flax_code/bench_flax_code.py" + (
         " --quick" if args.quick else "") + (
         f" --models {args.models}" if names != list(STEPS) else "") + (
         " --skip-finetune" if args.skip_finetune else "") + (
-        f" --repeats {args.repeats}" if args.repeats else "")
+        f" --repeats {args.repeats}" if args.repeats else "") + (
+        f" --target {args.target}" if targets != ["h100", "cpu"] else "") + (
+        f" --out {args.out}" if args.out else "")
     t0 = time.perf_counter()
-    models = bench_models(names, variants, repeats, slopes=not args.quick)
+    models = bench_models(names, variants, repeats, slopes=not args.quick, targets=targets)
     remat = remat_residuals() if "linen_lm_remat" in names else None
     ft = [] if args.skip_finetune else bench_finetune(
-        ("head_only", "norm_only") if args.quick else tuple(FINETUNE))
-    res = {"command": cmd, "quick": args.quick, "repeats": repeats, "environment": _env(),
+        ("head_only", "norm_only") if args.quick else tuple(FINETUNE), targets)
+    res = {"command": cmd, "quick": args.quick, "targets": targets, "repeats": repeats, "environment": _env(),
            "batch_sizes": {n: BATCH.get(n) for n in names},
            "models": models, "finetune": ft, "remat_residuals": remat,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
