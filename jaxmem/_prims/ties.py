@@ -6,13 +6,16 @@ schedule that work in the forward pass, where its result would stay alive until 
 pass. :func:`tie` returns its argument unchanged, bit for bit, but computed from one element of
 a cotangent, so it exists only once that cotangent does:
 
-    tie(x, g) = x - z,    z = 0 * [isnan(g_0)]   (always +0.0, never folded by XLA)
+    tie(x, g) = x - z,    z = 0 * [isnan(g_0)]   (always +0.0, not folded by XLA:CPU)
 
 ``[isnan(g_0)]`` is 0 or 1 even for an infinite or NaN ``g_0``, so ``z`` is an exact ``+0.0``
 and ``x - (+0.0) == x`` for every float (``-0.0``, ``inf`` and ``NaN`` included); integer and
 boolean arrays add ``[z != 0]`` (always 0 / ``False``); PRNG keys are tied through their data.
 ``lax.optimization_barrier`` would say the same without arithmetic, but XLA:CPU removes it
 before scheduling, so it moves nothing (measured: batch norm keeps 8 B/element instead of 4).
+XLA:GPU is the other way round: it folds ``[isnan(g_0)] * 0`` to zero (the dependency is gone,
+and e.g. exact attention's backward reuses the forward's T x S softmax) but keeps the barrier.
+So the tie is lowered per platform: the arithmetic on CPU, the barrier elsewhere.
 
 Under SPMD sharding the element ``g_0`` lives on one device, so a plain ``x - z`` would make
 XLA broadcast it to every device (one collective per tie). The tie is therefore a
@@ -53,7 +56,20 @@ def _zero(dep):
 
 
 def _arith(x, dep):
-    """``x`` exactly, data-dependent on ``dep`` (both non-empty arrays, ``dep.ndim >= 1``)."""
+    """``x`` exactly, data-dependent on ``dep`` (both non-empty arrays, ``dep.ndim >= 1``).
+
+    Per platform, chosen when the program is lowered: on CPU the arithmetic of
+    :func:`_arith_cpu` (XLA:CPU drops ``optimization_barrier`` before scheduling); elsewhere
+    (XLA:GPU folds ``[isnan(g_0)] * 0`` to a constant, which removes the dependency) an
+    ``optimization_barrier`` over ``(x, dep)``, which XLA:GPU keeps through scheduling."""
+    return lax.platform_dependent(x, dep, cpu=_arith_cpu, default=_arith_barrier)
+
+
+def _arith_barrier(x, dep):
+    return lax.optimization_barrier((x, dep))[0]
+
+
+def _arith_cpu(x, dep):
     z = _zero(dep)
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return x - z.astype(x.dtype)
