@@ -1,0 +1,340 @@
+"""The Flax glue keeps its promises at the edges: jit's cache never outlives a scope, the
+report lists every call once (also under a profiler), BatchNorm keeps float64, effects in
+a scan body run as often as in plain JAX, converted modules pickle, and ``convert`` works
+inline in a ``@nn.compact`` method."""
+from __future__ import annotations
+
+import cProfile
+import pickle
+import sys
+import threading
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmem
+from jaxmem import fewbit
+
+
+def _x(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+def _gelu_loss(x):
+    return jnp.sum(jnp.sin(nn.gelu(x)))
+
+
+def _fewbit_grad(x, bits):
+    return jax.grad(lambda x: jnp.sum(jnp.sin(fewbit.gelu(x, bits=bits,
+                                                          approximate=True))))(x)
+
+
+# ------------------------------------------------------------- 1. jit keys on the options
+def test_jit_inside_scope_called_outside_is_exact_and_inside_again_fewbit():
+    x = _x(0, (4, 16))
+    exact = jax.grad(_gelu_loss)(x)
+    approx = _fewbit_grad(x, 2)
+    assert float(jnp.max(jnp.abs(approx - exact))) > 1e-3  # the two really differ
+    f = jax.jit(jax.grad(_gelu_loss))
+    with jaxmem.scope(fewbit=2):
+        np.testing.assert_allclose(f(x), approx, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f(x), exact, rtol=1e-6, atol=1e-6)
+    with jaxmem.scope(fewbit=2):
+        np.testing.assert_allclose(f(x), approx, rtol=1e-6, atol=1e-6)
+
+
+def test_jit_nested_scopes_each_get_their_own_trace():
+    x = _x(1, (3, 8))
+    f = jax.jit(jax.grad(_gelu_loss))
+    exact = jax.grad(_gelu_loss)(x)
+    with jaxmem.scope(fewbit=1):
+        np.testing.assert_allclose(f(x), _fewbit_grad(x, 1), rtol=1e-6, atol=1e-6)
+        with jaxmem.scope(fewbit=None):  # inner exact scope: exact gradient
+            np.testing.assert_allclose(f(x), exact, rtol=1e-6, atol=1e-6)
+            with jaxmem.scope(fewbit=3):
+                np.testing.assert_allclose(f(x), _fewbit_grad(x, 3), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(f(x), _fewbit_grad(x, 1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f(x), exact, rtol=1e-6, atol=1e-6)
+
+
+def test_jit_traced_in_a_scope_in_one_thread_is_exact_in_another():
+    x = _x(2, (4, 8))
+    f = jax.jit(jax.grad(_gelu_loss))
+    exact = jax.grad(_gelu_loss)(x)
+    inside = threading.Event()
+    done = threading.Event()
+    out = {}
+
+    def scoped():
+        with jaxmem.scope(fewbit=2):
+            out["scoped"] = f(x)
+            inside.set()
+            done.wait(30)
+
+    t = threading.Thread(target=scoped)
+    t.start()
+    assert inside.wait(60)
+    out["plain"] = f(x)  # this thread has no scope, while the other one is still in its
+    done.set()
+    t.join(60)
+    np.testing.assert_allclose(out["scoped"], _fewbit_grad(x, 2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out["plain"], exact, rtol=1e-6, atol=1e-6)
+
+
+def test_report_sees_the_calls_of_a_function_jitted_before():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(nn.relu(nn.Dense(3)(x)))
+
+    x = _x(3, (2, 4))
+    model = jaxmem.linen.convert(MLP())
+    params = model.init(jax.random.key(0), x)
+    inner = jax.jit(model.apply)
+    inner(params, x)  # traced and cached before the report
+    for _ in range(2):  # and a report does not hide the calls from the next one
+        rep = jaxmem.report(lambda p, x: inner(p, x), params, x)
+        assert sorted((e.target, e.status) for e in rep.entries) == [
+            ("Dense", "converted"), ("Dense", "converted"), ("flax.linen.relu", "converted")]
+
+
+# ------------------------------------------------------------------------ 3. the report
+def test_report_lists_an_unconverted_nnx_subclass():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.LoRALinear(4, 3, lora_rank=2, rngs=rngs)
+            self.b = nnx.Linear(3, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    net = Net(nnx.Rngs(0))
+    x = _x(4, (2, 4))
+    conv = jaxmem.nnx.convert(net)
+    np.testing.assert_allclose(conv(x), net(x), rtol=1e-6, atol=1e-6)
+    rep = jaxmem.report(conv, x)
+    left = [e for e in rep.unconverted() if e.path == "a"]
+    assert len(left) == 1 and "LoRALinear" in left[0].target, str(rep)
+    assert [e.path for e in rep.converted() if e.kind == "module"] == ["b"], str(rep)
+
+
+def test_report_lists_linen_self_attention_once():
+    m = nn.SelfAttention(num_heads=2, qkv_features=8)
+    x = _x(5, (2, 5, 8))
+    params = m.init(jax.random.key(0), x)
+    conv = jaxmem.linen.convert(m)
+    np.testing.assert_allclose(conv.apply(params, x), m.apply(params, x), rtol=1e-5,
+                               atol=1e-5)
+    rep = jaxmem.report(conv.apply, params, x)
+    top = [e for e in rep.entries if e.path == "" and e.kind == "module"]
+    assert [(e.technique, e.status) for e in top] == [("attention", "converted")], str(rep)
+
+
+def test_linen_subclass_calling_super_is_reported_once():
+    class Wrapped(nn.Dense):
+        def __call__(self, x):
+            return super().__call__(x) * 2.0
+
+    m = Wrapped(3)
+    x = _x(6, (2, 4))
+    params = m.init(jax.random.key(0), x)
+    rep = jaxmem.report(jaxmem.linen.convert(m).apply, params, x)
+    assert [(e.target, e.status) for e in rep.entries] == [("Wrapped", "converted")], str(rep)
+
+
+def test_report_works_under_cprofile_and_leaves_it_running():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(nn.relu(nn.Dense(3)(x)))
+
+    x = _x(7, (2, 4))
+    model = jaxmem.linen.convert(MLP())
+    params = model.init(jax.random.key(0), x)
+    expected = jaxmem.report(model.apply, params, x).to_dict()
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        rep = jaxmem.report(model.apply, params, x)
+        still = sys.getprofile()
+    finally:
+        prof.disable()
+    assert still is prof
+    assert rep.to_dict()["entries"] == expected["entries"]
+    assert any(getattr(s.code, "co_name", "") == "report" for s in prof.getstats())
+
+
+def test_report_chains_a_python_profile_function():
+    seen = []
+
+    def prof(frame, event, arg):
+        seen.append(event)
+
+    x = _x(8, (2, 4))
+    sys.setprofile(prof)
+    try:
+        rep = jaxmem.report(lambda x: nn.relu(x), x)
+        after = sys.getprofile()
+    finally:
+        sys.setprofile(None)
+    assert after is prof and seen
+    assert [(e.target, e.status) for e in rep.entries] == [("flax.linen.relu", "fallback")]
+
+
+# ------------------------------------------------------------------ 4. BatchNorm float64
+def test_batchnorm_x64_statistics_and_gradients_match_flax():
+    with jax.enable_x64(True):
+        x = _x(9, (6, 5), jnp.float64)
+        w = _x(10, (6, 5), jnp.float64)
+        for pdt in (jnp.float32, jnp.float64):
+            m = nn.BatchNorm(use_running_average=False, param_dtype=pdt)
+            v = m.init(jax.random.key(0), x)
+            conv = jaxmem.linen.convert(m)
+            y0, s0 = m.apply(v, x, mutable=["batch_stats"])
+            y1, s1 = conv.apply(v, x, mutable=["batch_stats"])
+            assert jax.tree.map(lambda a: a.dtype, s1) == jax.tree.map(lambda a: a.dtype, s0)
+            np.testing.assert_allclose(y1, y0, rtol=1e-13, atol=1e-13)
+            for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s0)):
+                np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+            for stats in (v["batch_stats"], s0["batch_stats"]):
+                ev = nn.BatchNorm(use_running_average=True, param_dtype=pdt)
+
+                def loss(p, x, mod, stats=stats):
+                    y = mod.apply({"params": p, "batch_stats": stats}, x)
+                    return jnp.sum(jnp.sin(y) * w)
+
+                g0 = jax.grad(loss, argnums=(0, 1))(v["params"], x, ev)
+                g1 = jax.grad(loss, argnums=(0, 1))(v["params"], x, jaxmem.linen.convert(ev))
+                for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+                    assert a.dtype == b.dtype
+                    tol = 1e-12 if a.dtype == jnp.float64 else 1e-6  # float32 parameters
+                    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+# ----------------------------------------------------------------- 5. effects in a scan
+def _scan_with_callback(count):
+    def body(c, x):
+        jax.debug.callback(lambda c: count.append(1), c)
+        h = jnp.tanh(c * x)
+        return h, h * 2.0
+
+    def loss(c, xs):
+        h, ys = jax.lax.scan(body, c, xs)
+        return jnp.sum(h) + jnp.sum(ys)
+
+    return loss
+
+
+def test_scan_body_with_effects_runs_them_as_often_as_plain_jax():
+    c, xs = _x(11, (3,)), _x(12, (5, 3))
+    plain_count, scoped_count = [], []
+    g0 = jax.grad(_scan_with_callback(plain_count))(c, xs)
+    jax.effects_barrier()
+    with jaxmem.scope():
+        g1 = jax.grad(_scan_with_callback(scoped_count))(c, xs)
+    jax.effects_barrier()
+    assert len(plain_count) == 5
+    assert len(scoped_count) == len(plain_count)
+    np.testing.assert_allclose(g1, g0, rtol=1e-6, atol=1e-6)
+    with jaxmem.scope():
+        rep = jaxmem.report(jax.grad(_scan_with_callback([])), c, xs)
+    scans = [e for e in rep.entries if e.target == "jax.lax.scan"]
+    assert scans and all(e.status != "converted" for e in scans), str(rep)
+    assert "effect" in scans[0].reason
+
+
+def test_scan_body_without_effects_still_converted():
+    with jaxmem.scope():
+        rep = jaxmem.report(jax.grad(lambda c, xs: jnp.sum(jax.lax.scan(
+            lambda c, x: (jnp.tanh(c * x), None), c, xs)[0])), _x(13, (3,)), _x(14, (4, 3)))
+    assert [e.status for e in rep.entries if e.target == "jax.lax.scan"] == ["converted"]
+
+
+# ------------------------------------------------------------------------- 7. pickling
+class _PickleMLP(nn.Module):
+    hidden: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.gelu(nn.Dense(self.hidden)(x)))
+
+
+class _PickleNet(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 3, rngs=rngs)
+        self.n = nnx.LayerNorm(3, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.gelu(self.n(self.a(x)))
+
+
+def test_converted_linen_module_pickles():
+    x = _x(15, (2, 4))
+    conv = jaxmem.linen.convert(_PickleMLP(hidden=5), fewbit=2)
+    params = conv.init(jax.random.key(0), x)
+    back = pickle.loads(pickle.dumps(conv))
+    assert type(back) is type(conv) and back.hidden == 5
+    assert jaxmem.linen.options_of(back) == jaxmem.linen.options_of(conv)
+    np.testing.assert_array_equal(back.apply(params, x), conv.apply(params, x))
+    loss = lambda mod: jax.grad(lambda p: jnp.sum(jnp.sin(mod.apply(p, x))))(params)
+    for a, b in zip(jax.tree.leaves(loss(back)), jax.tree.leaves(loss(conv))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_converted_nnx_module_pickles():
+    x = _x(16, (2, 4))
+    conv = jaxmem.nnx.convert(_PickleNet(nnx.Rngs(0)), fewbit=3)
+    back = pickle.loads(pickle.dumps(conv))
+    assert type(back) is type(conv) and jaxmem.nnx.is_converted(back)
+    np.testing.assert_array_equal(back(x), conv(x))
+    g = lambda mod: nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(mod)
+    for a, b in zip(jax.tree.leaves(nnx.state(g(back))), jax.tree.leaves(nnx.state(g(conv)))):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------- 8. convert inside @nn.compact
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(nn.Dense(4)(x)))
+
+
+class _Outer(nn.Module):
+    convert: bool
+
+    @nn.compact
+    def __call__(self, x):
+        wrap = jaxmem.linen.convert if self.convert else (lambda m: m)
+        x = wrap(_Block())(x)
+        x = wrap(_Block(name="named"))(x)
+        return wrap(_Block())(x)
+
+
+def test_convert_inline_in_compact_method_same_tree_and_values():
+    x = _x(17, (2, 3))
+    plain = _Outer(convert=False)
+    conv = _Outer(convert=True)
+    v0 = plain.init(jax.random.key(0), x)
+    v1 = conv.init(jax.random.key(0), x)
+    assert jax.tree.structure(v1) == jax.tree.structure(v0)
+    for a, b in zip(jax.tree.leaves(v1), jax.tree.leaves(v0)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(conv.apply(v0, x), plain.apply(v0, x), rtol=1e-6, atol=1e-6)
+    rep = jaxmem.report(conv.apply, v0, x)
+    assert sorted({e.status for e in rep.entries if e.target == "Dense"}) == ["converted"]
+
+
+def test_convert_of_a_submodule_already_called_is_refused_clearly():
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            b = _Block()
+            x = b(x)
+            return jaxmem.linen.convert(b)(x)
+
+    with pytest.raises(ValueError, match="already"):
+        Outer().init(jax.random.key(0), _x(18, (2, 3)))
