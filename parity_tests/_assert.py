@@ -72,12 +72,13 @@ def _errors(g: np.ndarray, w: np.ndarray) -> tuple[float, float]:
 
 
 def assert_tree_close(got, want, *, rtol: float = 0.0, atol: Atol = 0.0,
-                      equal_nan: bool = False, same_dtype: bool = False,
+                      equal_nan: bool = True, same_dtype: bool = False,
                       err_msg: str = "") -> None:
     """``got`` and ``want`` have as many leaves, of equal shapes, each within
     ``atol + rtol * |want|`` (``atol`` a number or a function of the wanted leaf).
 
-    ``same_dtype`` also asserts equal dtypes; ``equal_nan`` accepts NaN where both are NaN.
+    ``same_dtype`` also asserts equal dtypes. As in NumPy, NaN and inf entries must sit at
+    the same places on both sides (``equal_nan=False``: no NaN at all).
     """
     lg, lw = _leaves(got), _leaves(want)
     prefix = f"{err_msg}: " if err_msg else ""

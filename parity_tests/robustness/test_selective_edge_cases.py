@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close
 from jax import lax
 
 import jaxmem.selective as S
@@ -18,9 +19,7 @@ def rnd(seed, shape, scale=1.0):
 
 
 def _close(a, b, tol=1e-5):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert u.shape == v.shape and u.dtype == v.dtype
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol)
+    assert_tree_close(a, b, rtol=tol, atol=tol, same_dtype=True)
 
 
 # ------------------------------------------------------------ max pool, second order

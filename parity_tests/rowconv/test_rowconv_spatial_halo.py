@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,12 +107,10 @@ def test_one_device_mesh_equals_untiled_and_local_checks():
     sp = lambda p, x: spatial_apply(layers, p, x, mesh=mesh, axis_name="space", rows=[4, 2])
     g = jax.jit(jax.grad(loss(sp), (0, 1)))(params, xs)
     g0 = jax.grad(loss(lambda p, x: rc.apply(layers, p, x)), (0, 1))(params, x)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_tree_close(g, g0, rtol=1e-5, atol=1e-6)
     assert sp(params, xs).shape == (2, 14, 2, 3)
     gc = jax.jit(jax.grad(jax.checkpoint(loss(sp))))(params, xs)  # recomputed under remat
-    for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(g0[0])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_tree_close(gc, g0[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not height=64"):
         jax.shard_map(lambda p, x: spatial_local(layers, p, x, axis_name="space", height=64),
                       mesh=mesh, in_specs=(P(), P(None, "space")),

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assert import assert_tree_close, assert_tree_norm_close
+from _lazy import once
 from flax import nnx
 
 import jaxmem.selective as S
@@ -14,25 +16,13 @@ from jaxmem import models
 from jaxmem.selective import linen as SL
 from jaxmem.selective import nnx as SN
 
-X = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+X = once(lambda: jax.random.normal(jax.random.key(0), (2, 16, 16, 3)))
 # BatchNorm needs several values per channel in the last stage (n=2 makes the normalised
 # output +-1 and its input gradient pure rounding noise).
-X4 = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
-
-
-def _close_trees(a, b, rtol=2e-5, atol=2e-5):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
-
-
-def _close_trees_rel(a, b, tol, atol=1e-5):
-    """Per leaf ||a - b|| <= tol * ||b||: deep BN nets accumulate f32 rounding differences
-    of a few 1e-5 relative per leaf between two exact-in-math implementations."""
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        # atol: absolute slack per element, for leaves that are ~0 in exact math
-        assert np.linalg.norm(u - v) <= tol * np.linalg.norm(v) + atol * np.sqrt(v.size), (
-            np.linalg.norm(u - v) / np.linalg.norm(v))
+X4 = once(lambda: jax.random.normal(jax.random.key(0), (4, 32, 32, 3)))
+# Per leaf ||a - b|| <= tol * ||b|| (assert_tree_norm_close): deep BN nets accumulate f32
+# rounding differences of a few 1e-5 relative per leaf between two exact-in-math
+# implementations; its atol is an absolute slack per element, for leaves ~0 in exact math.
 
 
 @pytest.mark.parametrize("name", ["resnet18", "convchain", "mlp"])
@@ -42,10 +32,10 @@ def test_linen_convert_zoo_same_outputs_and_grads(name):
     # (machine- and backend-dependent), so the tight comparison is made in float64
     with jax.enable_x64(True):
         model, x = {
-            "resnet18": (models.resnet18(width=0.125, num_classes=5), X4),
-            "vgg11_bn": (models.vgg11(width=0.125, batch_norm=True, num_classes=5), X4),
-            "convchain": (models.ConvChain(depth=3, channels=3), X),
-            "mlp": (models.MLP(features=(16, 8)), X.reshape(2, -1)),
+            "resnet18": (models.resnet18(width=0.125, num_classes=5), X4()),
+            "vgg11_bn": (models.vgg11(width=0.125, batch_norm=True, num_classes=5), X4()),
+            "convchain": (models.ConvChain(depth=3, channels=3), X()),
+            "mlp": (models.MLP(features=(16, 8)), X().reshape(2, -1)),
         }[name]
         x = jnp.asarray(x, jnp.float64)
         has_bn = name in ("resnet18", "vgg11_bn")
@@ -69,9 +59,9 @@ def test_linen_convert_zoo_same_outputs_and_grads(name):
         (gp0, u0), gx0 = grads(model)
         (gp1, u1), gx1 = grads(sm)
         assert all(a.dtype == jnp.float64 for a in jax.tree.leaves((gp1, gx1)))
-        _close_trees_rel(gp0, gp1, 1e-9, atol=1e-12)
-        _close_trees_rel(gx0, gx1, 1e-9, atol=1e-12)
-        _close_trees(u0, u1, rtol=1e-12, atol=1e-12)  # running statistics updated identically
+        assert_tree_norm_close(gp0, gp1, tol=1e-9, atol=1e-12)
+        assert_tree_norm_close(gx0, gx1, tol=1e-9, atol=1e-12)
+        assert_tree_close(u0, u1, rtol=1e-12, atol=1e-12)  # running statistics updated identically
         assert jax.tree.structure(sm.init(jax.random.key(1), x, **(
             {"train": False} if has_bn else {}))) == jax.tree.structure(v)
 
@@ -91,16 +81,16 @@ def test_linen_convert_flax_builtin_norms_and_dropout():
             return nn.Dense(4)(x.reshape(x.shape[0], -1))
 
     net = Net()
-    v = net.init(jax.random.key(0), X, False)
+    v = net.init(jax.random.key(0), X(), False)
     rngs = {"dropout": jax.random.key(3)}
 
     def loss(m, p):
-        y, upd = m.apply({"params": p, "batch_stats": v["batch_stats"]}, X, True,
+        y, upd = m.apply({"params": p, "batch_stats": v["batch_stats"]}, X(), True,
                          mutable=["batch_stats"], rngs=rngs)
         return jnp.sum(y ** 2), upd
     g0 = jax.jit(jax.grad(lambda p: loss(net, p), has_aux=True))(v["params"])
     g1 = jax.jit(jax.grad(lambda p: loss(SL.convert(net), p), has_aux=True))(v["params"])
-    _close_trees(g0, g1, rtol=1e-4, atol=1e-5)
+    assert_tree_close(g0, g1, rtol=1e-4, atol=1e-5)
 
 
 def test_scope_is_restored_and_reentrant():
@@ -143,13 +133,13 @@ def test_nnx_convert_shares_variables_and_matches():
     kernel = b.c.kernel
     SN.convert(b)
     assert b.c.kernel is kernel
-    f = lambda m: jnp.sum(jnp.sin(m(X)))
+    f = lambda m: jnp.sum(jnp.sin(m(X())))
     ga = nnx.grad(f)(a)
     with SN.scope():
         gb = nnx.grad(f)(b)
     # the conv bias feeds a train-mode batch norm: its gradient is 0 in exact math and
     # f32 rounding noise of a few 1e-5 in both implementations
-    _close_trees_rel(nnx.state(ga), nnx.state(gb), 1e-4, atol=1e-4)
+    assert_tree_norm_close(nnx.state(ga), nnx.state(gb), tol=1e-4, atol=1e-4)
     np.testing.assert_allclose(a.bn.mean[...], b.bn.mean[...], rtol=1e-6)
     vg = S.nnx_value_and_grad(f, nnx.All(nnx.Param, nnx.PathContains("l")))
     with SN.scope():
@@ -173,7 +163,7 @@ def test_partition_combine_and_filters():
 
 def test_value_and_grad_and_train_step_match_optax_masked():
     model = models.MLP(features=(16, 16, 4))
-    x = X.reshape(2, -1)
+    x = X().reshape(2, -1)
     params = model.init(jax.random.key(1), x)["params"]
     loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
     flt = lambda path, leaf: S.path_str(path).startswith("dense_2")
@@ -191,4 +181,4 @@ def test_value_and_grad_and_train_step_match_optax_masked():
     st = ref.init(params)
     upd, _ = ref.update(jax.grad(loss)(params, x), st, params)
     p2 = optax.apply_updates(params, upd)
-    _close_trees(p1, p2, rtol=1e-6, atol=1e-7)
+    assert_tree_close(p1, p2, rtol=1e-6, atol=1e-7)

@@ -7,13 +7,14 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
+from _lazy import Lazy, once
 from jax import lax
 
 import jaxmem.selective as S
 from jaxmem.measure import compiled_memory, residual_bytes, slope
 
-K = jax.random.split(jax.random.key(0), 8)
-CT = jax.random.normal(K[7], (6, 10))
+K = Lazy(lambda: jax.random.split(jax.random.key(0), 8))
+CT = once(lambda: jax.random.normal(K[7], (6, 10)))
 
 
 def _named(report, what):
@@ -23,7 +24,7 @@ def _named(report, what):
 # --------------------------------------------------------------------------- residuals
 def test_dense_saves_input_only_for_weight_grad():
     x, w = jax.random.normal(K[0], (6, 8)), jax.random.normal(K[1], (8, 10))
-    f = lambda x, w: jnp.sum(S.dense(x * 2.0, w) * CT)  # input is an intermediate
+    f = lambda x, w: jnp.sum(S.dense(x * 2.0, w) * CT())  # input is an intermediate
     only_x = residual_bytes(f, x, w, argnums=0)
     only_w = residual_bytes(f, x, w, argnums=1)
     assert only_x.activation_bytes == 0  # needs W (an argument) only
@@ -46,7 +47,7 @@ def test_default_jax_relu_keeps_more_than_one_bit():
 ])
 def test_layer_norm_residual_bytes(argnums, expected):
     x, s, b = jax.random.normal(K[0], (6, 10)), jnp.ones(10), jnp.zeros(10)
-    r = residual_bytes(lambda x, s, b: jnp.sum(S.layer_norm(x, s, b) * CT), x, s, b,
+    r = residual_bytes(lambda x, s, b: jnp.sum(S.layer_norm(x, s, b) * CT()), x, s, b,
                        argnums=argnums)
     assert r.activation_bytes == expected(6, 10)
 
@@ -69,7 +70,7 @@ def test_max_pool_saves_packed_positions():
 
 def test_dropout_saves_only_the_key():
     x = jax.random.normal(K[0], (6, 10))
-    r = residual_bytes(lambda x: jnp.sum(S.dropout(jax.random.key(1), x * 2.0, 0.5) * CT), x)
+    r = residual_bytes(lambda x: jnp.sum(S.dropout(jax.random.key(1), x * 2.0, 0.5) * CT()), x)
     assert r.activation_bytes <= 16
 
 

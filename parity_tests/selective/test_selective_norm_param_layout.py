@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close, scaled_atol
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -47,9 +48,7 @@ ALL = (0, 1, 2, 3)
 
 
 def _close(got, want, rtol=2e-5):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * max(1.0, np.abs(b).max()))
+    assert_tree_close(got, want, rtol=rtol, atol=scaled_atol(rtol, floor=1.0))
 
 
 def test_grads_under_vmap_of_batched_parameters():
