@@ -1,13 +1,12 @@
 """Exact attention on the H100 plan: per added layer, what ``jaxmem.fewbit.attention`` keeps
-should grow linearly in the sequence length T (q, k, v and row statistics, no T x S array).
+grows linearly in the sequence length T (q, k, v and row statistics, no T x S array).
 
-On XLA:GPU's plan it does not: XLA:GPU folds ``jaxmem._prims.ties.tie`` (the dependency of
-the backward's recomputation on the cotangent, ``x - isnan(d[0]) * 0``) away, and then reuses
-the forward's softmax instead of recomputing it, so one float32 (B, H, T, S) array per layer
-is kept (the buffer assignment shows the forward's ``triton_softmax`` live into the
-backward). Those two invariants are marked ``xfail(strict=True)``: they turn into failures
-(XPASS) once fixed, so the marks must then go. What holds is asserted: one T x S array fewer
-per layer than plain attention."""
+What it relies on: ``jaxmem._prims.ties.tie``, the dependency of the backward's recomputation
+on the cotangent. The arithmetic form of the tie (``x - isnan(d[0]) * 0``, what XLA:CPU keeps)
+is folded away by XLA:GPU, which then reuses the forward's softmax instead of recomputing it:
+one float32 (B, H, T, S) array per layer. The tie is therefore an ``optimization_barrier`` on
+GPU; the tests below assert the dependency survives in XLA:GPU's program and show that the
+arithmetic form does not."""
 from __future__ import annotations
 
 import re
@@ -23,8 +22,6 @@ from jaxmem.measure import compiled_hlo, slope
 
 B, H, D = 1, 2, 16
 TS = (64, 128)
-TIE_FOLDED = ("XLA:GPU folds jaxmem._prims.ties.tie (isnan(d[0]) * 0 -> 0), so the backward "
-              "reuses the forward's softmax: one T x S float32 array kept per layer")
 
 
 def _plain(q, k, v):
@@ -68,19 +65,36 @@ def test_plain_attention_keeps_t_by_s_per_layer(per_layer):
     assert per_layer[("plain", TS[1])] >= _tts(TS[1]), per_layer
 
 
-@pytest.mark.xfail(strict=True, reason=TIE_FOLDED)
 def test_fewbit_attention_per_layer_bytes_linear_in_t(per_layer):
     t0, t1 = TS
     assert per_layer[("jaxmem", t1)] <= 2.2 * per_layer[("jaxmem", t0)], per_layer
     assert per_layer[("jaxmem", t1)] < _tts(t1), per_layer
 
 
-@pytest.mark.xfail(strict=True, reason=TIE_FOLDED)
-def test_tie_dependency_survives_in_the_compiled_program():
-    """``tie(x, d)`` must leave an operation that reads ``d`` in XLA:GPU's program."""
+def _reads_both(tie_fn):
+    """Whether XLA:GPU's program of ``tie_fn(x, sin(d))`` has an instruction that reads both
+    ``x`` and the dependency (the tie survived optimisation)."""
     x, d = rand(0, (64,)), rand(1, (8,))
-    hlo = compiled_hlo(lambda x, d: tie(x, d) * 3.0, x, d, target=TARGET)
+
+    def f(x, d):
+        e = jnp.sin(d)
+        return tie_fn(x, e) * 3.0, e
+
+    hlo = compiled_hlo(f, x, d, target=TARGET)
     entry = hlo[hlo.index("ENTRY"):]
-    dep = re.search(r"%(\S+) = f32\[8\]\{0\} parameter\(1\)", entry).group(1)
-    uses = [ln for ln in entry.splitlines() if f"%{dep}" in ln and "parameter(1)" not in ln]
-    assert uses, entry
+    xname = re.search(r"%(\S+) = f32\[64\]\{0\} parameter\(0\)", entry).group(1)
+    dep = re.search(r"%(\S+) = f32\[8\]\{0\} fusion\(", entry).group(1)
+    return any(f"%{xname}" in ln and f"%{dep}" in ln and " parameter(" not in ln
+               for ln in entry.splitlines())
+
+
+def test_tie_dependency_survives_in_the_compiled_program():
+    """``tie(x, d)`` leaves an instruction that reads both ``x`` and ``d`` in XLA:GPU's program."""
+    assert _reads_both(tie)
+
+
+def test_arithmetic_tie_is_folded_by_xla_gpu():
+    """Control: the CPU form of the tie loses its dependency on XLA:GPU (why the GPU form is a
+    barrier)."""
+    from jaxmem._prims.ties import _arith_cpu
+    assert not _reads_both(_arith_cpu)
