@@ -389,14 +389,26 @@ def match_activations(graph: Graph, taken: set[int], path: str,
                 anc = _ancestors(graph, i, gset)
                 cands.append((len(anc), i, o, anc))
         cands.sort(key=lambda c: (-c[0], c[1]))
+        # largest closed subgraph first; one left exact does not hide a smaller one inside
+        # it that converts (``relu(x) ** 2``: the relu becomes a mask, the square stays)
         used: set[int] = set()
+        kept: list[tuple[set[int], Row]] = []
         for _, i, o, anc in cands:
             if anc & used or not _closed(graph, anc, o):
                 continue
             if _is_linear(graph, [eqns[j] for j in anc]):
                 continue
-            used |= anc
-            out.append(_convert(graph, r, o, sorted(anc), i, taken, path, fewbit))
+            item = _convert(graph, r, o, sorted(anc), i, taken, path, fewbit)
+            if isinstance(item, Match):
+                used |= anc
+                out.append(item)
+            else:
+                kept.append((anc, item))
+        reported: set[int] = set()
+        for anc, row in kept:
+            if not anc & (used | reported):
+                reported |= anc
+                out.append(row)
     return out
 
 
