@@ -3,8 +3,11 @@
 ``jaxmem bench --quick`` on a real H100 (``benchmarks/results/gpu/run1_bench_quick.tgz``,
 ``selective.json``, table "cnn", resnet18 width 0.25, case "input", batch 4x32x32): compiled
 temp + output bytes (``jaxmem.bench.selective.jax_bytes``) of JAX default 759080 B and of
-jaxmem.selective 701720 B. The few-bit packing rows of ``run3_fewbit_packing.json`` are
-checked in ``test_gpu_plan_fewbit.py``."""
+jaxmem.selective 701720 B. That run's ``jaxmem._prims.ties.tie`` was the arithmetic one on
+every platform (XLA:GPU folds it); today's tie is an ``optimization_barrier`` off the CPU.
+With the run's tie restored the plan gives both figures to the byte; with today's tie
+jaxmem keeps no more. The few-bit packing rows of
+``run3_fewbit_packing.json`` are checked in ``test_gpu_plan_fewbit.py``."""
 from __future__ import annotations
 
 import io
@@ -16,6 +19,7 @@ import jax
 import pytest
 from _gp_util import GPU_RESULTS, TARGET
 
+from jaxmem._prims import ties
 from jaxmem.bench.selective import cnn_models, make_step
 from jaxmem.measure import compiled_memory
 from jaxmem.selective import linen as SL
@@ -30,22 +34,36 @@ def _real_h100_row():
     return row
 
 
-@pytest.fixture(scope="module")
-def resnet18_input_case():
-    """The bench's quick case, measured as the bench measures it, on the H100 plan."""
-    x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
-    model = cnn_models(True)["resnet18"][0]()
-    variables = model.init(jax.random.key(1), x, train=False)
+def _measure(x, model, variables, impls):
     out = {}
-    for impl, m in (("jax", model), ("jaxmem", SL.convert(model))):
+    for impl in impls:
+        m = SL.convert(model) if impl == "jaxmem" else model
         c = compiled_memory(make_step(m, variables, "input"), variables["params"], x,
                             target=TARGET)
         out[impl] = c.temp_bytes + c.output_bytes
     return out
 
 
+@pytest.fixture(scope="module")
+def resnet18_input_case():
+    """The bench's quick case, measured as the bench measures it, on the H100 plan: with the
+    tie of the real run (arithmetic everywhere) and with today's."""
+    x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
+    model = cnn_models(True)["resnet18"][0]()
+    variables = model.init(jax.random.key(1), x, train=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ties, "_arith", ties._arith_cpu)
+        run = _measure(x, model, variables, ("jax", "jaxmem"))
+    return {"run": run, "today": _measure(x, model, variables, ("jaxmem",))}
+
+
 def test_selective_resnet18_quick_case_equals_real_h100(resnet18_input_case):
     row = _real_h100_row()
     assert (row["jax_compiled"], row["jaxmem_compiled"]) == (759080, 701720)  # the file
-    assert resnet18_input_case == {"jax": row["jax_compiled"],
-                                   "jaxmem": row["jaxmem_compiled"]}
+    assert resnet18_input_case["run"] == {"jax": row["jax_compiled"],
+                                          "jaxmem": row["jaxmem_compiled"]}
+
+
+def test_selective_resnet18_today_keeps_no_more(resnet18_input_case):
+    run, today = resnet18_input_case["run"], resnet18_input_case["today"]
+    assert today["jaxmem"] <= run["jaxmem"], resnet18_input_case
