@@ -8,6 +8,8 @@ Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
     s = s + b                        optional                                 (bias)
     s = select_n(m, fill, s)         optional, fill = finfo.min or -0.7 finfo.max (mask)
     s = convert(s)                   optional                                 (softmax dtype)
+    (a cast right after q k^T, e.g. bf16 scores to f32, becomes ``logits_dtype``: the
+    product is then accumulated in f32 directly, equal up to the bf16 rounding it skips)
     p = exp(s - max(s)) / sum(...)   softmax over S (the last axis), max optional
     p = convert(p)                   optional                                 (weights dtype)
     o = dot_general(p, v) | (v, p)   contracting S
@@ -217,6 +219,12 @@ def _match_one(graph: Graph, d2_index: int):
             _need(c is not None and c != 0, "scores divided by a non-constant")
             scale, s = 1.0 / c, x0
         used.add(i)
+    logits_cast = None
+    h = _prod(graph, s, "convert_element_type")
+    if h is not None and _prod(graph, h[1].invars[0], "dot_general") is not None:
+        used.add(h[0])
+        logits_cast = str(s.aval.dtype)   # scores cast right after q k^T (bf16 -> f32)
+        s = h[1].invars[0]
     h = _prod(graph, s, "dot_general")
     _need(h is not None, "softmax input is not traced to a q k^T product")
     d1_index, d1 = h
@@ -236,9 +244,9 @@ def _match_one(graph: Graph, d2_index: int):
     spec = {"scale": scale, "fill": fill or "min", "softmax_dtype": softmax_dtype,
                 "weights_dtype": weights_dtype, "qk_precision": d1.params.get("precision"),
                 "pv_precision": d2.params.get("precision")}
-    logits = s.aval.dtype
-    if logits != q.aval.dtype:
-        spec["logits_dtype"] = str(logits)
+    logits = logits_cast or str(s.aval.dtype)
+    if logits != str(q.aval.dtype):
+        spec["logits_dtype"] = logits
     vfree = [d for d in range(len(v.aval.shape)) if d not in vc and d not in vb]
     layout = {"q_perm": tuple(lb) + tuple(lfree) + tuple(lc),
                   "k_perm": tuple(rb) + tuple(rfree) + tuple(rc),

@@ -1,0 +1,76 @@
+"""The report comes from the jaxpr: one row per product / activation / attention /
+higher-order primitive, with what it became or why not, the user's source line and the
+Flax name stack."""
+from __future__ import annotations
+
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import jaxmem
+from jaxmem.transform import Report, Row, report, transform
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import normal
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="up")(x)
+        h = nn.gelu(h)
+        h = nn.Dense(16, name="down")(h)
+        return jnp.tanh(h) + nn.relu(x)
+
+
+def test_rows_name_what_where_and_why():
+    x = normal((4, 16))
+    model = Block()
+    params = model.init(jax.random.PRNGKey(0), x)
+    rep = report(model.apply, params, x)
+    assert isinstance(rep, Report) and all(isinstance(r, Row) for r in rep)
+    dots = rep.by_kind("dot")
+    assert [r.converted for r in dots] == [True, True]
+    assert any("up" in r.name_stack for r in dots) and any("down" in r.name_stack
+                                                             for r in dots)
+    acts = rep.by_kind("activation")
+    relu = [r for r in acts if r.converted]
+    assert relu and "1-bit mask" in relu[0].became and "test_transform_report.py" in \
+        relu[0].where
+    kept = rep.unconverted()
+    assert kept and all(r.reason for r in kept)          # every unconverted row says why
+    assert {r.kind for r in kept} == {"activation"}      # the smooth gelu and tanh
+    text = str(rep)
+    assert "kept: smooth" in text and "1-bit mask" in text and "converted" in text
+
+
+def test_fewbit_report_and_module_level_report_agree():
+    x = normal((4, 16))
+    model = Block()
+    params = model.init(jax.random.PRNGKey(0), x)
+    g = transform(model.apply, fewbit=2)
+    a = g.report(params, x)
+    b = jaxmem.transform.report(g, params, x)
+    assert [(r.kind, r.became) for r in a] == [(r.kind, r.became) for r in b]
+    assert not a.unconverted()                      # gelu and tanh get 2-bit codes
+
+
+def test_report_records_each_trace_not_a_cached_one():
+    x = normal((3, 8))
+    g = transform(lambda x: jnp.sum(jax.nn.relu(x @ x.T)))
+    jax.jit(g)(x)
+    assert len(g.report(x)) == 2 and len(g.report(x)) == 2
+
+
+def test_not_entered_primitives_are_reported():
+    x = normal((5,))
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    rows = transform(lambda x: f(x) * 2.0).report(x).by_kind("higher-order")
+    assert rows and not rows[0].converted and "not entered" in rows[0].reason
