@@ -57,18 +57,21 @@ def _leaves(tree):
     return [(jax.tree_util.keystr(path) or "<root>", leaf) for path, leaf in flat]
 
 
-def _errors(g: np.ndarray, w: np.ndarray) -> tuple[float, float]:
-    """Largest absolute and relative error over the entries where both are finite."""
+def _errors(g: np.ndarray, w: np.ndarray) -> str:
+    """Largest absolute and relative error over the entries where both are finite, and how
+    many entries are finite on one side only."""
     if g.dtype == bool or w.dtype == bool:
         g, w = g.astype(np.int64), w.astype(np.int64)
-    both = np.isfinite(g) & np.isfinite(w)
-    if not both.any():
-        return 0.0, 0.0
+    fg, fw = np.isfinite(g), np.isfinite(w)
+    both = fg & fw
     d = np.abs(g[both].astype(np.float64) - w[both].astype(np.float64))
     ref = np.abs(w[both].astype(np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(ref > 0, d / ref, np.where(d > 0, np.inf, 0.0))
-    return float(d.max()), float(rel.max())
+    text = (f"max abs err {float(d.max(initial=0.0)):.3g}, "
+            f"max rel err {float(rel.max(initial=0.0)):.3g}")
+    one_side = int(np.sum(fg != fw))
+    return text + (f", {one_side} entries finite on one side only" if one_side else "")
 
 
 def assert_tree_close(got, want, *, rtol: float = 0.0, atol: Atol = 0.0,
@@ -95,10 +98,9 @@ def assert_tree_close(got, want, *, rtol: float = 0.0, atol: Atol = 0.0,
         try:
             np.testing.assert_allclose(g, w, rtol=rtol, atol=tol, equal_nan=equal_nan)
         except AssertionError as e:
-            abs_err, rel_err = _errors(g, w)
             raise AssertionError(
-                f"{prefix}leaf {path} (shape {g.shape}): max abs err {abs_err:.3g}, "
-                f"max rel err {rel_err:.3g} (rtol={rtol:.3g}, atol={tol:.3g})\n{e}") from None
+                f"{prefix}leaf {path} (shape {g.shape}): {_errors(g, w)} "
+                f"(rtol={rtol:.3g}, atol={tol:.3g})\n{e}") from None
 
 
 def assert_tree_norm_close(got, want, *, tol: float, atol: float = 0.0,
