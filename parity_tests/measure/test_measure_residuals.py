@@ -5,14 +5,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
-import torch_ref.models as tm
 from jaxmem.measure import TraceError, residual_bytes, slope
 from jaxmem.models import ConvChain
-from torch_ref.measure import saved_bytes
 
 N, H, W, C, DEPTH = 2, 8, 8, 4, 6
+
+
+def _torch():
+    """(torch, torch_ref.models, torch_ref.measure.saved_bytes), imported by the tests that
+    compare with PyTorch only (collecting this module imports no torch)."""
+    import torch
+
+    import torch_ref.models as tm
+    from torch_ref.measure import saved_bytes
+    return torch, tm, saved_bytes
+
 F32 = 4
 
 
@@ -108,6 +116,7 @@ def _flax_chain_params(depth, relu, seed=0):
 
 def test_figure1_chain_jax_one_input_vs_torch_every_input():
     """The issue's acceptance case on the model zoo's Figure-1 chain (relu=False)."""
+    torch, tm, saved_bytes = _torch()
     model, params, x = _flax_chain_params(DEPTH, relu=False)
     target = "conv_3"  # layer 4 (1-based)
 
@@ -161,6 +170,7 @@ def test_relu_chain_stores_one_conv_input():
 
 @pytest.mark.parametrize("relu", [False, True])
 def test_residual_bytes_scale_exactly_with_batch(relu):
+    torch, tm, saved_bytes = _torch()
     ks = kernels()
     f = lambda ks, x: jnp.sum(lax_chain(ks, x, relu))
     a = residual_bytes(f, ks, rand(3, (N, H, W, C)))
@@ -296,6 +306,7 @@ def test_error_bad_argnums_and_fn():
 
 
 def test_torch_saved_bytes_dedupes_by_storage():
+    torch, _, saved_bytes = _torch()
     x = torch.randn(64, requires_grad=True)
 
     def f(x):
