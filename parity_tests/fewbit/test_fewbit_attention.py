@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close
 
 from jaxmem import fewbit
 from jaxmem.measure import compiled_memory
@@ -92,8 +93,7 @@ def test_attention_matches_autodiff_float64(causal, t, s):
                             (q, k, v), ct)
         o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, causal), (q, k, v), ct)
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
-        for a, b in zip(grads, grads0):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+        assert_tree_close(grads, grads0, rtol=1e-10, atol=1e-12)
 
 
 def test_attention_float32_and_scale():
@@ -103,8 +103,7 @@ def test_attention_float32_and_scale():
                         (q, k, v), ct)
     o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True, 0.3), (q, k, v), ct)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))  # same forward arithmetic
-    for a, b in zip(grads, grads0):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_tree_close(grads, grads0, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -118,9 +117,7 @@ def test_attention_low_precision_close_to_float32(dtype):
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
     tol = 6e-2 if dtype == jnp.bfloat16 else 1e-2
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o0), rtol=tol, atol=tol)
-    for a, b in zip(grads, grads0):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=tol,
-                                   atol=tol)
+    assert_tree_close(grads, grads0, rtol=tol, atol=tol)
 
 
 def test_attention_under_jit_vmap_scan_checkpoint():
@@ -141,8 +138,7 @@ def test_attention_under_jit_vmap_scan_checkpoint():
     ref = grads(ra)
 
     def close(got, want=ref):
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
 
     close(jax.jit(jax.grad(loss_of(fa), argnums=(0, 1, 2)))(q, k, v))
     close(grads(jax.checkpoint(fa)))
@@ -229,7 +225,7 @@ def _cfg(bits=None, attn=False):
 def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
     # (the forward is checked bit-for-bit against the model zoo arithmetic in
     # test_attention_float32_and_scale; compiles are the cost here, so 4 gradients only)
-    model, loss, params, tok = _gpt(2)
+    _, loss, params, tok = _gpt(2)
     _, loss_sel, _, _ = _gpt(2, selective=True)
 
     def grad(fn, **cfg):
@@ -241,9 +237,8 @@ def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
     checks = [(grad(loss, bits=3, attn=True), g_fb),
               (grad(loss_sel, bits=3, attn=True), g_fb)]  # + jaxmem.selective
     for got, want in checks:
-        jax.tree_util.tree_map(
-            lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
-                                                    atol=2e-6), got, want)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        assert_tree_close(got, want, rtol=2e-5, atol=2e-6)
     # the few-bit gradient really differs from the exact one (the comparison can fail)
     diff = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_fb, g_exact)
     assert max(jax.tree_util.tree_leaves(diff)) > 1e-4
@@ -307,8 +302,7 @@ def test_attention_causal_more_queries_than_keys_gradients():
                                    np.asarray(jnp.broadcast_to(v.mean(1, keepdims=True),
                                                                (2, 2, 2, 4))), rtol=1e-12)
         assert np.all(np.asarray(grads[0][:, :2]) == 0)
-        for a, b in zip(grads, grads0):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+        assert_tree_close(grads, grads0, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("qs,ks", [((0, 3, 2, 4), (0, 3, 2, 4)), ((2, 0, 2, 4), (2, 3, 2, 4)),
@@ -342,8 +336,7 @@ def test_attention_bias_and_mask_match_jax():
             q, k, v, bias=b, mask=mask), (q, k, v, bias), ct)
         # JAX's softmax runs in float32 even for float64 inputs
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-6, atol=1e-7)
-        for a, b in zip(grads, grads0):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        assert_tree_close(grads, grads0, rtol=1e-5, atol=1e-6)
         assert np.all(np.asarray(grads[0][1, 2]) == 0)
     with pytest.raises(TypeError, match="mask must be a boolean"):
         fewbit.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),

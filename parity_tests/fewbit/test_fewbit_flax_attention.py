@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
@@ -63,8 +64,7 @@ def _compare(mine, flax, args, ct, rtol=1e-5, atol=1e-6, exact=True):
         np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))
     else:
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=rtol, atol=atol)
-    for a, b in zip(grads, grads0):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+    assert_tree_close(grads, grads0, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -216,8 +216,7 @@ def test_under_jit_vmap_scan_checkpoint():
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     def close(a, b):
-        for x, y in zip(a, b):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+        assert_tree_close(a, b, rtol=1e-5, atol=1e-6)
 
     ref = grads(loss_of(nn.dot_product_attention))
     mine = loss_of(fa.dot_product_attention)
@@ -275,8 +274,8 @@ def test_linen_handler_converts_default_attention_with_dropout():
         y, g = value_and_grad(p)
     assert _cores(loss, p) == before
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
-        np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5), g, g0)
+    assert jax.tree.structure(g) == jax.tree.structure(g0)
+    assert_tree_close(g, g0, rtol=1e-5, atol=1e-5)
     assert m.attention_fn is nn.dot_product_attention
 
 
@@ -333,7 +332,7 @@ def test_nnx_convert_attention():
     assert net.custom.attention_fn is custom          # a custom attention_fn: left alone
     g, jp = grads(net)
     assert str(jp).count("custom_vjp") == str(jp0).count("custom_vjp") + 2
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
-        np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5), g, g0)
+    assert jax.tree.structure(g) == jax.tree.structure(g0)
+    assert_tree_close(g, g0, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="flax.nnx.Module"):
         fa.nnx_convert_attention(nn.Dense(3))

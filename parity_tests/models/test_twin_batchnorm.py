@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _assert import assert_tree_close
 
 from jaxmem.models import TorchBatchNorm
 
@@ -124,5 +125,4 @@ def test_selective_conversion_handles_the_twin_batchnorm():
     (l0, u0), g0 = jax.value_and_grad(lambda p: loss(m, p), has_aux=True)(v["params"])
     (l1, u1), g1 = jax.value_and_grad(lambda p: loss(conv, p), has_aux=True)(v["params"])
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves((u1, g1)), jax.tree.leaves((u0, g0))):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_tree_close((u1, g1), (u0, g0), rtol=1e-5, atol=1e-6)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _assert import assert_tree_close
+from _lazy import once
 from flax import nnx
 from twin_parity_utils import fjit
 
@@ -15,7 +17,7 @@ import torch_ref.models as tm
 from jaxmem.models.nnx import MLPNNX, ConvChainNNX, load_params, params_of
 from torch_ref.convert import jax_to_torch, torch_to_jax
 
-KEY = jax.random.PRNGKey(0)
+KEY = once(lambda: jax.random.PRNGKey(0))
 
 
 def _normal(shape, seed=0, dtype=jnp.float32):
@@ -27,7 +29,7 @@ def _normal(shape, seed=0, dtype=jnp.float32):
 def test_convchain_layout_matches_paper_figure1():
     model = jm.ConvChain(depth=5, channels=8)
     x = _normal((2, 12, 12, 8))
-    params = jax.eval_shape(model.init, KEY, x)["params"]
+    params = jax.eval_shape(model.init, KEY(), x)["params"]
     assert sorted(params) == [f"conv_{i}" for i in range(5)]
     for p in params.values():
         assert set(p) == {"kernel"}                      # bias-free
@@ -38,7 +40,7 @@ def test_convchain_layout_matches_paper_figure1():
 def test_convchain_linear_variant_is_linear_and_relu_variant_is_not():
     x, z = _normal((2, 6, 6, 3), 1), _normal((2, 6, 6, 3), 2)
     lin = jm.ConvChain(depth=4, channels=3, relu=False)
-    v = fjit(lin.init)(KEY, x)
+    v = fjit(lin.init)(KEY(), x)
     f = fjit(lambda a: lin.apply(v, a))
     np.testing.assert_allclose(f(2.0 * x - 3.0 * z), 2.0 * f(x) - 3.0 * f(z), rtol=1e-4, atol=1e-5)
     relu = jm.ConvChain(depth=4, channels=3)
@@ -52,7 +54,7 @@ def test_convchain_init_distribution_is_shared(relu):
     """Both twins draw kernels from N(0, gain / fan_in), gain 2 (ReLU) or 1."""
     c = 32
     std = np.sqrt((2.0 if relu else 1.0) / (9 * c))
-    kj = np.asarray(jm.ConvChain(1, c, relu).init(KEY, jnp.ones((1, 3, 3, c)))["params"]
+    kj = np.asarray(jm.ConvChain(1, c, relu).init(KEY(), jnp.ones((1, 3, 3, c)))["params"]
                     ["conv_0"]["kernel"])
     torch.manual_seed(0)
     kt = tm.ConvChain(1, c, relu).conv_0.weight.detach().numpy()
@@ -65,8 +67,8 @@ def test_convchain_init_distribution_is_shared(relu):
 def test_gpt_is_causal_and_head_is_tied():
     cfg = jm.GPTConfig(vocab=31, ctx=12, d_model=16, n_head=2, n_layer=2)
     model = jm.GPT(cfg)
-    tok = jax.random.randint(KEY, (2, 10), 0, 20)        # tokens 20..30 never appear
-    v = fjit(model.init)(KEY, tok)
+    tok = jax.random.randint(KEY(), (2, 10), 0, 20)        # tokens 20..30 never appear
+    v = fjit(model.init)(KEY(), tok)
     assert set(v["params"]) == {"wte", "wpe", "h_0", "h_1", "ln_f"}   # no separate head
     apply = fjit(model.apply)
     changed = tok.at[:, 6:].set((tok[:, 6:] + 5) % 20)
@@ -85,7 +87,7 @@ def test_vit_tokens_follow_patch_grid():
                        num_classes=3)
     model = jm.ViT(cfg)
     x = _normal((1, 8, 8, 3))
-    v = fjit(model.init)(KEY, x)
+    v = fjit(model.init)(KEY(), x)
     v0 = {"params": {**v["params"], "pos_embed": jnp.zeros_like(v["params"]["pos_embed"])}}
     swapped = jnp.concatenate([x[:, :, 4:], x[:, :, :4]], axis=2)  # swap patch columns
     apply = fjit(model.apply)
@@ -99,8 +101,8 @@ def test_vgg_features_trunk_alone_equals_vgg_trunk():
     x = _normal((2, 32, 32, 3))
     full = jm.vgg16(width=0.0625, batch_norm=True)
     trunk = jm.vgg_features("vgg16", width=0.0625, batch_norm=True)
-    vf = jax.eval_shape(full.init, KEY, x)
-    vt = jax.eval_shape(trunk.init, KEY, x)
+    vf = jax.eval_shape(full.init, KEY(), x)
+    vt = jax.eval_shape(trunk.init, KEY(), x)
     assert jax.tree_util.tree_structure(vt["params"]) == \
         jax.tree_util.tree_structure(vf["params"]["features"])
     torch.manual_seed(0)
@@ -117,15 +119,15 @@ def test_vgg_features_trunk_alone_equals_vgg_trunk():
 def test_vmap_jit_checkpoint_and_scan():
     model = jm.ConvChain(depth=3, channels=4)
     xs = _normal((3, 2, 6, 6, 4))
-    v = fjit(model.init)(KEY, xs[0])
+    v = fjit(model.init)(KEY(), xs[0])
     direct = jnp.stack([fjit(model.apply)(v, x) for x in xs])
     np.testing.assert_allclose(jax.vmap(lambda x: model.apply(v, x))(xs), direct, rtol=1e-5,
                                atol=1e-6)
     loss = lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2)
     g = fjit(jax.grad(loss))(v["params"], xs[0])
     g_ck = fjit(jax.grad(jax.checkpoint(loss)))(v["params"], xs[0])
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           g, g_ck)
+    assert jax.tree.structure(g) == jax.tree.structure(g_ck)
+    assert_tree_close(g, g_ck, rtol=1e-5, atol=1e-6)
 
     def body(carry, x):
         return carry + loss(v["params"], x), None
@@ -148,11 +150,11 @@ def test_half_precision_forward(which, dtype):
         x = _normal((4, 8, 8, 3))
     elif which == "gpt":
         cfg = jm.GPTConfig(vocab=17, ctx=8, d_model=16, n_head=2, n_layer=1)
-        mk, x = (lambda d: jm.GPT(cfg, dtype=d)), jax.random.randint(KEY, (2, 8), 0, 17)
+        mk, x = (lambda d: jm.GPT(cfg, dtype=d)), jax.random.randint(KEY(), (2, 8), 0, 17)
     else:
         cfg = jm.ViTConfig(image_size=8, patch_size=4, d_model=16, n_head=2, n_layer=1)
         mk, x = (lambda d: jm.ViT(cfg, dtype=d)), _normal((2, 8, 8, 3))
-    v = fjit(mk(None).init)(KEY, x)
+    v = fjit(mk(None).init)(KEY(), x)
     y32 = fjit(mk(None).apply)(v, x)
     y16 = fjit(mk(dtype).apply)(v, x if which == "gpt" else x.astype(dtype))
     assert y16.dtype == dtype
@@ -165,31 +167,31 @@ def test_half_precision_forward(which, dtype):
 def test_bad_input_errors_name_the_argument():
     x = jnp.ones((1, 8, 8, 3))
     with pytest.raises(ValueError, match="channels"):
-        jm.ConvChain(2, 4).init(KEY, x)
+        jm.ConvChain(2, 4).init(KEY(), x)
     with pytest.raises(ValueError, match="depth"):
-        jm.ConvChain(0, 3).init(KEY, x)
+        jm.ConvChain(0, 3).init(KEY(), x)
     with pytest.raises(ValueError, match="block must be one of"):
-        jm.ResNet("wide", (1,)).init(KEY, x)
+        jm.ResNet("wide", (1,)).init(KEY(), x)
     with pytest.raises(ValueError, match="stem must be one of"):
-        jm.ResNet(stem="tiny").init(KEY, x)
+        jm.ResNet(stem="tiny").init(KEY(), x)
     with pytest.raises(ValueError, match="width"):
-        jm.resnet18(width=0).init(KEY, x)
+        jm.resnet18(width=0).init(KEY(), x)
     with pytest.raises(ValueError, match="name must be one of"):
         jm.vgg("vgg17")
     with pytest.raises(ValueError, match="cfg entries"):
-        jm.VGG((8, "X")).init(KEY, x)
+        jm.VGG((8, "X")).init(KEY(), x)
     with pytest.raises(ValueError, match="activation must be one of"):
-        jm.MLP((4,), activation="swish").init(KEY, jnp.ones((1, 3)))
+        jm.MLP((4,), activation="swish").init(KEY(), jnp.ones((1, 3)))
     with pytest.raises(ValueError, match="divisible"):
         jm.GPTConfig(d_model=10, n_head=4)
     cfg = jm.GPTConfig(vocab=11, ctx=4, d_model=8, n_head=2, n_layer=1)
     with pytest.raises(ValueError, match="exceeds config.ctx"):
-        jm.GPT(cfg).init(KEY, jnp.zeros((1, 5), jnp.int32))
+        jm.GPT(cfg).init(KEY(), jnp.zeros((1, 5), jnp.int32))
     with pytest.raises(TypeError, match="integers"):
-        jm.GPT(cfg).init(KEY, jnp.zeros((1, 4)))
+        jm.GPT(cfg).init(KEY(), jnp.zeros((1, 4)))
     vcfg = jm.ViTConfig(image_size=8, patch_size=4, d_model=8, n_head=2, n_layer=1)
     with pytest.raises(ValueError, match="8x8"):
-        jm.ViT(vcfg).init(KEY, jnp.ones((1, 12, 12, 3)))
+        jm.ViT(vcfg).init(KEY(), jnp.ones((1, 12, 12, 3)))
     with pytest.raises(ValueError, match="image_size"):
         jm.ViTConfig(image_size=10, patch_size=4)
     # the torch twins reject the same things
@@ -259,7 +261,7 @@ def test_activations_are_looked_up_inline(name, monkeypatch):
     monkeypatch.setattr(fnn, "relu", relu)
     monkeypatch.setattr(fnn, "gelu", gelu)
     x = jnp.zeros(twin.input_shape, jnp.int32 if twin.kind == "tokens" else jnp.float32)
-    v = jax.eval_shape(twin.jax_model.init, KEY, x)
+    v = jax.eval_shape(twin.jax_model.init, KEY(), x)
     calls["relu"], calls["gelu"] = 0, []
     kw = {"train": False} if twin.has_bn else {}
     jax.eval_shape(lambda vv: twin.jax_model.apply(vv, x, **kw), v)

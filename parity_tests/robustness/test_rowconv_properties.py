@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close, scaled_atol
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -103,10 +104,7 @@ def test_tiled_equals_untiled_outputs_and_gradients(x64, stack, mode, dtype, dat
         yn, gn = _run(layers, params, x, rows, mode, rows_bp)
         assert yn.shape == y1.shape == out and yn.dtype == x.dtype
         tol = 1e-10 if dtype == "float64" else 1e-5
-        for a, b in zip(jax.tree.leaves((yn, gn)), jax.tree.leaves((y1, g1))):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            scale = 1.0 + float(np.max(np.abs(b), initial=0.0))
-            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+        assert_tree_close((yn, gn), (y1, g1), rtol=tol, atol=scaled_atol(tol, plus=1.0))
 
 
 @pytest.mark.parametrize("dtype,mode", [("bfloat16", "overlap"), ("float16", "share")])
@@ -121,9 +119,7 @@ def test_tiled_half_precision_close_to_untiled(dtype, mode):
     assert rows > 1
     yn, gn = _run(layers, params, x, rows, mode, None)
     assert yn.dtype == x.dtype
-    for a, b in zip(jax.tree.leaves((yn, gn)), jax.tree.leaves((y1, g1))):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, rtol=0, atol=3e-2 * (1 + np.max(np.abs(b))))
+    assert_tree_close((yn, gn), (y1, g1), rtol=0, atol=scaled_atol(3e-2, plus=1.0))
 
 
 NON_ELEMENTWISE = (

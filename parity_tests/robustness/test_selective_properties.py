@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _assert import assert_tree_close, scaled_atol
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -69,12 +70,8 @@ def _outputs(fn, args, ct):
 
 
 def _close(got, want, tol, what):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    finite = np.isfinite(want)
-    scale = 1.0 + (np.max(np.abs(want[finite])) if finite.any() else 0.0)
-    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, equal_nan=True,
-                               err_msg=what)
+    assert_tree_close(got, want, rtol=0, atol=scaled_atol(tol, plus=1.0, finite_only=True),
+                      equal_nan=True, err_msg=what)
 
 
 def check_parity(sel_fn, ref_fn, args, dtype, seed=99):

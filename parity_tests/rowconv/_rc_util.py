@@ -1,9 +1,9 @@
 """Shared helpers for the rowconv tests (not a test module)."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmem import rowconv as rc
 
@@ -34,21 +34,18 @@ def _fix_bn(layers, params):
 
 
 def loss_fn(layers, rows, mode, rows_bp=None, rng=None):
+    """A weighted sum of the stack's output, and the output (``has_aux``)."""
     def loss(params, x):
         y = rc.apply(layers, params, x, rows=rows, mode=mode, rows_bp=rows_bp, rng=rng)
         w = jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape) * 0.37)
-        return jnp.sum(y * w)
+        return jnp.sum(y * w), y
     return loss
 
 
 def value_and_grads(layers, params, x, rows, mode="overlap", rows_bp=None, rng=None):
-    f = jax.jit(jax.value_and_grad(loss_fn(layers, rows, mode, rows_bp, rng), (0, 1)))
-    y = rc.apply(layers, params, x, rows=rows, mode=mode, rows_bp=rows_bp, rng=rng)
-    return y, f(params, x)
+    """``(y, (loss, (param grads, input grad)))`` from one jitted program (one compile)."""
+    f = jax.jit(jax.value_and_grad(loss_fn(layers, rows, mode, rows_bp, rng), (0, 1),
+                                   has_aux=True))
+    (loss, y), grads = f(params, x)
+    return y, (loss, grads)
 
-
-def assert_tree_close(a, b, rtol, atol):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for u, v in zip(la, lb):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)

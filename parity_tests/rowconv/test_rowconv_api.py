@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _rc_util import assert_tree_close, random_params
+from _assert import assert_tree_close
+from _rc_util import random_params
 
 from jaxmem import rowconv as rc
 from jaxmem.measure import compiled_memory
@@ -118,7 +119,7 @@ def test_under_jit_vmap_scan_checkpoint_and_dtypes():
     gv = jax.grad(lambda p: jnp.sum(jax.vmap(
         lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x) ** 2))(p)
     g1 = jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1) ** 2))(p)
-    assert_tree_close(gv, g1, 1e-4, 1e-4)
+    assert_tree_close(gv, g1, rtol=1e-4, atol=1e-4)
 
     def scan_loss(p):
         def body(c, xi):
@@ -128,16 +129,16 @@ def test_under_jit_vmap_scan_checkpoint_and_dtypes():
 
     gs = jax.grad(scan_loss)(p)
     g1 = jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1)))(p)
-    assert_tree_close(gs, g1, 1e-4, 1e-4)
+    assert_tree_close(gs, g1, rtol=1e-4, atol=1e-4)
     for dt in (jnp.bfloat16, jnp.float16):
-        pd = jax.tree.map(lambda a: a.astype(dt), p)
+        pd = jax.tree.map(lambda a, dt=dt: a.astype(dt), p)
         yt = rc.apply(ls, pd, x.astype(dt), rows=3)
         yr = rc.apply(ls, pd, x.astype(dt), rows=1)
         assert yt.dtype == dt
         np.testing.assert_allclose(np.asarray(yt, np.float32), np.asarray(yr, np.float32),
                                    rtol=5e-2, atol=5e-2)
-        g = jax.grad(lambda pd: jnp.sum(rc.apply(ls, pd, x.astype(dt), rows=3)
-                                        .astype(jnp.float32)))(pd)
+        g = jax.grad(lambda pd, dt=dt: jnp.sum(rc.apply(ls, pd, x.astype(dt), rows=3)
+                                              .astype(jnp.float32)))(pd)
         assert all(l.dtype == dt for l in jax.tree.leaves(g))
 
 
@@ -147,9 +148,10 @@ def test_grad_wrt_params_only_matches():
     p = random_params(STACK, shape)
     x = _x(shape)
     for mode in rc.MODES:
-        g = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=3, mode=mode))))(p)
+        g = jax.grad(lambda p, mode=mode: jnp.sum(jnp.sin(
+            rc.apply(STACK, p, x, rows=3, mode=mode))))(p)
         g1 = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=1))))(p)
-        assert_tree_close(g, g1, 1e-4, 1e-5)
+        assert_tree_close(g, g1, rtol=1e-4, atol=1e-5)
 
 
 def test_public_surface_names_and_annotations():

@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from _rc_util import assert_tree_close, random_params, value_and_grads
+from _assert import assert_tree_close
+from _rc_util import random_params, value_and_grads
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -24,11 +25,20 @@ RESID = [rc.Conv(4, 3),
          rc.Conv(2, 3, padding="VALID")]
 
 
-def _check(layers, shape, rows, mode, rows_bp=None, rng=None):
+_UNTILED = {}
+
+
+def _check(layers, shape, rows, mode, rows_bp=None, rng=None, ref=None):
+    """Tiled (``rows``, ``mode``, ``rows_bp``) equals untiled in float64. ``ref`` names the
+    stack when several tests share it: its untiled result is computed (and compiled) once."""
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float64)
         params = random_params(layers, shape, dtype=jnp.float64)
-        y1, (l1, g1) = value_and_grads(layers, params, x, 1, rng=rng)
+        if ref is None or ref not in _UNTILED:
+            untiled = value_and_grads(layers, params, x, 1, rng=rng)
+            if ref is not None:
+                _UNTILED[ref] = untiled
+        y1, (l1, g1) = _UNTILED[ref] if ref is not None else untiled
         yn, (ln, gn) = value_and_grads(layers, params, x, rows, mode, rows_bp, rng)
         assert yn.shape == y1.shape
         assert_tree_close((yn, ln, gn), (y1, l1, g1), rtol=1e-10, atol=1e-10)
@@ -38,18 +48,18 @@ def _check(layers, shape, rows, mode, rows_bp=None, rng=None):
 @pytest.mark.parametrize("rows,rows_bp", [(2, None), (5, None), (3, 2)])
 def test_mixed_stack_exact(mode, rows, rows_bp):
     # H=190 (not divisible by N), stride 2, dilation 2, asymmetric padding, max pool
-    _check(MIXED, (2, 190, 13, 3), rows, mode, rows_bp)
+    _check(MIXED, (2, 190, 13, 3), rows, mode, rows_bp, ref="mixed")
 
 
 @pytest.mark.parametrize("mode", rc.MODES)
 def test_residual_groups_dropout_exact(mode):
-    _check(RESID, (1, 101, 9, 4), 3, mode, rng=jax.random.PRNGKey(7))
+    _check(RESID, (1, 101, 9, 4), 3, mode, rng=jax.random.PRNGKey(7), ref="resid")
 
 
 @pytest.mark.parametrize("mode", rc.MODES)
 def test_hybrid_segments_exact(mode):
     layers = MIXED[:4] + [rc.Checkpoint()] + MIXED[4:]
-    _check(layers, (1, 190, 13, 3), [3, 2], mode, rows_bp=[2, 3])
+    _check(layers, (1, 190, 13, 3), [3, 2], mode, rows_bp=[2, 3], ref="hybrid")
 
 
 def test_float32_tolerance():
@@ -57,9 +67,9 @@ def test_float32_tolerance():
     shape = (1, 150, 13, 3)
     x = jax.random.normal(jax.random.PRNGKey(1), shape)
     params = random_params(layers, shape)
-    y1, (l1, g1) = value_and_grads(layers, params, x, 1)
+    y1, (_, g1) = value_and_grads(layers, params, x, 1)
     for mode in rc.MODES:
-        yn, (ln, gn) = value_and_grads(layers, params, x, 4, mode)
+        yn, (_, gn) = value_and_grads(layers, params, x, 4, mode)
         assert_tree_close((yn, gn), (y1, g1), rtol=1e-4, atol=1e-4)
 
 

@@ -7,48 +7,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _rc_util import assert_tree_close
+from _assert import assert_tree_close
+from _lazy import once
 from flax import nnx
 
 from jaxmem import rowconv as rc
 from jaxmem.rowconv.flax import NNXRowSequential, RowSequential, RowVGGFeatures
 
-X = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 16, 3))
+X = once(lambda: jax.random.normal(jax.random.PRNGKey(1), (1, 64, 16, 3)))
 
 
 def test_linen_row_sequential_same_params_and_grads():
     mods = [nn.Conv(4, (3, 3)), nn.relu, rc.Pool("max", 2),
             nn.Conv(5, (3, 3), strides=2, padding=((1, 0), (1, 1))), nn.tanh]
     seq = nn.Sequential(mods)
-    v = seq.init(jax.random.PRNGKey(0), X)
+    v = seq.init(jax.random.PRNGKey(0), X())
     for mode in rc.MODES:
         r = RowSequential(mods, rows=4, mode=mode)
-        vr = r.init(jax.random.PRNGKey(0), X)
+        vr = r.init(jax.random.PRNGKey(0), X())
         assert jax.tree.map(jnp.shape, vr) == jax.tree.map(jnp.shape, v)
-        np.testing.assert_allclose(r.apply(v, X), seq.apply(v, X), rtol=1e-5, atol=1e-5)
-        g1 = jax.grad(lambda v: jnp.sum(seq.apply(v, X) ** 2))(v)
-        g2 = jax.grad(lambda v, r=r: jnp.sum(r.apply(v, X) ** 2))(v)
-        assert_tree_close(g2, g1, 1e-4, 1e-4)
+        np.testing.assert_allclose(r.apply(v, X()), seq.apply(v, X()), rtol=1e-5, atol=1e-5)
+        g1 = jax.grad(lambda v: jnp.sum(seq.apply(v, X()) ** 2))(v)
+        g2 = jax.grad(lambda v, r=r: jnp.sum(r.apply(v, X()) ** 2))(v)
+        assert_tree_close(g2, g1, rtol=1e-4, atol=1e-4)
 
 
 def test_linen_rejects_non_elementwise_callable():
     mods = [nn.Conv(4, (3, 3)), lambda x: nn.max_pool(x, (2, 2), (2, 2))]
     with pytest.raises(TypeError, match="only elementwise"):
-        RowSequential(mods, rows=2).init(jax.random.PRNGKey(0), X)
+        RowSequential(mods, rows=2).init(jax.random.PRNGKey(0), X())
 
 
 def test_vgg_features_twin():
     from jaxmem.models.vgg import VGGFeatures
     cfg = (4, 4, "M", 8, "M")
     f = VGGFeatures(cfg=cfg)
-    v = f.init(jax.random.PRNGKey(0), X)
+    v = f.init(jax.random.PRNGKey(0), X())
     r = RowVGGFeatures(cfg=cfg, rows=4, mode="share")
-    assert jax.tree.map(jnp.shape, r.init(jax.random.PRNGKey(0), X)) == \
+    assert jax.tree.map(jnp.shape, r.init(jax.random.PRNGKey(0), X())) == \
         jax.tree.map(jnp.shape, v)
-    np.testing.assert_allclose(r.apply(v, X), f.apply(v, X), rtol=1e-5, atol=1e-5)
-    g1 = jax.grad(lambda v: jnp.sum(f.apply(v, X) ** 2))(v)
-    g2 = jax.grad(lambda v, r=r: jnp.sum(r.apply(v, X) ** 2))(v)
-    assert_tree_close(g2, g1, 1e-4, 1e-4)
+    np.testing.assert_allclose(r.apply(v, X()), f.apply(v, X()), rtol=1e-5, atol=1e-5)
+    g1 = jax.grad(lambda v: jnp.sum(f.apply(v, X()) ** 2))(v)
+    g2 = jax.grad(lambda v, r=r: jnp.sum(r.apply(v, X()) ** 2))(v)
+    assert_tree_close(g2, g1, rtol=1e-4, atol=1e-4)
 
 
 def test_nnx_wrapper():
@@ -62,8 +63,8 @@ def test_nnx_wrapper():
 
     m = M(nnx.Rngs(0))
     w = NNXRowSequential(m.c1, nnx.relu, m.c2, rows=4, mode="share")
-    np.testing.assert_allclose(w(X), m(X), rtol=1e-5, atol=1e-5)
-    ga = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(m)
-    gb = nnx.grad(lambda w: jnp.sum(w(X) ** 2))(w)
+    np.testing.assert_allclose(w(X()), m(X()), rtol=1e-5, atol=1e-5)
+    ga = nnx.grad(lambda m: jnp.sum(m(X()) ** 2))(m)
+    gb = nnx.grad(lambda w: jnp.sum(w(X()) ** 2))(w)
     np.testing.assert_allclose(gb.layers[0].kernel[...], ga.c1.kernel[...], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(gb.layers[2].bias[...], ga.c2.bias[...], rtol=1e-4, atol=1e-4)

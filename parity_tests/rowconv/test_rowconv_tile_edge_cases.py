@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from _rc_util import assert_tree_close, random_params, value_and_grads
+from _assert import assert_tree_close
+from _rc_util import random_params, value_and_grads
 
 from jaxmem import rowconv as rc
 

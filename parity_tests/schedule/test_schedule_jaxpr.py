@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assert import assert_tree_close
 
 from jaxmem.schedule import Scheduled, execute, optimize, simulate, trace, validate_plan
 from jaxmem.schedule.jaxpr_graph import UnsupportedPrimitiveError
@@ -102,8 +103,7 @@ def test_nested_jit_custom_vjp_custom_jvp_and_remat_are_inlined():
     validate_plan(ts.graph, plan)
     out = execute(ts, plan, x)
     ref = jax.jit(step)(x)
-    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_tree_close(out, ref, rtol=1e-5, atol=1e-6)
     with jax.disable_jit():
         assert _leaves_equal(out, step(x))
 
@@ -210,8 +210,7 @@ def test_executor_reproduces_training_step(make):
     assert _leaves_equal(out, ref)
     # close to the jitted step (XLA fuses, so rounding may differ in the last bits)
     ref_jit = jax.jit(step)(*args)
-    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref_jit)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_tree_close(out, ref_jit, rtol=1e-5, atol=1e-6)
     # measured live buffers match the plan's resident-set prediction
     assert stats.predicted_peak == plan.peak
     assert abs(stats.peak_live_bytes - plan.peak) <= 0.05 * plan.peak
@@ -256,8 +255,7 @@ def test_as_function_reemits_the_plan_under_jit(chunks):
     out = fn(*flat)
     ref = jax.tree_util.tree_leaves(jax.jit(step)(*args))
     assert len(out) == len(ref)
-    for a, b in zip(out, ref):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_tree_close(out, ref, rtol=1e-5, atol=1e-6)
     if chunks > 1:
         text = jax.jit(as_function(ts, plan.order, chunks=chunks)).lower(*flat).as_text()
         assert "optimization_barrier" in text

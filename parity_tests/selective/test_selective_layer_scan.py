@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close, scaled_atol
 from jax import lax
 
 import jaxmem.selective as S
@@ -84,10 +85,7 @@ def _param_bytes_per_layer(params):
 def _close(a, b, rtol=1e-5):
     """Leaf by leaf, with an absolute slack of ``rtol`` times the leaf's largest entry (sums
     that cancel to ~0 differ by float32 rounding of their terms)."""
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        v = np.asarray(v)
-        np.testing.assert_allclose(np.asarray(u), v, rtol=rtol,
-                                   atol=rtol * float(np.max(np.abs(v), initial=1e-30)))
+    assert_tree_close(a, b, rtol=rtol, atol=scaled_atol(rtol, floor=1e-30))
 
 
 @pytest.fixture(autouse=True)

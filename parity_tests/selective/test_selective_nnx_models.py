@@ -12,30 +12,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assert import assert_tree_close, max_abs
+from _lazy import Lazy
 from flax import nnx
 
 from jaxmem.measure import residual_bytes
 from jaxmem.selective import linen as SL
 from jaxmem.selective import nnx as SN
 
-K = jax.random.split(jax.random.key(11), 8)
+K = Lazy(lambda: jax.random.split(jax.random.key(11), 8))
 
 
 def _close(a, b, rtol=1e-5):
     """Leaf-wise equal up to ``rtol`` of the leaf's largest magnitude, or of a tenth of the
     tree's, if larger (f32 rounding of sums taken in another order; some gradients, e.g. of
     attention's key bias, are exactly 0 in math and rounding noise in f32)."""
-    def arr(u):
-        if jnp.issubdtype(u.dtype, jax.dtypes.prng_key):
-            u = jax.random.key_data(u)
-        return np.asarray(u)
-    la, lb = [arr(u) for u in jax.tree.leaves(a)], [arr(v) for v in jax.tree.leaves(b)]
-    assert len(la) == len(lb)
-    mag = lambda v: float(np.max(np.abs(v))) if v.size else 0.0
-    tree = max([mag(v) for v in lb if v.dtype.kind == "f"], default=0.0)
-    for u, v in zip(la, lb):
-        scale = max(mag(v), 0.1 * tree) if v.dtype.kind == "f" else 0.0
-        np.testing.assert_allclose(u, v, rtol=rtol, atol=rtol * scale)
+    floats = [v for v in jax.tree.leaves(b) if jnp.issubdtype(v.dtype, jnp.floating)]
+    tree = max([max_abs(v) for v in floats], default=0.0)
+    scale = lambda v: max(max_abs(v), 0.1 * tree) if v.dtype.kind == "f" else 0.0
+    assert_tree_close(a, b, rtol=rtol, atol=lambda v: rtol * scale(v))
 
 
 def _pair(make):

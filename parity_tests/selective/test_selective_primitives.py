@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _assert import assert_tree_close
+from _lazy import Lazy, once
 from jax import lax
 from jax.test_util import check_grads
 
 import jaxmem.selective as S
 
-KEYS = jax.random.split(jax.random.key(42), 8)
+KEYS = Lazy(lambda: jax.random.split(jax.random.key(42), 8))
 
 
 def rnd(i, shape, scale=1.0, shift=0.0, dtype=jnp.float32):
@@ -34,9 +36,7 @@ def _cmp_grads(f, g, args, subsets, rtol=1e-5, atol=1e-6):
                                    for s in subsets])(*args)
 
     for sa, sb, sub in zip(all_grads(f), all_grads(g), subsets):
-        for a, b in zip(sa, sb):
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                       rtol=rtol, atol=atol, err_msg=f"argnums={sub}")
+        assert_tree_close(sa, sb, rtol=rtol, atol=atol, err_msg=f"argnums={sub}")
 
 
 SUBSETS2 = [(0,), (1,), (0, 1)]
@@ -53,12 +53,12 @@ def test_dense_matches_jax():
 
 CONV_CASES = [
     # (x shape, w shape, kwargs)
-    ((2, 9, 3), (3, 3, 4), dict(strides=2, padding="SAME")),
-    ((2, 9, 8, 4), (3, 3, 2, 6), dict(strides=(2, 1), padding=((1, 2), (0, 1)),
-                                      dilation=(1, 2), feature_group_count=2)),
-    ((1, 5, 6, 7, 2), (3, 2, 3, 2, 3), dict(padding=((0, 0), (1, 0), (0, 2)),
-                                            input_dilation=(1, 2, 1))),
-    ((2, 7, 7, 3), (3, 3, 3, 5), dict(padding=1)),
+    ((2, 9, 3), (3, 3, 4), {"strides": 2, "padding": "SAME"}),
+    ((2, 9, 8, 4), (3, 3, 2, 6), {"strides": (2, 1), "padding": ((1, 2), (0, 1)),
+                                  "dilation": (1, 2), "feature_group_count": 2}),
+    ((1, 5, 6, 7, 2), (3, 2, 3, 2, 3), {"padding": ((0, 0), (1, 0), (0, 2)),
+                                        "input_dilation": (1, 2, 1)}),
+    ((2, 7, 7, 3), (3, 3, 3, 5), {"padding": 1}),
 ]
 
 
@@ -129,13 +129,13 @@ NORMS = {
                         {"params": {"scale": s, "bias": b},
                          "batch_stats": {"mean": jnp.zeros(4), "var": jnp.ones(4)}},
                         x, mutable=["batch_stats"])[0]),
-    "batch_eval": (lambda x, s, b: S.batch_norm(x, s, b, RM, RV, train=False)[0],
+    "batch_eval": (lambda x, s, b: S.batch_norm(x, s, b, RM(), RV(), train=False)[0],
                    lambda x, s, b: nn.BatchNorm(use_running_average=True).apply(
                        {"params": {"scale": s, "bias": b},
-                        "batch_stats": {"mean": RM, "var": RV}}, x)),
+                        "batch_stats": {"mean": RM(), "var": RV()}}, x)),
 }
-RM = rnd(5, (4,))
-RV = jax.random.uniform(KEYS[6], (4,)) + 0.5
+RM = once(lambda: rnd(5, (4,)))
+RV = once(lambda: jax.random.uniform(KEYS[6], (4,)) + 0.5)
 
 
 @pytest.mark.parametrize("name", list(NORMS))
@@ -152,7 +152,7 @@ def test_norm_error_vs_float64_no_worse_than_jax(name):
     ours, ref = NORMS[name]
     x, s, b = rnd(0, (4, 5, 5, 4), 3.0, 2.0), rnd(1, (4,)), rnd(2, (4,))
     ct = rnd(7, x.shape)
-    g32 = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), (0, 1)))(x, s, b)
+    g32 = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), (0, 1)))(x, s, b)
            for f in (ours, ref)]
     with jax.enable_x64():
         a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, s, b, ct)]
@@ -165,7 +165,7 @@ def test_norm_error_vs_float64_no_worse_than_jax(name):
 
 def test_batch_norm_running_stats_and_stat_outputs():
     x = rnd(0, (6, 3, 4), 2.0, 1.0)
-    y, m, v = S.batch_norm(x, None, None, jnp.zeros(4), jnp.ones(4), train=True, momentum=0.9)
+    _, m, v = S.batch_norm(x, None, None, jnp.zeros(4), jnp.ones(4), train=True, momentum=0.9)
     np.testing.assert_allclose(m, 0.1 * jnp.mean(x, (0, 1)), rtol=1e-5)
     np.testing.assert_allclose(v, 0.9 + 0.1 * jnp.var(x, (0, 1)), rtol=1e-5)
     # gradients through the returned statistics are exact too
@@ -318,8 +318,7 @@ def test_checkpoint_and_names():
     f = jax.checkpoint(lambda *a: jnp.sum(jnp.sin(_net(*a))), policy=policy)
     g = jax.jit(jax.grad(f, (0, 1)))(*args)
     r = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(_ref_net(*a))), (0, 1)))(*args)
-    for a, b in zip(g, r):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    assert_tree_close(g, r, rtol=2e-5, atol=2e-5)
     from jax._src.ad_checkpoint import saved_residuals
     names = [s for _, s in saved_residuals(f, *args[:5], args[5])]
     assert any("jaxmem.selective.relu.mask" in s for s in names), names
