@@ -162,7 +162,8 @@ class MemoryPlan:
     and returns its values; its gradients are the untouched loss's (exact options only), and
     ``jax.value_and_grad(step)``, ``jax.grad(step)`` and :meth:`value_and_grad` compile to
     at most ``budget_bytes`` on ``target``'s plan for arguments of the example's shapes
-    (``compiled_bytes`` is ``value_and_grad(step)``'s)."""
+    (``compiled_bytes`` is ``value_and_grad(step)``'s compiled total; for an OLLA-order plan
+    the largest of the three; ``jax.grad(step)`` is compiled and checked too)."""
 
     step: Callable[..., Any]
     choices: tuple[UnitChoice, ...]
@@ -629,6 +630,9 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
             o_bytes = max(_compiled_total(o_step, args, target),
                           order_result.compiled_bytes)
             if o_bytes <= budget_bytes:
+                o_bytes = max(o_bytes, compiled_memory(jax.grad(o_step), *args,
+                                                       target=target).total_bytes)
+            if o_bytes <= budget_bytes:
                 return MemoryPlan(
                     step=o_step, choices=(UnitChoice("(step)", "store", 0, 0, 0.0,
                                                      f"OLLA order: {order_result.why}"),),
@@ -833,6 +837,22 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                      f" (every unit recomputed: fenced {with_fence / mib:.2f} MiB, unfenced "
                      f"{without / mib:.2f} MiB)")
 
+    grad_bytes: dict[tuple[int, ...], int] = {}
+
+    def grad_total(choice):
+        """Compiled bytes of ``jax.grad`` of the choice's step (XLA may plan it apart from
+        ``value_and_grad``; both are documented uses)."""
+        if choice not in grad_bytes:
+            from jaxmem.measure import compiled_memory as _cm
+            grad_bytes[choice] = _cm(jax.grad(build(choice)), *args,
+                                     target=target).total_bytes
+        return grad_bytes[choice]
+
+    def fits_budget(choice):
+        """Whether the compiled choice holds the budget with ``value_and_grad`` and ``grad``
+        (the latter compiled only for a choice whose ``value_and_grad`` fits)."""
+        return tried[choice] <= budget_bytes and grad_total(choice) <= budget_bytes
+
     def cost_of(choice):
         return sum(raw[i][4] for i in choice)
 
@@ -893,7 +913,7 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         """Compile the plan of least predicted bytes (and every unit recomputed)."""
         if n:
             calibrate()
-            over = [c for c, v in tried.items() if v > budget_bytes]
+            over = [c for c in tried if not fits_budget(c)]
             sol = _solve.solve_items(n, items_for(fit()), base, None, "bytes", time_limit,
                                      over if budget_bytes >= floor else ())
             if sol.choice is not None:
@@ -911,10 +931,10 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         slack = 0
         least_tried = False
         for it in range(1, max_iterations + 1):
-            fits = [c for c, v in tried.items() if v <= budget_bytes]
+            fits = [c for c in tried if fits_budget(c)]
             theta = fit()
             items = items_for(theta)
-            over = [c for c, v in tried.items() if v > budget_bytes]
+            over = [c for c in tried if c not in fits]
             sol = _solve.solve_items(n, items, base, budget_bytes - slack, "time", time_limit,
                                      over)
             if _DEBUG:
@@ -934,7 +954,7 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
             if _DEBUG:
                 print("plan:", realise(sol.choice), "predicted", preds[sol.choice],
                       "compiled", compiled)
-            if compiled <= budget_bytes:
+            if fits_budget(sol.choice):
                 status = sol.status
                 if abs(preds[sol.choice] / max(compiled, 1) - 1.0) <= 0.1:
                     break
@@ -944,12 +964,12 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                 slack += compiled - budget_bytes
         else:
             it = max_iterations
-    fits = [c for c, v in tried.items() if v <= budget_bytes]
-    if not fits and budget_bytes < store_bytes:
+    fits = [c for c in tried if fits_budget(c)]
+    if not fits:
         if budget_bytes >= floor:
             least_bytes()
         canonical = reachable()
-        fits = [c for c, v in tried.items() if v <= budget_bytes]
+        fits = [c for c in tried if fits_budget(c)]
     if fits:
         choice = min(fits, key=lambda c: (cost_of(c), tried[c], c))
         choices = []
@@ -988,7 +1008,12 @@ def _plan(step: Callable[..., Any], *example_args: Any, budget: Any,
                           else 0.0, iterations=max(it, 1), approximate=any(
                               c.bits is not None for c in choices), notes=tuple(notes),
                           target=target)
-    smallest = min(tried[c] for c in canonical)
+    smallest = None
+    for c in sorted(canonical, key=lambda c: tried[c]):
+        if smallest is not None and tried[c] >= smallest:
+            break
+        both = max(tried[c], grad_total(c))
+        smallest = both if smallest is None else min(smallest, both)
     big = max(range(n), key=lambda i: keep[i][0]) if n else None
     dominant = {"arguments (parameters, batch, state)": cm0.argument_bytes,
                 "outputs (loss, gradients)": cm0.output_bytes}

@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from jaxmem.measure import compiled_memory
@@ -47,10 +47,12 @@ def _check_plan(p, loss, params, x, fresh):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(b))))
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=3, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(depth=st.integers(2, 4), width=st.sampled_from([16, 32]),
        batch=st.sampled_from([32, 64]), act=st.sampled_from(sorted(ACTS)),
        residual=st.booleans(), fraction=st.floats(0.2, 1.0), seed=st.integers(0, 2**16))
+# a budget of the whole default: XLA:CPU plans grad(step) above value_and_grad(step) here
+@example(depth=2, width=16, batch=32, act="relu", residual=False, fraction=1.0, seed=0)
 def test_plan_promise_on_random_models(depth, width, batch, act, residual, fraction, seed):
     loss, params, x, fresh = _model(depth, width, batch, act, residual, seed)
     kw = {"order": False, "max_iterations": 2, "time_limit": 2.0}
