@@ -29,7 +29,13 @@ from jaxmem.transform.report import Report, Row
 
 __all__ = ["Options", "Report", "Row", "report", "transform"]
 
+# ``jaxmem.transform`` resolves to the function when reached as an attribute of ``jaxmem``
+# and to this (callable) module once imported: both carry the same names.
 transform.transform = transform
+transform.report = report
+transform.Report = Report
+transform.Row = Row
+transform.Options = Options
 
 
 class _CallableModule(types.ModuleType):

@@ -412,6 +412,41 @@ def match_activations(graph: Graph, taken: set[int], path: str,
     return out
 
 
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+               "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cumlogsumexp"}
+#: ops through which a value stays a function of reduced statistics only
+_STAT_PRESERVING = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                                  "transpose", "stop_gradient"}
+
+
+def _reduced(graph: Graph, v, depth: int = 0) -> bool:
+    """``v`` is computed (elementwise / by broadcasting, with constants) from reductions
+    only: a per-row statistic (a mean, a variance, a row max), not an activation."""
+    if depth > 32 or is_literal(v) or graph.is_const(v):
+        return False
+    eqn = graph.eqn(v)
+    if eqn is None:
+        return False
+    name = eqn.primitive.name
+    if name in _REDUCTIONS:
+        return True
+    if name not in _STAT_PRESERVING:
+        return False
+    varying = [u for u in eqn.invars if not graph.is_const(u)]
+    return bool(varying) and all(_reduced(graph, u, depth + 1) for u in varying)
+
+
+def _statistic_or_reduced(graph: Graph, r, o) -> str:
+    """Why a smooth subgraph is no activation to approximate ('' when it is one): a
+    function of normalisation statistics (``rsqrt(var + eps)``), or one whose output is
+    summed away (``x ** 2`` inside a variance, a loss) -- its gradient must stay exact."""
+    if _reduced(graph, r):
+        return "a function of reduced statistics (a normalisation's), not an activation"
+    if any(graph.jaxpr.eqns[j].primitive.name in _REDUCTIONS for j in graph.uses(o)):
+        return "its output is reduced (a variance's square, a loss), not an activation"
+    return ""
+
+
 def _ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
     seen = {i}
     stack = [i]
@@ -453,6 +488,10 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit) -> Match | Row:
                       f"slopes {slopes[0]:g} / {slopes[1]:g}", where, ns, path)
             return Match(frozenset(anc), anchor, [r], [o],
                          lambda x, _op=op: [_op(x)], row)
+    statistic = _statistic_or_reduced(graph, r, o)
+    if statistic:
+        return Row("activation", what, "", False, statistic, where, ns,
+                   path)
     if fewbit is None:
         return Row("activation", what, "", False,
                    "smooth: kept exact (fewbit=1..4 stores a few-bit code of its input)",

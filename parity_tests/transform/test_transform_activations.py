@@ -67,11 +67,26 @@ SMOOTH = {
 @pytest.mark.parametrize("name", list(SMOOTH))
 def test_smooth_stays_exact_without_fewbit(name):
     act = SMOOTH[name]
-    x = normal((8, 24), scale=2.0)
-    f = lambda x: jnp.sum(act(x) ** 2)
+    x, w = normal((8, 24), scale=2.0), normal((24, 4))
+    f = lambda x, w: jnp.sum(act(x) @ w)
     g = transform(f)
-    rows = g.report(x).by_kind("activation")
+    rows = g.report(x, w).by_kind("activation")
     assert [r.converted for r in rows] == [False] and "smooth" in rows[0].reason
+    close(jax.jit(jax.grad(g))(x, w), jax.jit(jax.grad(f))(x, w))
+
+
+def test_norm_statistics_and_losses_are_no_activations():
+    x = normal((8, 24), scale=2.0)
+
+    def f(x):  # a hand-written RMSNorm and a squared loss: their smooth parts stay exact
+        y = x * jax.lax.rsqrt(jnp.mean(x ** 2, -1, keepdims=True) + 1e-6)
+        return jnp.mean(y ** 2)
+
+    g = transform(f, fewbit=2)
+    rows = g.report(x).by_kind("activation")
+    assert rows and not any(r.converted for r in rows)
+    assert any("reduced statistics" in r.reason for r in rows)
+    assert any("output is reduced" in r.reason for r in rows)
     close(jax.jit(jax.grad(g))(x), jax.jit(jax.grad(f))(x))
 
 

@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import jaxmem
-from jaxmem.transform import Options, transform
+from jaxmem.transform import Options, report, transform
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _util import close, normal
@@ -88,7 +88,8 @@ def test_module_is_the_function():
     x = normal((3, 4))
     f = jnp.sin
     close(jaxmem.transform(f)(x), f(x))
-    assert jaxmem.transform.report is not None
+    assert jaxmem.transform.report is report
+    assert [r.kind for r in jaxmem.transform(lambda x: x @ x.T).report(x)] == ["dot"]
     import jaxmem.transform as mod
     close(mod(f)(x), f(x))
     assert transform(f).options == Options()
