@@ -213,6 +213,13 @@ def test_cli_bad_budget_exits_2_with_one_line(bad, tmp_path, capsys):
     assert "budget" in text and "Traceback" not in text and len(text.splitlines()) == 1
 
 
+def test_cli_unknown_target_exits_2_with_one_line(tmp_path, capsys):
+    rc = cli_main(["no_such_module_for_jaxmem:make", "--budget", "0.5", "--target", "h1000",
+                   "--out", str(tmp_path / "o")])
+    text = "".join(capsys.readouterr()).strip()
+    assert rc == 2 and "target" in text and len(text.splitlines()) == 1
+
+
 # --- 7: the CLI says what shape `module:function` must return -------------------------------
 
 USER = '''
