@@ -154,8 +154,8 @@ def test_ordered_drops_a_small_saving_and_a_step_that_disagrees(monkeypatch):
         step = real_fenced(ts, order, k, name)
         return lambda *a: jax.tree_util.tree_map(lambda v: v * 1.01, step(*a))
 
-    def smaller(fn, args):   # pretend the fenced step compiles to fewer bytes
-        exe, total = real_compile(fn, args)
+    def smaller(fn, args, target="cpu"):   # pretend the fenced step compiles to fewer bytes
+        exe, total = real_compile(fn, args, target)
         return exe, total - (0 if fn is f else 1)
 
     monkeypatch.setattr(O, "_compile", smaller)
