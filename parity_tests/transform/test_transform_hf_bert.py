@@ -1,0 +1,47 @@
+"""A tiny Hugging Face Flax BERT (random init from a config, no download) under
+jaxmem.transform: exact gradients in train mode, and the report names its Dense layers,
+its GELU (an ``ACT2FN`` partial, matched by what it computes) and its norms' internals with a reason."""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.transform import transform
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import close
+
+
+def _model():
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.FlaxBertForSequenceClassification(cfg, seed=0)
+
+
+def test_tiny_bert_gradients_are_exact_and_reported():
+    m = _model()
+    rng = np.random.default_rng()
+    ids = jnp.asarray(rng.integers(0, 64, (2, 8)))
+    mask = jnp.ones((2, 8), jnp.int32).at[1, 6:].set(0)
+
+    def loss(params, ids, mask):
+        return jnp.sum(m(ids, attention_mask=mask, params=params, train=False).logits ** 2)
+
+    g = transform(loss)
+    close(jax.jit(jax.grad(g))(m.params, ids, mask), jax.jit(jax.grad(loss))(m.params, ids, mask),
+          rtol=1e-5, atol=1e-6)
+    rep = g.report(m.params, ids, mask)
+    dots = [r for r in rep.by_kind("dot") if r.converted]
+    assert len(dots) >= 8                      # q, k, v, out, up, down, pooler, classifier
+    gelu = [r for r in rep.by_kind("activation") if "erfc" in r.matched]
+    assert gelu and not gelu[0].converted and "modeling_flax_bert" in gelu[0].where
+    assert "smooth" in gelu[0].reason           # an ACT2FN partial, found by what it computes
+    assert all(r.reason for r in rep.unconverted())
