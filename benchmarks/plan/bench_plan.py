@@ -8,7 +8,11 @@ policy=save_only_these_names(<unit boundaries>))``. Bytes are compiled bytes
 (median of interleaved runs).
 
     .venv/bin/python benchmarks/plan/bench_plan.py [--quick] [--models gpt,resnet50,vit,vgg16]
-        [--out DIR]
+        [--out DIR] [--target h100] [--fractions 0.5,0.25]
+
+``--target h100`` (or another GPU of :data:`jaxmem.measure.target.GPU_TARGETS`) plans and
+measures every step on XLA:GPU's plan for that GPU, compiled here without one: bytes only, no
+times (nothing runs), no autotuning (cuBLAS/cuDNN workspaces not counted: a lower bound).
 """
 from __future__ import annotations
 
@@ -128,8 +132,8 @@ def uniform_steps(loss, args):
             "save_only_these_names(block outputs) on the loss": boundary}
 
 
-def total(fn, args):
-    return compiled_memory(jax.value_and_grad(fn), *args).total_bytes
+def total(fn, args, target="cpu"):
+    return compiled_memory(jax.value_and_grad(fn), *args, target=target).total_bytes
 
 
 def times(fns, args, reps):
@@ -146,26 +150,27 @@ def times(fns, args, reps):
     return [float(np.median(t)) for t in ts]
 
 
-def run(quick, names=tuple(CASES)):
+def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
     rows = []
+    timed = target == "cpu"
     for key in names:
         t_case = time.perf_counter()
         name, loss, args = CASES[key](quick)
-        default = total(loss, args)
+        default = total(loss, args, target)
         uni = uniform_steps(loss, args)
-        uni_bytes = {k: total(f, args) for k, f in uni.items()}
+        uni_bytes = {k: total(f, args, target) for k, f in uni.items()}
         print(name, "default", default / MIB, {k: v / MIB for k, v in uni_bytes.items()},
               flush=True)
-        runs = [(f, False) for f in (0.5, 0.25, 0.1)]
-        if key in APPROXIMATE:
-            runs += [(f, True) for f in (0.25, 0.1)]
+        runs = [(f, False) for f in fractions]
+        if key in APPROXIMATE and timed:
+            runs += [(f, True) for f in fractions if f < 0.5]
         for frac, approx in runs:
             budget = int(frac * default)
             row = {"model": name, "fraction": frac, "budget_bytes": budget,
                    "default_bytes": default, "allow_approximate": approx}
             t0 = time.perf_counter()
             try:
-                p = plan(loss, *args, budget=frac, allow_approximate=approx)
+                p = plan(loss, *args, budget=frac, allow_approximate=approx, target=target)
             except BudgetError as e:
                 row.update(met=False, smallest_bytes=e.smallest_bytes, error=str(e))
                 p = None
@@ -174,11 +179,15 @@ def run(quick, names=tuple(CASES)):
             row["uniform_fitting"] = {k: uni_bytes[k] for k in fitting}
             fns = [jax.value_and_grad(loss)] + ([p.value_and_grad()] if p else []) + [
                 jax.value_and_grad(uni[k]) for k in fitting]
-            ts = times(fns, args, 3 if quick else 5)
+            ts = times(fns, args, 3 if quick else 5) if timed else None
+
+            def ratio(i, ts=ts):
+                return None if ts is None else ts[i] / ts[0]
+
             if p is not None:
                 row.update(met=p.compiled_bytes <= budget, compiled_bytes=p.compiled_bytes,
                            predicted_bytes=p.predicted_bytes,
-                           prediction_error=p.prediction_error, time_ratio=ts[1] / ts[0],
+                           prediction_error=p.prediction_error, time_ratio=ratio(1),
                            predicted_time=p.predicted_time, solver=p.solver_status,
                            iterations=p.iterations,
                            gap=p.solver_gap, selective=p.selective,
@@ -193,7 +202,7 @@ def run(quick, names=tuple(CASES)):
                         for a, b in zip(jax.tree_util.tree_leaves(g),
                                         jax.tree_util.tree_leaves(g0)))
             off = 2 if p is not None else 1
-            row["uniform_time_ratio"] = {k: ts[off + i] / ts[0] for i, k in enumerate(fitting)}
+            row["uniform_time_ratio"] = {k: ratio(off + i) for i, k in enumerate(fitting)}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
         rows.append({"model": name, "uniform_bytes": uni_bytes, "default_bytes": default})
@@ -211,8 +220,20 @@ def _summary(choices, selective=False, notes=()):
     return f"scope; {text}" if selective else text
 
 
-def markdown(rows, quick=False, names=tuple(CASES)):
-    lines = ["# jaxmem.plan: budgets of 50/25/10 % of the default compiled bytes", "",
+def _fmt_time(x):
+    return "–" if x is None else f"{x:.2f}x"   # None: not timed (a GPU target's plan)
+
+
+def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
+    pcts = "/".join(str(int(f * 100)) for f in fractions)
+    head = (f"# jaxmem.plan: budgets of {pcts} % of the default compiled bytes"
+            + ("" if target == "cpu" else f", on XLA:GPU's {target} plan"))
+    gpu = [] if target == "cpu" else [
+        (f"Every figure is XLA:GPU's plan for `{target}` (jax {jax.__version__}), compiled on a "
+         "machine without a GPU: the plan is made and checked against it, nothing runs (no "
+         "times), no autotuning (cuBLAS/cuDNN workspaces not counted: read bytes as a lower "
+         "bound). Gradients are the untouched step's (checked on the CPU)."), ""]
+    lines = [head, "", *gpu,
              ("Compiled bytes (temp + output + argument - alias) of `value_and_grad(loss)`; "
               "time = median step time / default's, measured side by side. Uniform = the "
               "cheapest uniform JAX remat policy whose compiled bytes fit the budget "
@@ -220,6 +241,10 @@ def markdown(rows, quick=False, names=tuple(CASES)):
              "Command: `.venv/bin/python benchmarks/plan/bench_plan.py"
              + (" --quick" if quick else "")
              + ("" if tuple(names) == tuple(CASES) else " --models " + ",".join(names))
+             + ("" if target == "cpu" else f" --target {target}")
+             + ("" if tuple(fractions) == (0.5, 0.25, 0.1)
+                else " --fractions " + ",".join(map(str, fractions)))
+             + ("" if target == "cpu" else f" --out benchmarks/results/plan/{target}")
              + "`", "",
              ("Times were taken on a 2-core machine shared with other jobs: read them as "
               "rough; a ratio below 1 is contention noise, not a speed-up."), "",
@@ -230,8 +255,8 @@ def markdown(rows, quick=False, names=tuple(CASES)):
         if "fraction" not in r:
             continue
         uni = r.get("uniform_time_ratio", {})
-        best = min(uni.items(), key=lambda kv: kv[1]) if uni else None
-        ustr = f"{best[0]} ({best[1]:.2f}x)" if best else "none"
+        best = min(uni.items(), key=lambda kv: (kv[1] is None, kv[1] or 0.0)) if uni else None
+        ustr = f"{best[0]} ({_fmt_time(best[1])})" if best else "none"
         pct = f"{int(r['fraction'] * 100)} %" + (" approx." if r.get("allow_approximate")
                                                   else "")
         if r.get("met"):
@@ -240,7 +265,7 @@ def markdown(rows, quick=False, names=tuple(CASES)):
             lines.append(
                 f"| {r['model']} | {pct} | yes | "
                 f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
-                f" | {r['prediction_error'] * 100:+.1f} % | {r['time_ratio']:.2f}x "
+                f" | {r['prediction_error'] * 100:+.1f} % | {_fmt_time(r['time_ratio'])} "
                 f"({r['predicted_time']:.2f}x) | "
                 f"{_summary(r['choices'], r.get('selective', False), r.get('notes', ()))}"
                 f"{err} | {ustr} |")
@@ -279,6 +304,30 @@ def _models_arg(text):
     return tuple(dict.fromkeys(names))
 
 
+def _target_arg(text):
+    from jaxmem.measure.target import check_target
+    try:
+        return check_target(text, 1, "--target")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fractions_arg(text):
+    from jaxmem.planner.api import budget_spec
+    out = []
+    for t in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            kind, v = budget_spec(t, "--fractions")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if kind != "fraction":
+            raise argparse.ArgumentTypeError(f"--fractions: {t!r} is not a fraction in (0, 1]")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("--fractions is empty")
+    return tuple(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -286,14 +335,20 @@ def main():
                     help=f"comma-separated subset of {','.join(CASES)} (default: all)")
     ap.add_argument("--out", type=pathlib.Path, default=OUT,
                     help="folder for plan.json and plan.md (default: benchmarks/results/plan)")
+    ap.add_argument("--target", type=_target_arg, default="cpu",
+                    help="plan and measure on this target's compiled bytes (cpu or a GPU: "
+                         "XLA:GPU's plan, compiled here without one; no times)")
+    ap.add_argument("--fractions", type=_fractions_arg, default=(0.5, 0.25, 0.1),
+                    help="comma-separated budget fractions in (0, 1] (default 0.5,0.25,0.1)")
     a = ap.parse_args()
-    rows = run(a.quick, a.models)
+    rows = run(a.quick, a.models, a.target, a.fractions)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
-            "models": list(a.models)}
+            "models": list(a.models), "target": a.target, "fractions": list(a.fractions)}
+    md = markdown(rows, a.quick, a.models, a.target, a.fractions)
     (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (a.out / "plan.md").write_text(markdown(rows, a.quick, a.models))
-    print(markdown(rows, a.quick, a.models))
+    (a.out / "plan.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":
