@@ -12,6 +12,9 @@ Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
     product is then accumulated in f32 directly, equal up to the bf16 rounding it skips)
     p = exp(s - max(s)) / sum(...)   softmax over S (the last axis), max optional
     p = convert(p)                   optional                                 (weights dtype)
+    p = p * f                        optional, f constant along T and S (a head mask,
+                                     also as ``einsum("...hqk,h->...hqk")`` + transpose);
+                                     re-emitted as ``o * f`` since ``(P f) v = (P v) f``
     o = dot_general(p, v) | (v, p)   contracting S
 
 with every interior value used inside the pattern only.  It is re-emitted as
@@ -126,6 +129,48 @@ def _source(graph: Graph, v, rank: int):
     return v, tuple(v.aval.shape)
 
 
+def _peel_factor(graph: Graph, x, part: set[int]):
+    """``x = P * f`` with ``f`` constant along the last two (query, key) axes -- a head mask
+    (``einsum("...hqk,h->...hqk", P, head_mask)`` then a transpose back, or ``P * f``
+    broadcast): returns ``(P, (f, shape))``, ``shape`` being ``f`` as broadcastable to
+    ``x``.  Since ``(P f) v = (P v) f`` for such ``f``, the factor moves to the output.
+    Otherwise ``(x, None)``."""
+    rank = len(x.aval.shape)
+    y, perm, t_index = x, None, None
+    h = _prod(graph, x, "transpose")
+    if h is not None:
+        t_index, perm, y = h[0], tuple(h[1].params["permutation"]), h[1].invars[0]
+    hd = _prod(graph, y, "dot_general")
+    if hd is not None:
+        (lc, rc), (lb, rb) = hd[1].params["dimension_numbers"]
+        f, p = hd[1].invars
+        if (not lc and not rc and len(f.aval.shape) == 1 and tuple(lb) == (0,)
+                and len(rb) == 1 and rb[0] < rank - 2 and len(p.aval.shape) == rank):
+            j = rb[0]
+            order = [j] + [d for d in range(rank) if d != j]
+            final = order if perm is None else [order[perm[i]] for i in range(rank)]
+            if final == list(range(rank)):
+                part.add(hd[0])
+                if t_index is not None:
+                    part.add(t_index)
+                shape = [1] * rank
+                shape[j] = f.aval.shape[0]
+                return p, (f, tuple(shape))
+    if perm is None:
+        hm = _prod(graph, x, "mul")
+        if hm is not None:
+            a, b = hm[1].invars
+            for p, f in ((a, b), (b, a)):
+                if is_literal(f) or graph.uniform(f) is not None:
+                    continue
+                src, shape = _source(graph, f, rank)
+                if shape[-2:] == (1, 1) and _prod(
+                        graph, p, ("div", "convert_element_type")) is not None:
+                    part.add(hm[0])
+                    return p, (src, shape)
+    return x, None
+
+
 def _fill(graph: Graph, v, dtype) -> str | None:
     val = graph.uniform(v)
     if val is None:
@@ -143,25 +188,28 @@ def _match_one(graph: Graph, d2_index: int):
     d2 = eqns[d2_index]
     used = {d2_index}
     (lc2, rc2), (lb2, rb2) = d2.params["dimension_numbers"]
+    _need(bool(lc2), "")  # no contraction: a head factor or an outer product, not P v
     a, b = d2.invars
     # which operand holds the weights: the one that is a softmax (maybe cast)
     found = None
     for cand, other, pc, pb, vc, vb, pside in ((a, b, lc2, lb2, rc2, rb2, "lhs"),
                                                 (b, a, rc2, rb2, lc2, lb2, "rhs")):
-        p, weights_dtype, part = cand, None, set()
+        part: set[int] = set()
+        p, factor = _peel_factor(graph, cand, part)
+        weights_dtype = None
         h = _prod(graph, p, "convert_element_type")
         if h is not None:
             part.add(h[0])
             p = h[1].invars[0]
-            weights_dtype = str(cand.aval.dtype)
+            weights_dtype = str(h[1].outvars[0].aval.dtype)
         try:
             s2 = _softmax(graph, p, part)
         except _NoMatch:
             continue
-        found = (p, s2, other, pc, pb, vc, vb, pside, weights_dtype, part)
+        found = (p, s2, other, pc, pb, vc, vb, pside, weights_dtype, part, factor)
         break
     _need(found is not None, "")  # not a softmax-weighted product: no row
-    p, s2, v, pc, pb, vc, vb, pside, weights_dtype, part = found
+    p, s2, v, pc, pb, vc, vb, pside, weights_dtype, part, factor = found
     used |= part
     rank = len(p.aval.shape)
     nb = rank - 2
@@ -252,6 +300,7 @@ def _match_one(graph: Graph, d2_index: int):
                   "k_perm": tuple(rb) + tuple(rfree) + tuple(rc),
                   "v_perm": tuple(vb) + tuple(vc) + tuple(vfree),
                   "nq": len(lc), "pside": pside, "nb": nb, "keep_negated": keep_negated}
+    layout["factor"] = factor
     return used, q, k, v, bias, mask, spec, layout
 
 
@@ -282,6 +331,9 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_shape, mask_shape):
             mask = jnp.logical_not(mask)
         o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_shape),
                            mask=scores_like(mask, mask_shape), spec=spec)
+        if layout["factor"] is not None:                           # (P f) v = (P v) f
+            fac = jnp.reshape(extra.pop(0), layout["factor"][1])
+            o = o * fac.reshape(fac.shape[:nb] + (1, 1, 1)).astype(o.dtype)
         o = o.reshape(*o.shape[:nb + 1], o.shape[-1])              # (*B, T, Dv)
         if layout["pside"] == "rhs":                               # dot(v, p): (*B, Dv, T)
             o = jnp.swapaxes(o, -1, -2)
@@ -314,9 +366,11 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
         if mask is not None:
             mask, mask_shape = _source(graph, mask, rank)
             inputs.append(mask)
+        if layout["factor"] is not None:
+            inputs.append(layout["factor"][0])
         emit = _emit_fn(spec, layout, bias_shape, mask_shape)
-        parts = [k for k, x in (("scale", spec["scale"]), ("bias", bias), ("mask", mask))
-                 if x is not None]
+        parts = [k for k, x in (("scale", spec["scale"]), ("bias", bias), ("mask", mask),
+                                ("head factor", layout["factor"])) if x is not None]
         what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
                 + (f" [{', '.join(parts)}]" if parts else ""))
         row = Row("attention", what, "jaxmem.fewbit.attention_core (exact)", True,

@@ -56,7 +56,20 @@ def manual_softmax(q, k, v):
     return jnp.einsum("bhts,bshd->bthd", p, v)
 
 
-CASES = [flax_plain, flax_mask_bias, einsum_scaled, causal_where, manual_softmax]
+def head_factor(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k)
+    p = jax.nn.softmax(s, axis=-1) * jnp.array([1.0, 0.0])[None, :, None, None]
+    return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+def head_mask_einsum(q, k, v):
+    p = nn.dot_product_attention_weights(q, k)
+    p = jnp.einsum("...hqk,h->...hqk", p, jnp.array([1, 0], jnp.int32))
+    return jnp.einsum("...hqk,...khd->...qhd", p, v)
+
+
+CASES = [flax_plain, flax_mask_bias, einsum_scaled, causal_where, manual_softmax,
+         head_factor, head_mask_einsum]
 
 
 @pytest.mark.parametrize("att", CASES, ids=[c.__name__ for c in CASES])

@@ -1,6 +1,7 @@
 """A tiny Hugging Face Flax BERT (random init from a config, no download) under
 jaxmem.transform: exact gradients in train mode, and the report names its Dense layers,
-its GELU (an ``ACT2FN`` partial, matched by what it computes) and its norms' internals with a reason."""
+its GELU (an ``ACT2FN`` partial, matched by what it computes) and its norms' internals with a reason, and its attention (Flax's weights, HF's head-mask
+einsum, the einsum with v) as one exact memory-lean attention."""
 from __future__ import annotations
 
 import sys
@@ -44,4 +45,6 @@ def test_tiny_bert_gradients_are_exact_and_reported():
     gelu = [r for r in rep.by_kind("activation") if "erfc" in r.matched]
     assert gelu and not gelu[0].converted and "modeling_flax_bert" in gelu[0].where
     assert "smooth" in gelu[0].reason           # an ACT2FN partial, found by what it computes
+    att = rep.by_kind("attention")     # flax weights + HF's head-mask einsum + einsum with v
+    assert [r.converted for r in att] == [True] and "head factor" in att[0].matched
     assert all(r.reason for r in rep.unconverted())
