@@ -27,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax._src import core
 from jax._src.ad_checkpoint import saved_residuals
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
+
+from jaxmem.planner.trace import itemsize
 
 __all__ = ["HOST_KIND", "compiled_bytes", "host_offload_kind", "offload_available",
            "offload_chunk", "offload_policy", "residual_bytes", "transfer_seconds"]
@@ -152,7 +153,7 @@ def residual_bytes(f: Callable[..., Any], *args: Any) -> dict[str, int]:
         raise TypeError(f"f must be callable, got {f!r} ({type(f).__name__})")
     out = {"arguments": 0, "device": 0, "host": 0}
     for aval, why in saved_residuals(f, *args):
-        n = int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        n = int(math.prod(aval.shape)) * itemsize(aval.dtype)
         if str(why).startswith("from the argument"):
             out["arguments"] += n
         elif getattr(aval, "memory_space", None) == core.MemorySpace.Host:

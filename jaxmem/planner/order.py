@@ -163,7 +163,8 @@ def _fenced_step(ts, order: list[str], k: int, name: str):
     from jaxmem.schedule.xla import as_function
 
     flat_fn = as_function(ts, order, k)
-    want = [(tuple(ts.avals[i].shape), jnp.dtype(ts.avals[i].dtype)) for i in ts.in_ids]
+    # the avals' own dtypes: jnp.dtype() refuses extended dtypes such as typed PRNG keys
+    want = [(tuple(ts.avals[i].shape), ts.avals[i].dtype) for i in ts.in_ids]
 
     def step(*args):
         leaves, tree = jax.tree_util.tree_flatten(args)

@@ -185,3 +185,16 @@ def test_ordered_bad_arguments(kw, err, msg):
         ordered(lambda x: x * 2, jnp.ones(3), **kw)
     with pytest.raises(TypeError, match="fn must be callable"):
         ordered(3, jnp.ones(3))
+
+
+def test_ordered_step_takes_typed_prng_keys():
+    """A typed PRNG key among the arguments (dropout): the fenced step is built and compiled
+    (its dtype check keeps the key's extended dtype)."""
+    def loss(w, x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.mean(jnp.tanh(jnp.where(keep, x, 0.0) @ w) ** 2)
+
+    w = jax.random.normal(jax.random.key(1), (16, 16))
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    r = ordered(jax.value_and_grad(loss), w, x, jax.random.key(3), time_limit=0.5, chunks=4)
+    assert "did not compile" not in r.why and "Cannot interpret" not in r.why, r.why
