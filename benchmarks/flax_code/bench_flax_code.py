@@ -387,9 +387,10 @@ def _summary(res) -> list[str]:
         b, br = r["bytes"], r["bytes_ratio"]
         fb = (f", fewbit3 {br[g]['fewbit3']:.2f}x vs {br['cpu']['fewbit3']:.2f}x"
               if "fewbit3" in br[g] else "")
+        gemm = "/".join(sorted({x.get("gemm_backend", "") for x in b[g].values()} - {""}))
         out.append(f"- {r['model']}: default {b[g]['default']['total'] / MIB:.2f} MiB on the "
-                   f"{_label(g)} vs {b['cpu']['default']['total'] / MIB:.2f} MiB on CPU; "
-                   f"exact {br[g]['exact']:.2f}x vs {br['cpu']['exact']:.2f}x{fb}.")
+                   f"{_label(g)} (GEMM {gemm or '-'}) vs {b['cpu']['default']['total'] / MIB:.2f}"
+                   f" MiB on CPU; exact {br[g]['exact']:.2f}x vs {br['cpu']['exact']:.2f}x{fb}.")
     return out
 
 
@@ -424,7 +425,9 @@ def _markdown(res) -> str:
             + ".\n")]
     summ = _summary(res)
     if summ:
-        out += ["## Summary: H100 plan vs CPU\n"] + summ + [""]
+        out += ["## Summary: H100 plan vs CPU\n"] + summ + [
+            "", ("(cuBLAS where XLA:GPU finds no Triton tiling for a dot without autotuning; "
+                 "the cuBLAS workspace is not in the plan.)"), ""]
     out += ["## Compiled bytes and step time\n",
             "| model | depth | "
             + " | ".join(f"{_label(t)} {VARIANT_NAMES[v]}" for t in ts for v in VARIANTS)
