@@ -12,6 +12,9 @@ Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
     product is then accumulated in f32 directly, equal up to the bf16 rounding it skips)
     p = exp(s - max(s)) / sum(...)   softmax over S (the last axis), max optional
     p = convert(p)                   optional                                 (weights dtype)
+    p = p * bernoulli(key)/keep      optional (Flax's attention dropout; the recipe is
+                                     checked by re-tracing ``jax.random.bernoulli``, and
+                                     the core regenerates the mask from ``key``)
     p = p * f                        optional, f constant along T and S (a head mask,
                                      also as ``einsum("...hqk,h->...hqk")`` + transpose);
                                      re-emitted as ``o * f`` since ``(P f) v = (P v) f``
@@ -171,6 +174,101 @@ def _peel_factor(graph: Graph, x, part: set[int]):
     return x, None
 
 
+def _signature(eqn) -> str:
+    params = sorted((k, repr(v)) for k, v in eqn.params.items()
+                    if k not in ("sharding", "out_sharding"))
+    lits = [repr(np.asarray(v.val).tolist()) for v in eqn.invars if is_literal(v)]
+    return f"{eqn.primitive.name}{params}{lits}"
+
+
+def _recipe(graph: Graph, keep, part: set[int]):
+    """The equations computing ``keep`` from one PRNG key (the input of its
+    ``random_bits``): ``(indices, key)`` or ``None``."""
+    found: set[int] = set()
+    keys: list = []
+    stack = [keep]
+    seen: set = set()
+    while stack:
+        v = stack.pop()
+        if is_literal(v) or v in seen:
+            continue
+        seen.add(v)
+        i = graph.producer.get(v)
+        if i is None:
+            if v in graph.consts:
+                continue
+            return None                       # depends on an input other than the key
+        eqn = graph.jaxpr.eqns[i]
+        found.add(i)
+        if eqn.primitive.name == "random_bits":
+            keys.append(eqn.invars[0])
+            continue
+        stack.extend(eqn.invars)
+    if len({id(k) for k in keys}) != 1:
+        return None
+    return found, keys[0]
+
+
+def _peel_dropout(graph: Graph, x, part: set[int]):
+    """``x = P * (bernoulli(key, keep, shape) / keep)`` (Flax's attention dropout, the mask
+    broadcast over the batch axes or not), recognised by re-tracing
+    ``jax.random.bernoulli`` and comparing equations: returns ``(P, (key, keep, broadcast))``
+    or ``(x, None)``.  ``attention_core`` regenerates the very mask from ``key``."""
+    import jax
+
+    from jaxmem.transform.graph import inline_calls
+
+    h = _prod(graph, x, "mul")
+    if h is None:
+        return x, None
+    rank = len(x.aval.shape)
+    for p, m in (tuple(h[1].invars), tuple(reversed(h[1].invars))):
+        mine = {h[0]}
+        src = m
+        hb = _prod(graph, src, "broadcast_in_dim")
+        if hb is not None:
+            mine.add(hb[0])
+            src = hb[1].invars[0]
+        hd = _prod(graph, src, "div")
+        if hd is None or is_literal(hd[1].invars[0]):
+            continue
+        kp = graph.uniform(hd[1].invars[1])
+        hc = _prod(graph, hd[1].invars[0], "convert_element_type")
+        if kp is None or not 0 < kp < 1 or hc is None:
+            continue
+        keep = hc[1].invars[0]
+        if keep.aval.dtype != np.bool_ or len(keep.aval.shape) != rank:
+            continue
+        rec = _recipe(graph, keep, part)
+        if rec is None:
+            continue
+        eqns, key = rec
+        shape = tuple(keep.aval.shape)
+        if shape == tuple(p.aval.shape):
+            broadcast = False
+        elif shape[-2:] == tuple(p.aval.shape[-2:]) and all(n == 1 for n in shape[:-2]):
+            broadcast = True
+        else:
+            continue
+        dt = src.aval.dtype
+
+        def ref(k, kp=kp, shape=shape, dt=dt):
+            return (jax.random.bernoulli(k, kp, shape).astype(dt)
+                    / jnp.asarray(kp, dtype=dt))
+
+        try:
+            kstruct = jax.ShapeDtypeStruct(key.aval.shape, key.aval.dtype)
+            rj = inline_calls(jax.make_jaxpr(ref)(kstruct), [kstruct]).jaxpr
+        except (TypeError, ValueError):
+            continue
+        mine_eqns = [graph.jaxpr.eqns[i] for i in eqns | {hc[0], hd[0]}]
+        if sorted(map(_signature, mine_eqns)) != sorted(map(_signature, rj.eqns)):
+            continue
+        part |= mine | eqns | {hc[0], hd[0]}
+        return p, (key, kp, broadcast)
+    return x, None
+
+
 def _fill(graph: Graph, v, dtype) -> str | None:
     val = graph.uniform(v)
     if val is None:
@@ -196,6 +294,7 @@ def _match_one(graph: Graph, d2_index: int):
                                                 (b, a, rc2, rb2, lc2, lb2, "rhs")):
         part: set[int] = set()
         p, factor = _peel_factor(graph, cand, part)
+        p, dropout = _peel_dropout(graph, p, part)
         weights_dtype = None
         h = _prod(graph, p, "convert_element_type")
         if h is not None:
@@ -206,10 +305,10 @@ def _match_one(graph: Graph, d2_index: int):
             s2 = _softmax(graph, p, part)
         except _NoMatch:
             continue
-        found = (p, s2, other, pc, pb, vc, vb, pside, weights_dtype, part, factor)
+        found = (p, s2, other, pc, pb, vc, vb, pside, weights_dtype, part, factor, dropout)
         break
     _need(found is not None, "")  # not a softmax-weighted product: no row
-    p, s2, v, pc, pb, vc, vb, pside, weights_dtype, part, factor = found
+    p, s2, v, pc, pb, vc, vb, pside, weights_dtype, part, factor, dropout = found
     used |= part
     rank = len(p.aval.shape)
     nb = rank - 2
@@ -301,6 +400,12 @@ def _match_one(graph: Graph, d2_index: int):
                   "v_perm": tuple(vb) + tuple(vc) + tuple(vfree),
                   "nq": len(lc), "pside": pside, "nb": nb, "keep_negated": keep_negated}
     layout["factor"] = factor
+    layout["dropout_key"] = None
+    if dropout is not None:
+        key, kp, broadcast = dropout
+        spec["dropout_rate"] = 1.0 - kp
+        spec["broadcast_dropout"] = broadcast
+        layout["dropout_key"] = key
     return used, q, k, v, bias, mask, spec, layout
 
 
@@ -329,8 +434,9 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_shape, mask_shape):
         vh = heads(v, layout["v_perm"], True)
         if mask is not None and layout["keep_negated"]:
             mask = jnp.logical_not(mask)
+        rng = extra.pop() if layout["dropout_key"] is not None else None
         o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_shape),
-                           mask=scores_like(mask, mask_shape), spec=spec)
+                           mask=scores_like(mask, mask_shape), rng=rng, spec=spec)
         if layout["factor"] is not None:                           # (P f) v = (P v) f
             fac = jnp.reshape(extra.pop(0), layout["factor"][1])
             o = o * fac.reshape(fac.shape[:nb] + (1, 1, 1)).astype(o.dtype)
@@ -368,9 +474,12 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
             inputs.append(mask)
         if layout["factor"] is not None:
             inputs.append(layout["factor"][0])
+        if layout["dropout_key"] is not None:
+            inputs.append(layout["dropout_key"])
         emit = _emit_fn(spec, layout, bias_shape, mask_shape)
         parts = [k for k, x in (("scale", spec["scale"]), ("bias", bias), ("mask", mask),
-                                ("head factor", layout["factor"])) if x is not None]
+                                ("head factor", layout["factor"]),
+                                ("dropout", layout["dropout_key"])) if x is not None]
         what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
                 + (f" [{', '.join(parts)}]" if parts else ""))
         row = Row("attention", what, "jaxmem.fewbit.attention_core (exact)", True,

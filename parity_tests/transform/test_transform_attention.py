@@ -126,3 +126,4 @@ def test_attention_in_bfloat16():
     g = transform(f)
     assert g.report(q, k, v).by_kind("attention")[0].converted
     close(jax.jit(jax.grad(g))(q, k, v), jax.jit(jax.grad(f))(q, k, v), rtol=5e-2, atol=5e-2)
+
