@@ -131,9 +131,9 @@ def test_offload_not_offered_where_host_is_device_memory(mlp_plans):
     assert all(c.option != "offload" for c in p.choices)
 
 
-def test_plan_order_alone_when_it_fits():
-    """A budget the OLLA order alone meets: nothing is recomputed, and the order's
-    value-and-grad step gives the untouched values and gradients."""
+@pytest.fixture(scope="module")
+def order_plan():
+    """A budget the OLLA order alone meets (GPT 1x32, ctx 32, b8 at 95 %)."""
     m = models.gpt(n_layer=1, d_model=32, ctx=32)
     tok = jax.random.randint(jax.random.key(6), (8, 32), 0, 256)
     params = m.init(jax.random.key(7), tok)["params"]
@@ -144,7 +144,15 @@ def test_plan_order_alone_when_it_fits():
     p = plan(loss, params, tok, budget=0.95)
     if p.order is None or not p.order.applied:
         pytest.fail(f"the order did not apply: {p.notes}")
-    assert p.compiled_bytes == p.order.compiled_bytes <= p.budget_bytes < p.default_bytes
+    return loss, params, tok, p
+
+
+def test_plan_order_alone_when_it_fits(order_plan):
+    """Nothing is recomputed, and the order's value-and-grad step gives the untouched values
+    and gradients."""
+    loss, params, tok, p = order_plan
+    assert p.compiled_bytes <= p.budget_bytes < p.default_bytes
+    assert p.compiled_bytes >= p.order.compiled_bytes
     assert all(c.option == "store" for c in p.choices) and p.predicted_time == 1.0
     v, g = p.value_and_grad()(params, tok)
     v0, g0 = jax.value_and_grad(loss)(params, tok)
@@ -152,3 +160,31 @@ def test_plan_order_alone_when_it_fits():
     assert _rel(g, g0) < 1e-4
     with pytest.raises(TypeError, match="order"):
         plan(loss, params, tok, budget=0.95, order="yes")
+
+
+def test_order_plan_every_documented_use_within_budget(order_plan):
+    """``jax.value_and_grad(plan.step)`` and ``jax.grad(plan.step)`` run the order too (the
+    step is a custom_vjp whose backward is the ordered step's gradient)."""
+    from jaxmem.measure import compiled_memory
+
+    loss, params, tok, p = order_plan
+    for name, fn in (("value_and_grad(step)", jax.value_and_grad(p.step)),
+                     ("grad(step)", jax.grad(p.step)),
+                     ("plan.value_and_grad()", p.value_and_grad())):
+        assert compiled_memory(fn, params, tok).total_bytes <= p.budget_bytes, name
+    tok2 = jax.random.randint(jax.random.key(11), tok.shape, 0, 256)   # fresh input
+    v0, g0 = jax.value_and_grad(loss)(params, tok2)
+    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, tok2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    assert _rel(g1, g0) < 1e-4
+    assert _rel(jax.jit(jax.grad(p.step))(params, tok2), g0) < 1e-4
+    np.testing.assert_allclose(p.step(params, tok2), loss(params, tok2), rtol=1e-5)
+    # another batch size than planned for: same values (the untouched step runs)
+    tok3 = tok2[:4]
+    assert _rel(jax.grad(p.step)(params, tok3), jax.grad(loss)(params, tok3)) < 1e-4
+
+
+def test_order_plan_step_takes_keywords(order_plan):
+    loss, params, tok, p = order_plan
+    np.testing.assert_allclose(p.step(params, t=tok), loss(params, tok), rtol=1e-5)
+    assert _rel(jax.grad(p.step)(params, t=tok), jax.grad(loss)(params, tok)) < 1e-4

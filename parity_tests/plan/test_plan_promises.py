@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem import models
 from jaxmem.measure import compiled_memory
 from jaxmem.planner import BudgetError, parse_budget, plan
 from jaxmem.planner.cli import main as cli_main
@@ -25,48 +24,8 @@ def _total(fn, *args, **kw):
     return compiled_memory(fn, *args, **kw).total_bytes
 
 
-# --- 1: an OLLA-order plan holds the budget whichever way it is differentiated --------------
-
-@pytest.fixture(scope="module")
-def order_plan():
-    m = models.gpt(n_layer=1, d_model=32, ctx=32)
-    tok = jax.random.randint(jax.random.key(6), (8, 32), 0, 256)
-    params = m.init(jax.random.key(7), tok)["params"]
-
-    def loss(p, t):
-        return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])
-
-    p = plan(loss, params, tok, budget=0.95)
-    if p.order is None or not p.order.applied:
-        pytest.fail(f"the order did not apply: {p.notes}")
-    return loss, params, tok, p
-
-
-def test_order_plan_every_documented_use_within_budget(order_plan):
-    loss, params, tok, p = order_plan
-    assert p.compiled_bytes <= p.budget_bytes < p.default_bytes
-    for name, fn in (("value_and_grad(step)", jax.value_and_grad(p.step)),
-                     ("grad(step)", jax.grad(p.step)),
-                     ("plan.value_and_grad()", p.value_and_grad())):
-        assert _total(fn, params, tok) <= p.budget_bytes, name
-    tok2 = jax.random.randint(jax.random.key(11), tok.shape, 0, 256)   # fresh input
-    v0, g0 = jax.value_and_grad(loss)(params, tok2)
-    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, tok2)
-    np.testing.assert_allclose(v1, v0, rtol=1e-5)
-    assert _rel(g1, g0) < 1e-4
-    assert _rel(jax.jit(jax.grad(p.step))(params, tok2), g0) < 1e-4
-    np.testing.assert_allclose(p.step(params, tok2), loss(params, tok2), rtol=1e-5)
-    # another batch size than planned for: same values (the untouched step runs)
-    tok3 = tok2[:4]
-    np.testing.assert_allclose(jax.grad(p.step)(params, tok3)["wte"]["embedding"],
-                               jax.grad(loss)(params, tok3)["wte"]["embedding"], rtol=1e-4,
-                               atol=1e-7)
-
-
-def test_order_plan_step_takes_keywords(order_plan):
-    loss, params, tok, p = order_plan
-    np.testing.assert_allclose(p.step(params, t=tok), loss(params, tok), rtol=1e-5)
-    assert _rel(jax.grad(p.step)(params, t=tok), jax.grad(loss)(params, tok)) < 1e-4
+# --- 1: an OLLA-order plan holds the budget whichever way it is differentiated: see
+# test_plan_conversions.py (it shares that plan with the order tests there) -----------------
 
 
 # --- 2 and 4: typed PRNG keys, dropout, keyword arguments ------------------------------------
