@@ -232,7 +232,8 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
         (f"Every figure is XLA:GPU's plan for `{target}` (jax {jax.__version__}), compiled on a "
          "machine without a GPU: the plan is made and checked against it, nothing runs (no "
          "times), no autotuning (cuBLAS/cuDNN workspaces not counted: read bytes as a lower "
-         "bound). Gradients are the untouched step's (checked on the CPU)."), ""]
+         "bound). Only exact options are asked for (no few-bit rows); `plan.notes` in plan.json "
+         "say whether recomputed units run fenced on this target."), ""]
     lines = [head, "", *gpu,
              ("Compiled bytes (temp + output + argument - alias) of `value_and_grad(loss)`; "
               "time = median step time / default's, measured side by side. Uniform = the "
@@ -246,8 +247,9 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                 else " --fractions " + ",".join(map(str, fractions)))
              + ("" if target == "cpu" else f" --out benchmarks/results/plan/{target}")
              + "`", "",
-             ("Times were taken on a 2-core machine shared with other jobs: read them as "
-              "rough; a ratio below 1 is contention noise, not a speed-up."), "",
+             *([("Times were taken on a 2-core machine shared with other jobs: read them as "
+                 "rough; a ratio below 1 is contention noise, not a speed-up."), ""]
+               if target == "cpu" else []),
              ("| model | budget | met | compiled MiB (x default) | predicted err | time "
               "(predicted) | plan | best uniform per block that fits (time) |"),
              "|---|---|---|---|---|---|---|---|"]
