@@ -6,11 +6,18 @@ segment of units as one, by CP-SAT, and verifies the choice in XLA's compiled by
 :func:`max_batch` (also ``jaxmem.plan.max_batch``) finds the largest batch within a budget.
 See docs/plan.md.
 """
-from jaxmem.planner.api import BudgetError, MemoryPlan, UnitChoice, parse_budget, plan
+from jaxmem.planner.api import (
+    BudgetError,
+    MemoryPlan,
+    UnitChoice,
+    budget_spec,
+    parse_budget,
+    plan,
+)
 from jaxmem.planner.batch import BatchFit, max_batch
 from jaxmem.planner.trace import tag
 
 plan.max_batch = max_batch
 
-__all__ = ["BatchFit", "BudgetError", "MemoryPlan", "UnitChoice", "max_batch", "parse_budget",
-           "plan", "tag"]
+__all__ = ["BatchFit", "BudgetError", "MemoryPlan", "UnitChoice", "budget_spec", "max_batch",
+           "parse_budget", "plan", "tag"]
