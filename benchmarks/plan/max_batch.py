@@ -76,10 +76,10 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "max_batch.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
     lines = ["# Largest batch within a compiled budget: untouched vs jaxmem.plan", "",
-             f"Command: `{cmd}` (jax {jax.__version__}, {jax.default_backend()}). Compiled bytes "
+             (f"Command: `{cmd}` (jax {jax.__version__}, {jax.default_backend()}). Compiled bytes "
              "= temp + output + argument - alias of `value_and_grad(loss)`; the planned step is "
              "`jaxmem.plan(loss, *args, budget=...)` at each batch tried (doubling, then "
-             "bisection).", "",
+             "bisection)."), "",
              "| model | budget | default batch (MiB) | planned batch (MiB) | batch gain | search s |",
              "|---|---|---|---|---|---|"]
     for r in rows:

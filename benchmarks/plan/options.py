@@ -88,10 +88,10 @@ def main():
     (OUT / "options.json").write_text(json.dumps({"jax": jax.__version__, "rows": rows},
                                                  indent=1))
     lines = ["# jaxmem.plan: a budget per conversion option", "",
-             "Command: `.venv/bin/python benchmarks/plan/options.py` (CPU, jax "
-             f"{jax.__version__}; 2 shared cores: times are rough)", "",
-             "| model | budget | compiled MiB (x default) | plan | gradient error | time | "
-             "planning s |", "|---|---|---|---|---|---|---|"]
+             ("Command: `.venv/bin/python benchmarks/plan/options.py` (CPU, jax "
+             f"{jax.__version__}; 2 shared cores: times are rough)"), "",
+             ("| model | budget | compiled MiB (x default) | plan | gradient error | time | "
+             "planning s |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         plan_text = ("untouched step in an OLLA order" if r["order_applied"]
                      else "; ".join(r["choices"]))
@@ -101,8 +101,8 @@ def main():
             f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
             f" | {plan_text} | {r['gradient_rel_error']:.1e} | {r['time_ratio']:.2f}x | "
             f"{r['plan_seconds']:.0f} |")
-    lines += ["", "gradient error: largest relative L2 error of a gradient leaf vs the "
-              "untouched step (fp32; exact plans differ by rounding only)."]
+    lines += ["", ("gradient error: largest relative L2 error of a gradient leaf vs the "
+              "untouched step (fp32; exact plans differ by rounding only).")]
     (OUT / "options.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
