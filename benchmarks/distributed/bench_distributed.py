@@ -130,10 +130,33 @@ def measure_one(fn, args, target):
             "collective_bytes": _none(), "gemm_backend": c.gemm_backend}
 
 
+def _register_custom_partitioning(target):
+    """Register JAX's ``custom_partitioning`` callbacks with the CUDA plugin that
+    ``jaxmem.measure`` loads directly (JAX registers them only with the plugins it discovers
+    itself): without it, a sharded step with a ``custom_partitioning`` op fails to compile
+    for the GPU target ("No registered implementation for custom call to
+    CustomSPMDPartitioning for platform CUDA")."""
+    from jax._src import custom_partitioning as cp
+    from jax._src.lib import xla_client as xc
+
+    from jaxmem.measure.target import _cuda_c_api
+
+    if target == "cpu" or getattr(_register_custom_partitioning, "done", False):
+        return
+    xc.register_custom_call_partitioner(
+        name=cp._CUSTOM_PARTITIONING_CALL_NAME,
+        prop_user_sharding=cp._custom_partitioning_propagate_user_sharding,
+        partition=cp._custom_partitioning_partition,
+        infer_sharding_from_operands=cp._custom_partitioning_infer_sharding_from_operands,
+        can_side_effecting_have_replicated_sharding=True, c_api=_cuda_c_api())
+    _register_custom_partitioning.done = True
+
+
 def target_devices(target):
     """The devices sharded steps are laid out on: 8 host CPUs, or 8 compile-only GPUs."""
     if target == "cpu":
         return None
+    _register_custom_partitioning(target)
     return list(target_mesh(target, (NDEV,), ("data",)).devices.flat)
 
 
@@ -369,7 +392,16 @@ PLAN_LIMITS = ("GPU plan limits: XLA:GPU's memory plan compiled without a GPU (c
                "autotuning, so cuBLAS/cuDNN workspaces are not counted and `temp` is a lower "
                "bound; no timing; the plan belongs to XLA of jax {jax}. Collective counts on "
                "the GPU plan are after XLA:GPU's collective combiners, so fewer and larger "
-               "than XLA:CPU's.")
+               "than XLA:CPU's; their result bytes come from "
+               "`jaxmem.distributed.collectives`, which reads one result shape per async "
+               "`*-start`, so a combined (tuple) collective's bytes are undercounted there "
+               "(e.g. FSDP's single all-gather); read the GPU plan's counts, not its bytes. "
+               "Sharded steps that hold `custom_partitioning` ops (jaxmem's bit-packed "
+               "residuals) compile for the GPU plan only once JAX's custom-partitioning "
+               "callbacks are registered with the directly loaded CUDA plugin "
+               "(`_register_custom_partitioning` here); without it XLA:GPU fails with 'No "
+               "registered implementation for custom call to CustomSPMDPartitioning for "
+               "platform CUDA'.")
 
 
 def _cpu_only(r):
@@ -425,6 +457,9 @@ def main():
                         "rows": [_cpu_only(r) for r in part]}
             commands.append(part["command"])
             rows += part["rows"]
+    order = list(VARIANTS)
+    rows.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
+    rows.sort(key=lambda r: r["model"])
     meta["part_commands"] = commands
     (OUT / "distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     shown = [t for t in targets if any(t in r["targets"] for r in rows)]
@@ -437,6 +472,12 @@ def main():
            f"{LOCAL['tp']} examples per device and the Megatron-split layers halved. SGD "
            "(no optimizer state), parameters donated."), "",
           PLAN_LIMITS.format(jax=meta["jax"]), ""]
+    for t in shown:
+        missing = sorted({f"{r['model']} {r['variant']}" for r in rows
+                          if t not in r["targets"]})
+        if missing:
+            md += [f"Not measured on {LABEL(t)}: " + ", ".join(missing)
+                   + " (their figures come from the CPU-only part named above).", ""]
     summ = summary(rows, shown)
     if summ:
         md += ["## Summary: GPU plan vs CPU", ""] + summ + [""]
