@@ -227,6 +227,14 @@ def write_md(res):
           + ", ".join(_label(t) for t in ts) + ". Step-time ratios are CPU wall-time ratios "
           "to the untiled step, measured side by side (min of 3 interleaved calls)."), "",
          PLAN_LIMITS.format(jax=res["jax"]), ""]
+    skipped = [what for flag, what in (("--quick", "rows N = 4 and 8 only for the hybrids"),
+                                       ("--skip-peak", "no measured peak"),
+                                       ("--skip-largest", "no largest-side search"))
+               if flag in res["command"]]
+    if skipped:
+        L += ["Shortened run (" + "; ".join(skipped) + "): each compile of these trunks takes "
+              "25-220 s per target on a shared 2-core machine; the full sweep is the "
+              "command without those flags.", ""]
     summ = summary(res)
     if summ:
         L += ["## Summary", ""] + summ + [""]
