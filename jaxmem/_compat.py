@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from jax._src import compilation_cache, core, source_info_util, xla_bridge
 from jax._src import config as jax_config
+from jax._src import custom_partitioning as custom_partitioning_internal
 from jax._src.ad_checkpoint import saved_residuals
 from jax._src.lax import lax as lax_internal
 from jax._src.lib import xla_client
@@ -18,6 +19,7 @@ from jax._src.lib import xla_client
 __all__ = [
     "compilation_cache",
     "core",
+    "custom_partitioning_internal",
     "jax_config",
     "lax_internal",
     "saved_residuals",

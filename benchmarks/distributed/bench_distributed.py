@@ -130,33 +130,10 @@ def measure_one(fn, args, target):
             "collective_bytes": _none(), "gemm_backend": c.gemm_backend}
 
 
-def _register_custom_partitioning(target):
-    """Register JAX's ``custom_partitioning`` callbacks with the CUDA plugin that
-    ``jaxmem.measure`` loads directly (JAX registers them only with the plugins it discovers
-    itself): without it, a sharded step with a ``custom_partitioning`` op fails to compile
-    for the GPU target ("No registered implementation for custom call to
-    CustomSPMDPartitioning for platform CUDA")."""
-    from jax._src import custom_partitioning as cp
-    from jax._src.lib import xla_client as xc
-
-    from jaxmem.measure.target import _cuda_c_api
-
-    if target == "cpu" or getattr(_register_custom_partitioning, "done", False):
-        return
-    xc.register_custom_call_partitioner(
-        name=cp._CUSTOM_PARTITIONING_CALL_NAME,
-        prop_user_sharding=cp._custom_partitioning_propagate_user_sharding,
-        partition=cp._custom_partitioning_partition,
-        infer_sharding_from_operands=cp._custom_partitioning_infer_sharding_from_operands,
-        can_side_effecting_have_replicated_sharding=True, c_api=_cuda_c_api())
-    _register_custom_partitioning.done = True
-
-
 def target_devices(target):
     """The devices sharded steps are laid out on: 8 host CPUs, or 8 compile-only GPUs."""
     if target == "cpu":
         return None
-    _register_custom_partitioning(target)
     return list(target_mesh(target, (NDEV,), ("data",)).devices.flat)
 
 
@@ -399,9 +376,9 @@ PLAN_LIMITS = ("GPU plan limits: XLA:GPU's memory plan compiled without a GPU (c
                "Sharded steps that hold `custom_partitioning` ops (jaxmem's bit-packed "
                "residuals) compile for the GPU plan only once JAX's custom-partitioning "
                "callbacks are registered with the directly loaded CUDA plugin "
-               "(`_register_custom_partitioning` here); without it XLA:GPU fails with 'No "
-               "registered implementation for custom call to CustomSPMDPartitioning for "
-               "platform CUDA'.")
+               "(`jaxmem.measure.target` does that when it loads the plugin); without them "
+               "XLA:GPU fails with 'No registered implementation for custom call to "
+               "CustomSPMDPartitioning for platform CUDA'.")
 
 
 def _cpu_only(r):

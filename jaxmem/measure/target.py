@@ -151,7 +151,24 @@ def _cuda_c_api() -> Any:
             return factory.c_api
     lib = _find_plugin()
     with _quiet_stderr():
-        return xla_client.load_pjrt_plugin_dynamically("cuda", lib)
+        c_api = xla_client.load_pjrt_plugin_dynamically("cuda", lib)
+    _register_custom_partitioning(c_api)
+    return c_api
+
+
+def _register_custom_partitioning(c_api: Any) -> None:
+    """Give the directly loaded plugin JAX's ``custom_partitioning`` callbacks (JAX registers
+    them only with plugins it discovers itself): without them a sharded step that holds a
+    ``custom_partitioning`` op (jaxmem's ties) fails to compile for a multi-GPU target."""
+    from jaxmem._compat import custom_partitioning_internal as cp
+    from jaxmem._compat import xla_client
+
+    xla_client.register_custom_call_partitioner(
+        name=cp._CUSTOM_PARTITIONING_CALL_NAME,
+        prop_user_sharding=cp._custom_partitioning_propagate_user_sharding,
+        partition=cp._custom_partitioning_partition,
+        infer_sharding_from_operands=cp._custom_partitioning_infer_sharding_from_operands,
+        can_side_effecting_have_replicated_sharding=True, c_api=c_api)
 
 
 def gpu_plan_available() -> bool:

@@ -282,3 +282,22 @@ def test_import_is_silent_and_does_not_load_the_plugin():
     assert f"BACKEND {jax.default_backend()}" in r.stdout, r.stdout
     if jax.default_backend() == "cpu":  # (with a CUDA backend JAX loads the plugin itself)
         assert "LOADED False" in r.stdout, r.stdout
+
+
+def test_custom_partitioning_op_compiles_sharded_on_a_gpu_target():
+    """A ``custom_partitioning`` op (jaxmem's tie) in a step sharded over 8 compile-only GPUs:
+    the plugin loaded by jaxmem gets JAX's partitioning callbacks, so it compiles."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmem._prims.ties import tie
+    from jaxmem.measure import compiled_memory, target_mesh
+
+    mesh = target_mesh("h100", (8,), ("x",))
+    spec = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+
+    def loss(x):
+        return jnp.sum(tie(jnp.sin(x), x) ** 2)
+
+    cm = compiled_memory(jax.grad(loss), spec, target="h100", devices=8)
+    assert cm.argument_bytes == 64 * 32 * 4 // 8
