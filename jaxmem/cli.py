@@ -1,13 +1,21 @@
 """The ``jaxmem`` command.
 
     jaxmem --version
-    jaxmem bench [--quick] [--models m1,m2] [--sections s1,s2] [--out DIR] [--fail-fast]
+    jaxmem bench [--quick | --full] [--target cpu,h100] [--models m1,m2] [--sections s1,s2]
+                 [--out DIR] [--fail-fast]
     jaxmem bench --list
 
 ``jaxmem bench`` runs the benchmark sections registered in :data:`jaxmem.bench.SECTIONS`
 (in that order), shows a progress bar, prints each section as a table and writes
 ``<out>/<name>.json``, ``<out>/<name>.md``, PNG plots where a section asks for them, a
 combined ``<out>/report.md`` and ``<out>/summary.json``.
+
+Sizes: ``--quick`` (CI-sized smoke run), the default (a few minutes on 2 CPU cores) or
+``--full`` (the whole sweep). Targets: every section measures its compiled bytes on each
+target of ``--target`` (default ``cpu,h100``: XLA:GPU's plan for an H100, compiled without a
+GPU, beside XLA:CPU; :mod:`jaxmem.bench.targets`). When the GPU-plan plugin is missing, the
+default falls back to ``cpu`` with one line saying so; an explicit GPU ``--target`` is a usage
+error instead.
 
 Section outcomes and the exit code:
 
@@ -17,13 +25,15 @@ Section outcomes and the exit code:
   not hide the others) and the command exits with status **1**. ``--fail-fast`` stops at
   the first failure instead.
 
-Bad usage (unknown section, empty model list) exits with status 2.
+Bad usage (unknown section or target, empty model list, ``--quick`` with ``--full``, a GPU
+``--target`` without the plugin) exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -34,6 +44,11 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["main"]
+
+#: ``--target`` when none is given
+DEFAULT_TARGETS = "cpu,h100"
+# jaxmem.measure.TARGETS, spelled out so that `jaxmem --help` imports no JAX
+_TARGETS = ("cpu", "h100", "h100_pcie", "h200", "a100", "b200")
 
 
 def _version() -> str:
@@ -60,7 +75,14 @@ def _parser() -> argparse.ArgumentParser:
                     "section per technique) and write JSON + Markdown (+ PNG) reports.",
     )
     b.add_argument("--quick", action="store_true",
-                   help="small shapes: the whole run takes a few minutes on 2 CPU cores")
+                   help="smallest shapes, fewest cases: a CI-sized smoke run")
+    b.add_argument("--full", action="store_true",
+                   help="the whole sweep (every model and case at full size; long: compiles "
+                        "are slow). Default: sizes that finish in about 5 min on 2 CPU cores")
+    b.add_argument("--target", "--targets", dest="target", default=None,
+                   help="comma-separated compile targets for the compiled-bytes columns, out of "
+                        f"{', '.join(_TARGETS)} (default: {DEFAULT_TARGETS}; GPU targets are "
+                        "XLA:GPU's plan compiled without a GPU)"),
     b.add_argument("--models", default=None,
                    help="comma-separated model names passed to every section "
                         "(default: each section's own list)")
@@ -96,16 +118,84 @@ def _list(console: Any) -> int:
     return 0
 
 
-def _run_section(module: str, quick: bool, models: list[str] | None, progress: Any):
+def _section_kwargs(run: Any, preset: str, targets: tuple[str, ...]) -> dict[str, Any]:
+    """Keyword arguments ``run`` accepts beyond ``quick, models, progress``: ``preset`` and
+    ``targets`` (a section with the old signature gets neither and measures on the CPU)."""
+    try:
+        params = inspect.signature(run).parameters
+    except (TypeError, ValueError):
+        return {}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kw: dict[str, Any] = {}
+    if "preset" in params or var_kw:
+        kw["preset"] = preset
+    if "targets" in params or var_kw:
+        kw["targets"] = targets
+    return kw
+
+
+def _run_section(module: str, preset: str, models: list[str] | None, progress: Any,
+                 targets: tuple[str, ...] = ("cpu",)):
     """Import and run one section; returns ``("ok", section, "")``, raises on failure."""
     mod = importlib.import_module(module)
     run = getattr(mod, "run", None)
     if not callable(run):
         raise TypeError(f"{module} has no run(quick, models, progress) function")
-    section = run(quick=quick, models=models, progress=progress)
+    kw = _section_kwargs(run, preset, targets)
+    section = run(quick=preset == "quick", models=models, progress=progress, **kw)
     if not (hasattr(section, "to_markdown") and hasattr(section, "rows")):
         raise TypeError(f"{module}.run returned {type(section).__name__}, not a Section")
+    if "targets" not in kw and targets != ("cpu",):
+        section.notes.append("measured on the CPU only: this section's run() takes no "
+                             "`targets`")
     return "ok", section, ""
+
+
+def _targets(args: argparse.Namespace, console: Any) -> tuple[str, ...] | int:
+    """The validated ``--target`` list (GPU plans first), or exit status 2.
+
+    A GPU target without the GPU-plan plugin: with the default ``--target`` one line says so
+    and the run goes on with ``cpu``; asked for explicitly, it is a usage error."""
+    from rich.markup import escape
+
+    explicit = args.target is not None
+    try:
+        from jaxmem.bench.targets import check_targets
+
+        targets = check_targets(args.target if explicit else DEFAULT_TARGETS)
+    except ValueError as e:
+        console.print(f"[red]jaxmem bench: --target: {escape(str(e))}[/red]")
+        return 2
+    gpus = [t for t in targets if t != "cpu"]
+    if not gpus:
+        return targets
+    reason = _gpu_plan_error()
+    if reason is None:
+        return targets
+    if explicit:
+        console.print(f"[red]jaxmem bench: --target {','.join(gpus)} needs the GPU-plan "
+                      f"plugin: {escape(reason)}[/red]")
+        return 2
+    first = reason.splitlines()[0] if reason else "unavailable"
+    console.print(f"[yellow]jaxmem bench: no {','.join(gpus)} plan (GPU-plan plugin "
+                  f"unavailable: {escape(first)}); measuring on cpu only[/yellow]",
+                  soft_wrap=True)
+    return ("cpu",)
+
+
+def _gpu_plan_error() -> str | None:
+    """``None`` when GPU targets compile here, else why not."""
+    from jaxmem.measure import gpu_plan_available
+
+    if gpu_plan_available():
+        return None
+    try:
+        from jaxmem.measure.target import _cuda_c_api
+
+        _cuda_c_api()
+    except Exception as e:  # noqa: BLE001 - the message is what we want
+        return str(e) or type(e).__name__
+    return "the CUDA PJRT plugin did not load"
 
 
 def _bench(args: argparse.Namespace, console: Any) -> int:
@@ -128,11 +218,19 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     if models is not None and not models:
         console.print("[red]jaxmem bench: --models is empty[/red]")
         return 2
+    if args.quick and args.full:
+        console.print("[red]jaxmem bench: --quick and --full exclude each other[/red]")
+        return 2
+    preset = "quick" if args.quick else "full" if args.full else "default"
+    targets = _targets(args, console)
+    if isinstance(targets, int):
+        return targets
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
 
     started = _dt.datetime.now(_dt.UTC)
     t_all = time.perf_counter()
+    cpu_all = _cpu_seconds()
     results: list[dict[str, Any]] = []
     sections: dict[str, Any] = {}
     command = "jaxmem " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0] else "jaxmem bench"
@@ -149,9 +247,10 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
             def progress(msg: str, _name: str = name) -> None:
                 bar.update(task, section=_name, description=str(msg)[:70])
 
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu_seconds()
             try:
-                status, section, reason = _run_section(module, args.quick, models, progress)
+                status, section, reason = _run_section(module, preset, models, progress,
+                                                       targets)
             except KeyboardInterrupt:
                 raise
             except Exception as e:  # noqa: BLE001 - reported, exit code set below
@@ -159,13 +258,16 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
                 reason = f"{type(e).__name__}: {e}"
                 with open(os.path.join(out, f"{name}.error.txt"), "w") as f:
                     f.write(traceback.format_exc())
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
             results.append({"name": name, "module": module, "status": status,
-                            "seconds": seconds, "reason": reason})
+                            "seconds": seconds, "cpu_seconds": cpu, "reason": reason})
             if section is not None:
                 sections[name] = section
                 write_section(section, out, extra={"status": status, "seconds": seconds,
-                                                   "quick": args.quick, "command": command})
+                                                   "cpu_seconds": cpu, "quick": args.quick,
+                                                   "preset": preset,
+                                                   "targets": list(targets),
+                                                   "command": command})
                 bar.console.print(rich_table(section))
                 for n in section.notes:
                     bar.console.print(f"  [dim]- {n}[/dim]")
@@ -178,12 +280,19 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         bar.update(task, section="done", description="")
 
     total = time.perf_counter() - t_all
+    cpu_total = _cpu_seconds() - cpu_all
     header = [
         f"- command: `{command}`",
         (f"- jaxmem {_version()}, python {platform.python_version()}, "
         f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs"),
-        (f"- started {started:%Y-%m-%d %H:%M UTC}, total {total:.1f} s, quick={args.quick}, "
-        f"models={','.join(models) if models else 'default'}"),
+        (f"- started {started:%Y-%m-%d %H:%M UTC}, total {total:.1f} s wall, "
+         f"{cpu_total:.1f} s CPU (this process and its children), preset={preset}, "
+         f"models={','.join(models) if models else 'default'}"),
+        (f"- targets: {', '.join(targets)}"
+         + ("" if targets == ("cpu",) else
+            " (GPU targets: XLA:GPU's plan compiled without a GPU; no autotuning, so library "
+            "workspaces are not counted and temp is a lower bound; no timing; time ratios and "
+            "measured peaks are CPU-only)")),
     ]
     try:
         import jax
@@ -193,15 +302,25 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         header.append(f"- jax unavailable: {type(e).__name__}: {e}")
     report = write_report(out, header, results, sections)
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump({"command": command, "quick": args.quick, "models": models,
-                   "total_seconds": total, "sections": results}, f, indent=2)
+        json.dump({"command": command, "quick": args.quick, "preset": preset,
+                   "targets": list(targets), "models": models, "total_seconds": total,
+                   "total_cpu_seconds": cpu_total, "sections": results}, f, indent=2)
         f.write("\n")
     failed = [r["name"] for r in results if r["status"] == "failed"]
     console.print(
-        f"\n[bold]report:[/bold] {report}  ({total:.1f} s; "
+        f"\n[bold]report:[/bold] {report}  ({total:.1f} s, {cpu_total:.1f} CPU-s; "
         f"{len(results) - len(failed)} ok, {len(failed)} failed)"
     )
     return 1 if failed else 0
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its waited-for children."""
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main(argv: Sequence[str] | None = None) -> int:

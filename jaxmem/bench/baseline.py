@@ -40,7 +40,8 @@ __all__ = ["MODELS", "QUICK_MODELS", "jax_step", "run", "torch_step"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A twin model and its batch. ``batch``/``size`` are (quick, full)."""
+    """A twin model and its batch. ``batch``/``size`` are (quick, full); the ``default``
+    preset of ``jaxmem bench`` uses the quick sizes."""
 
     name: str
     family: str  # convchain | mlp | vgg16 | resnet18 | resnet50 | gpt | vit
@@ -61,6 +62,23 @@ MODELS: dict[str, ModelSpec] = {
 #: models of ``jaxmem bench --quick`` (all of MODELS otherwise).
 QUICK_MODELS = ("convchain", "resnet18", "gpt")
 
+#: per preset: models, sizes (0: quick sizes, 1: full sizes), measured peaks, timing repeats
+PRESET_SIZES: dict[str, dict[str, Any]] = {
+    "quick": {"models": QUICK_MODELS, "sizes": 0, "peak": True, "repeats": 3},
+    # every model but resnet50 (a quarter of the section's time, the same story as resnet18)
+    "default": {"models": tuple(m for m in MODELS if m != "resnet50"), "sizes": 0,
+                "peak": True, "repeats": 5},
+    "full": {"models": tuple(MODELS), "sizes": 1, "peak": True, "repeats": 15},
+}
+
+
+def _ix(quick: bool | str) -> int:
+    """Index into ``ModelSpec.batch`` / ``size``: 1 for the full sizes (``quick=False`` or
+    preset ``"full"``), 0 for the quick sizes (``quick=True``, ``"quick"``, ``"default"``)."""
+    if isinstance(quick, str):
+        return 1 if quick == "full" else 0
+    return 0 if quick else 1
+
 _LR = 0.01
 _CLASSES = 10
 
@@ -73,7 +91,7 @@ def _get(name: str) -> ModelSpec:
 
 # ----------------------------------------------------------------------------- builders
 
-def _jax_model(spec: ModelSpec, quick: bool):
+def _jax_model(spec: ModelSpec, quick: bool | str):
     import jaxmem.models as jm
 
     f = spec.family
@@ -95,18 +113,18 @@ def _jax_model(spec: ModelSpec, quick: bool):
         from jaxmem.models.vit import vit_tiny
 
         return vit_tiny(image_size=32, patch_size=4, num_classes=_CLASSES,
-                        n_layer=2 if quick else 6)
+                        n_layer=6 if _ix(quick) else 2)
     raise AssertionError(f)
 
 
-def _torch_model(spec: ModelSpec, quick: bool):
+def _torch_model(spec: ModelSpec, quick: bool | str):
     import torch_ref.models as tm
 
     f = spec.family
     if f == "convchain":
         return tm.ConvChain(8, 8, relu=True)
     if f == "mlp":
-        return tm.MLP(spec.size[0 if quick else 1], features=(1024, 1024, 1024, _CLASSES),
+        return tm.MLP(spec.size[_ix(quick)], features=(1024, 1024, 1024, _CLASSES),
                       activation="gelu")
     if f == "vgg16":
         return tm.vgg16(width=0.25, num_classes=_CLASSES)
@@ -123,17 +141,17 @@ def _torch_model(spec: ModelSpec, quick: bool):
         from torch_ref.models.vit import vit_tiny
 
         return vit_tiny(image_size=32, patch_size=4, num_classes=_CLASSES,
-                        n_layer=2 if quick else 6)
+                        n_layer=6 if _ix(quick) else 2)
     raise AssertionError(f)
 
 
-def _batch(spec: ModelSpec, quick: bool, seed: int = 0):
+def _batch(spec: ModelSpec, quick: bool | str, seed: int = 0):
     """numpy (x, y) in JAX layout (NHWC images)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    n = spec.batch[0 if quick else 1]
-    s = spec.size[0 if quick else 1]
+    n = spec.batch[_ix(quick)]
+    s = spec.size[_ix(quick)]
     f = spec.family
     if f == "convchain":
         x = rng.standard_normal((n, s, s, 8), dtype=np.float32)
@@ -183,7 +201,7 @@ def _fast_init(model, x, seed: int):
     return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
-def _jax_parts(spec: ModelSpec, quick: bool, seed: int = 0):
+def _jax_parts(spec: ModelSpec, quick: bool | str, seed: int = 0):
     """(loss_fn(params, stats, x, y), step_fn, variables, (x, y)) for JAX."""
     import jax
     import jax.numpy as jnp
@@ -219,7 +237,7 @@ def _jax_parts(spec: ModelSpec, quick: bool, seed: int = 0):
     return loss_fn, step, {"params": params, "batch_stats": stats}, (x, y)
 
 
-def _torch_parts(spec: ModelSpec, quick: bool, variables=None, seed: int = 0):
+def _torch_parts(spec: ModelSpec, quick: bool | str, variables=None, seed: int = 0):
     """(model, loss_fn(model, x, y), step(), (x, y)) for torch; loads ``variables`` if given."""
     import numpy as np
     import torch
@@ -270,7 +288,7 @@ def _torch_parts(spec: ModelSpec, quick: bool, variables=None, seed: int = 0):
 
 # ------------------------------------------------------ peak-memory targets (subprocess)
 
-def jax_step(name: str, quick: bool) -> Callable[[], Any]:
+def jax_step(name: str, quick: bool | str) -> Callable[[], Any]:
     """``peak_memory`` target: a zero-arg callable running one jitted JAX train step."""
     import jax
 
@@ -286,7 +304,7 @@ def jax_step(name: str, quick: bool) -> Callable[[], Any]:
     return run
 
 
-def torch_step(name: str, quick: bool) -> Callable[[], Any]:
+def torch_step(name: str, quick: bool | str) -> Callable[[], Any]:
     """``peak_memory`` target: a zero-arg callable running one eager torch train step."""
     _, _, step, _ = _torch_parts(_get(name), quick)
     return step
@@ -334,7 +352,7 @@ def _time_main() -> None:
     sys.stdout.write("\n" + _TIME_MARK + json.dumps(out) + "\n")
 
 
-def step_time_ratios(names: list[str], quick: bool, repeats: int = 5,
+def step_time_ratios(names: list[str], quick: bool | str, repeats: int = 5,
                      timeout: float = 600.0) -> dict[str, dict[str, float]]:
     """Median train-step times of both frameworks, measured interleaved in ONE fresh process
     pinned to one CPU core (``sched_setaffinity``; torch with one intra-op thread). One core
@@ -415,15 +433,29 @@ UNITS = {
 }
 
 
-def measure_model(name: str, quick: bool, peak: bool = True,
-                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """All baseline figures for one model (a row of the table)."""
+def columns_for(targets=("cpu",)) -> list[str]:
+    """:data:`COLUMNS` with the compiled columns once per target (GPU plans first)."""
+    from jaxmem.bench.targets import check_targets, grouped_columns
+
+    targets = check_targets(targets)
+    i = COLUMNS.index("jax_temp")
+    return COLUMNS[:i] + grouped_columns(targets, ["jax_temp", "jax_total"]) + COLUMNS[i + 2:]
+
+
+def measure_model(name: str, quick: bool | str, peak: bool = True,
+                  progress: Callable[[str], None] | None = None, targets=("cpu",),
+                  log=None) -> dict[str, Any]:
+    """All baseline figures for one model (a row of the table); compiled bytes once per
+    target of ``targets`` (``<prefix>jax_temp`` / ``<prefix>jax_total``)."""
     import jax
     import torch
 
-    from jaxmem.measure import compiled_memory, peak_memory, residual_bytes
+    from jaxmem.bench.targets import GemmLog, check_targets, prefix
+    from jaxmem.measure import peak_memory, residual_bytes
     from torch_ref.measure import saved_bytes
 
+    targets = check_targets(targets)
+    log = log if log is not None else GemmLog()
     say = progress or (lambda _m: None)
     spec = _get(name)
     loss_fn, step, v, (x, y) = _jax_parts(spec, quick)
@@ -442,10 +474,11 @@ def measure_model(name: str, quick: bool, peak: bool = True,
     with torch.no_grad():
         lt = float(tloss(model, xt, yt))
 
-    say(f"{name}: compiled bytes")
-    cm = compiled_memory(step, params, stats, x, y)
-    row["jax_temp"] = cm.temp_bytes
-    row["jax_total"] = cm.total_bytes
+    for tgt in targets:  # CPU last (check_targets' order): the jit call below reuses it
+        say(f"{name}: compiled bytes ({tgt})")
+        cm = log.compiled(step, params, stats, x, y, target=tgt, what=name)
+        row[f"{prefix(tgt)}jax_temp"] = cm.temp_bytes
+        row[f"{prefix(tgt)}jax_total"] = cm.total_bytes
     # the step returns the loss before its update; this call reuses the compilation cache
     lj = float(jax.jit(step)(params, stats, x, y)[2])
     row["loss_rdiff"] = abs(lj - lt) / max(abs(lt), 1e-30)
@@ -464,22 +497,45 @@ def measure_model(name: str, quick: bool, peak: bool = True,
 
 
 def run(quick: bool = False, models: list[str] | None = None,
-        progress: Callable[[str], None] | None = None, peak: bool = True) -> Section:
-    """The baseline section (see module docstring). ``quick`` uses small batches and the
-    models in :data:`QUICK_MODELS`."""
+        progress: Callable[[str], None] | None = None, peak: bool | None = None, *,
+        preset: str | None = None, targets=("cpu",)) -> Section:
+    """The baseline section (see module docstring), compiled bytes on every target of
+    ``targets``.
+
+    ``preset`` (default: ``"quick"`` if ``quick`` else ``"full"``; :data:`PRESET_SIZES`):
+    ``"quick"`` runs :data:`QUICK_MODELS` at their small batches with 3 timing repeats;
+    ``"default"`` (``jaxmem bench``) every model but resnet50 at the same small sizes,
+    5 repeats;
+    ``"full"`` (``jaxmem bench --full``) every model at its full size, 15 repeats.
+    ``peak`` (default: the preset's) measures the CPU peaks in subprocesses.
+    """
     import jax
     import torch
 
-    names = list(models) if models else list(QUICK_MODELS if quick else MODELS)
+    from jaxmem.bench.targets import (
+        GemmLog,
+        check_targets,
+        resolve_preset,
+        target_meta,
+        target_notes,
+    )
+
+    preset = resolve_preset(quick, preset)
+    targets = check_targets(targets)
+    P = PRESET_SIZES[preset]
+    peak = P["peak"] if peak is None else peak
+    log = GemmLog()
+    names = list(models) if models else list(P["models"])
     for n in names:
         _get(n)
     rows = []
     with _shared_compilation_cache():
         for n in names:
-            rows.append(measure_model(n, quick, peak=peak, progress=progress))
+            rows.append(measure_model(n, preset, peak=peak, progress=progress,
+                                      targets=targets, log=log))
         if progress:
             progress("step time, both frameworks in one process")
-        times = step_time_ratios(names, quick, repeats=3 if quick else 15)
+        times = step_time_ratios(names, preset, repeats=P["repeats"])
     for row in rows:
         t = times[row["model"]]
         row["torch/jax time"] = t["torch_min_s"] / t["jax_min_s"]
@@ -501,9 +557,16 @@ def run(quick: bool = False, models: list[str] | None = None,
         "ratio of medians)."),
         ("Both frameworks run the same weights (torch_ref.convert.jax_to_torch); loss_rdiff = "
         "|loss_jax - loss_torch| / |loss_torch| is the check."),
+        (f"preset {preset}: {', '.join(names)} at "
+         f"{'full' if P['sizes'] else 'small'} sizes (batch "
+         f"{', '.join(str(MODELS[n].batch[P['sizes']]) for n in names)}), "
+         f"{P['repeats']} timing repeats."),
+        *target_notes(targets, log, cpu_only="saved bytes are framework-level; time ratios "
+                                             "and measured peaks"),
     ]
     meta = {
-        "quick": quick,
+        "quick": preset == "quick",
+        "preset": preset,
         "models": {n: dataclasses.asdict(MODELS[n]) for n in names},
         "jax": jax.__version__,
         "torch": torch.__version__,
@@ -516,13 +579,20 @@ def run(quick: bool = False, models: list[str] | None = None,
              "title": "compiled temp (JAX) and measured CPU peak of one train step",
              "file": "baseline_peak.png"},
         ],
+        **target_meta(targets, log),
     }
+    gpus = [t for t in targets if t != "cpu"]
+    if gpus:
+        meta["plots"].append(
+            {"x": "model", "y": [f"{t}_jax_temp" for t in gpus] + ["jax_temp"],
+             "title": "compiled temp of the JAX train step: GPU plan(s) vs XLA:CPU",
+             "file": "baseline_plans.png"})
     return Section(
         name="baseline",
         title="Baseline: JAX default vs PyTorch default (one SGD train step)",
-        columns=COLUMNS,
+        columns=columns_for(targets),
         rows=rows,
-        units=UNITS,
+        units={**UNITS, **{f"{t}_{c}": "B" for t in gpus for c in ("jax_temp", "jax_total")}},
         notes=notes,
         meta=meta,
     )

@@ -25,10 +25,30 @@ import numpy as np
 
 from jaxmem import fewbit
 from jaxmem.bench import Section
-from jaxmem.measure import compiled_memory, residual_bytes
+from jaxmem.bench.targets import (
+    GemmLog,
+    check_targets,
+    grouped_columns,
+    prefix,
+    resolve_preset,
+    target_meta,
+    target_notes,
+)
+from jaxmem.measure import residual_bytes
 
 COLUMNS = ["model", "method", "compiled_total", "compiled_per_layer", "per_layer_vs_default",
            "per_elem_per_layer", "residual", "step_time_ratio"]
+#: the compiled-bytes columns, once per target (``h100_compiled_total``, ...)
+COMPILED = ["compiled_total", "compiled_per_layer", "per_layer_vs_default", "per_elem_per_layer"]
+
+
+def columns_for(targets=("cpu",)) -> list[str]:
+    """:data:`COLUMNS` with the compiled columns once per target (GPU plans first) and the
+    GEMM backend of each GPU plan (``h100_gemm``)."""
+    targets = check_targets(targets)
+    gemm = [f"{t}_gemm" for t in targets if t != "cpu"]
+    return (["model", "method"] + grouped_columns(targets, COMPILED) + gemm
+            + ["residual", "step_time_ratio"])
 
 
 def _mlp(depth: int, h: int, act: Callable):
@@ -43,21 +63,36 @@ def _mlp(depth: int, h: int, act: Callable):
     return loss
 
 
-def mlp_rows(bits_list, b=128, h=512, depth=2) -> list[dict]:
-    """Frozen-weight GELU MLP: compiled bytes per added layer, per hidden element."""
+def mlp_rows(bits_list, b=128, h=512, depth=2, targets=("cpu",),
+             log: GemmLog | None = None) -> list[dict]:
+    """Frozen-weight GELU MLP: compiled bytes per added layer, per hidden element, on every
+    target of ``targets``."""
+    targets = check_targets(targets)
+    log = log if log is not None else GemmLog()
     x = jnp.ones((b, h), jnp.float32)
     acts = {"jax default": lambda x: jax.nn.gelu(x, approximate=False)}
     for bits in bits_list:
         acts[f"fewbit {bits}-bit"] = (lambda k: lambda x: fewbit.gelu(x, bits=k))(bits)
-    rows, base = [], None
+    rows, base = [], {}
     for name, act in acts.items():
-        lo = compiled_memory(jax.grad(_mlp(depth, h, act)), x).total_bytes
-        hi = compiled_memory(jax.grad(_mlp(2 * depth, h, act)), x).total_bytes
-        per = (hi - lo) / depth
-        base = per if base is None else base
-        rows.append({"model": f"GELU MLP frozen {b}x{h}", "method": name, "compiled_total": hi,
-                     "compiled_per_layer": per, "per_layer_vs_default": per / base,
-                     "per_elem_per_layer": per / (b * h)})
+        row = {"model": f"GELU MLP frozen {b}x{h}", "method": name}
+        for tgt in targets:
+            pre, gemms = prefix(tgt), set()
+            tot = {}
+            for d in (depth, 2 * depth):
+                cm = log.compiled(jax.grad(_mlp(d, h, act)), x, target=tgt,
+                                  what=f"MLP depth {d} {name}")
+                tot[d] = cm.total_bytes
+                gemms.add(cm.gemm_backend)
+            per = (tot[2 * depth] - tot[depth]) / depth
+            base.setdefault(tgt, per)
+            row.update({f"{pre}compiled_total": tot[2 * depth],
+                        f"{pre}compiled_per_layer": per,
+                        f"{pre}per_layer_vs_default": per / base[tgt],
+                        f"{pre}per_elem_per_layer": per / (b * h)})
+            if tgt != "cpu":
+                row[f"{tgt}_gemm"] = "+".join(sorted(gemms))
+        rows.append(row)
     return rows
 
 
@@ -132,10 +167,11 @@ def _vit(n_layer, quick, selective=False):
 
 
 #: (label, GELU bits or None, exact fewbit.attention, jaxmem.selective.linen.convert)
-def methods(bits_list, quick: bool = False) -> list[tuple[str, int | None, bool, bool]]:
+def methods(bits_list, quick: bool = False, attention_row: bool | None = None
+            ) -> list[tuple[str, int | None, bool, bool]]:
     out = [("jax default", None, False, False)]
     out += [(f"fewbit {b}-bit GELU", b, False, False) for b in bits_list]
-    if not quick:
+    if (not quick) if attention_row is None else attention_row:
         out += [("jax default + fewbit.attention", None, True, False)]
     out += [("fewbit only: 3-bit GELU + fewbit.attention", 3, True, False),
             ("combined: 3-bit GELU + fewbit.attention + selective.convert", 3, True, True)]
@@ -159,33 +195,52 @@ def _total_bytes(compiled) -> int:
                - m.alias_size_in_bytes)
 
 
-def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int) -> list[dict]:
-    """Full training gradient (all parameters) of a transformer with inline nn.gelu."""
+def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int,
+               targets=("cpu",), log: GemmLog | None = None,
+               attention_row: bool | None = None) -> list[dict]:
+    """Full training gradient (all parameters) of a transformer with inline nn.gelu; compiled
+    bytes on every target of ``targets``, residual bytes and the CPU step-time ratio once.
+    ``quick`` picks the small model config (and, unless ``attention_row`` says otherwise,
+    leaves out the "jax default + fewbit.attention" row)."""
+    targets = check_targets(targets)
+    log = log if log is not None else GemmLog()
     rows, fns, args = [], {}, {}
-    base = None
-    for label, bits, attn, sel in methods(bits_list, quick):
-        meas = {}
+    base: dict[str, float] = {}
+    for label, bits, attn, sel in methods(bits_list, quick, attention_row):
+        meas: dict[tuple[str, int], int] = {}
+        resid, gemms = {}, {t: set() for t in targets}
         for L in (depth, 2 * depth):
             loss, params, data, hidden = make(L, quick, selective=sel)
             grad = jax.grad(loss)
             with _patched(bits, attn):
-                if L == 2 * depth:  # one compile serves the memory figure and the timing
-                    fns[label] = jax.jit(grad).lower(params, data).compile()
-                    args[label] = (params, data)
-                    total = _total_bytes(fns[label])
-                else:
-                    total = compiled_memory(grad, params, data).total_bytes
-                meas[L] = (total, residual_bytes(loss, params, data).activation_bytes)
-        per = (meas[2 * depth][0] - meas[depth][0]) / depth
-        base = per if base is None else base
-        rows.append({"model": f"{name} L={2 * depth}", "method": label,
-                     "compiled_total": meas[2 * depth][0], "compiled_per_layer": per,
-                     "per_layer_vs_default": per / base,
-                     "per_elem_per_layer": per / hidden,
-                     "residual": meas[2 * depth][1]})
-    ratios = _time_ratio(fns, args, reps)
-    for r in rows:
-        r["step_time_ratio"] = ratios[r["method"]]
+                for tgt in targets:
+                    if tgt == "cpu" and L == 2 * depth:
+                        # one compile serves the memory figure and the timing
+                        fns[label] = jax.jit(grad).lower(params, data).compile()
+                        args[label] = (params, data)
+                        meas[(tgt, L)] = _total_bytes(fns[label])
+                    else:
+                        cm = log.compiled(grad, params, data, target=tgt,
+                                          what=f"{name} L={L} {label}")
+                        meas[(tgt, L)] = cm.total_bytes
+                        gemms[tgt].add(cm.gemm_backend)
+                resid[L] = residual_bytes(loss, params, data).activation_bytes
+        row = {"model": f"{name} L={2 * depth}", "method": label, "residual": resid[2 * depth]}
+        for tgt in targets:
+            pre = prefix(tgt)
+            per = (meas[(tgt, 2 * depth)] - meas[(tgt, depth)]) / depth
+            base.setdefault(tgt, per)
+            row.update({f"{pre}compiled_total": meas[(tgt, 2 * depth)],
+                        f"{pre}compiled_per_layer": per,
+                        f"{pre}per_layer_vs_default": per / base[tgt],
+                        f"{pre}per_elem_per_layer": per / hidden})
+            if tgt != "cpu":
+                row[f"{tgt}_gemm"] = "+".join(sorted(gemms[tgt]))
+        rows.append(row)
+    if fns:
+        ratios = _time_ratio(fns, args, reps)
+        for r in rows:
+            r["step_time_ratio"] = ratios[r["method"]]
     return rows
 
 
@@ -241,36 +296,70 @@ def torch_rows(kind: str = "gpt", bits: int = 3, reps: int = 15) -> list[dict]:
     return rows
 
 
+#: per preset: parts run, GELU bits, MLP (batch, hidden), small transformer configs, depth
+#: (the slope is taken between ``depth`` and ``2 * depth`` layers), the "jax default +
+#: fewbit.attention" row, timing repeats
+PRESET_SIZES = {
+    "quick": {"parts": ("mlp", "gpt"), "bits": (3,), "mlp": (64, 256), "small": True,
+              "depth": 1, "attention_row": False, "reps": 5},
+    "default": {"parts": ("mlp", "gpt"), "bits": (3,), "mlp": (128, 512), "small": False,
+                "depth": 1, "attention_row": False, "reps": 5},
+    "full": {"parts": ("mlp", "gpt", "vit", "torch"), "bits": (1, 2, 3, 4), "mlp": (128, 512),
+             "small": False, "depth": 2, "attention_row": True, "reps": 15},
+}
+
+
 def run(quick: bool = False, models: list[str] | None = None,
-        progress: Callable[[str], None] | None = None) -> Section:
-    """Few-bit section. ``models``: subset of ``["mlp", "gpt", "vit", "torch"]``."""
+        progress: Callable[[str], None] | None = None, *, preset: str | None = None,
+        targets=("cpu",)) -> Section:
+    """Few-bit section, compiled bytes on every target of ``targets``.
+
+    ``models``: subset of ``["mlp", "gpt", "vit", "torch"]``. ``preset`` (default:
+    ``"quick"`` if ``quick`` else ``"full"``; :data:`PRESET_SIZES`):
+
+    * ``"quick"``: MLP 64x256 and a small GPT (d=64, ctx 64, L=1/2) at 3 bits;
+    * ``"default"`` (``jaxmem bench``): MLP 128x512 and the GPT of the full run (d=128,
+      ctx 128, batch 8) at 1 and 2 layers, 3 bits;
+    * ``"full"`` (``jaxmem bench --full``): 1-4 bits, GPT, ViT and the PyTorch twins.
+    """
     say = progress or (lambda s: None)
-    want = set(models or (["mlp", "gpt"] if quick else ["mlp", "gpt", "vit", "torch"]))
-    bits_list = [3] if quick else [1, 2, 3, 4]
+    preset = resolve_preset(quick, preset)
+    targets = check_targets(targets)
+    P = PRESET_SIZES[preset]
+    log = GemmLog()
+    want = set(models or P["parts"])
+    bits_list = list(P["bits"])
+    small, depth = P["small"], P["depth"]
     rows: list[dict] = []
     if "mlp" in want:
         say("fewbit: frozen GELU MLP slope")
-        rows += mlp_rows([3] if quick else [1, 2, 3, 4], b=64 if quick else 128,
-                         h=256 if quick else 512)
+        rows += mlp_rows(bits_list, b=P["mlp"][0], h=P["mlp"][1], targets=targets, log=log)
     if "gpt" in want:
         say("fewbit: GPT")
-        rows += model_rows("GPT", _gpt, 1 if quick else 2, bits_list, quick, 5 if quick else 15)
+        rows += model_rows("GPT", _gpt, depth, bits_list, small, P["reps"], targets=targets,
+                           log=log, attention_row=P["attention_row"])
     if "vit" in want:
         say("fewbit: ViT")
-        rows += model_rows("ViT", _vit, 1 if quick else 2, bits_list, quick, 5 if quick else 15)
+        rows += model_rows("ViT", _vit, depth, bits_list, small, P["reps"], targets=targets,
+                           log=log, attention_row=P["attention_row"])
     if "torch" in want:
         say("fewbit: torch twin")
         try:
             rows += torch_rows("gpt") + torch_rows("vit")
         except ImportError as e:  # torch is optional
             say(f"fewbit: torch rows skipped ({e})")
+    columns = columns_for(targets)
+    units = {"residual": "B", "step_time_ratio": "x"}
+    for t in targets:
+        units.update({f"{prefix(t)}compiled_total": "B", f"{prefix(t)}compiled_per_layer": "B",
+                      f"{prefix(t)}per_layer_vs_default": "x"})
+    flag = {"quick": " --quick", "default": "", "full": " --full"}[preset]
     return Section(
         name="fewbit",
         title="Few-bit activation residuals (jaxmem.fewbit)",
-        columns=COLUMNS,
+        columns=columns,
         rows=rows,
-        units={"compiled_total": "B", "compiled_per_layer": "B", "residual": "B",
-               "per_layer_vs_default": "x", "step_time_ratio": "x"},
+        units=units,
         notes=[
             "compiled_* = XLA memory_analysis temp+output+argument-alias of jit(grad); "
             "per_layer = slope between depth L/2 and L.",
@@ -286,7 +375,17 @@ def run(quick: bool = False, models: list[str] | None = None,
             "step_time_ratio: median of interleaved per-step ratios vs the default, CPU.",
             "torch rows: bytes saved for backward (torch_ref.measure.saved_bytes); "
             "per_layer_vs_default from depths 2 and 4.",
+            f"preset {preset}: {', '.join(p for p in P['parts'] if p in want)}; bits "
+            f"{', '.join(map(str, bits_list))}; MLP {P['mlp'][0]}x{P['mlp'][1]}; "
+            + ("small GPT (d=64, ctx 64, batch 4)" if small
+               else "GPT d=128, ctx 128, 4 heads, batch 8")
+            + f", {depth} and {2 * depth} layers; {P['reps']} timing repeats.",
+            *target_notes(targets, log, cpu_only="step-time ratios"),
+            *([f"{t}_gemm: GEMM backend of that row's {t} plan compiles (gemm='auto': "
+               "XLA's Triton GEMMs, cuBLAS where XLA finds no Triton tiling without "
+               "autotuning, as for the zoo GPT)." for t in targets if t != "cpu"]),
         ],
-        meta={"quick": quick, "bits": bits_list, "jax": jax.__version__,
-              "command": "jaxmem bench --sections fewbit" + (" --quick" if quick else "")},
+        meta={"quick": preset == "quick", "preset": preset, "bits": bits_list,
+              "command": f"jaxmem bench --sections fewbit{flag} --target {','.join(targets)}",
+              **target_meta(targets, log)},
     )

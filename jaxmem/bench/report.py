@@ -132,10 +132,13 @@ def write_report(out_dir: str, header: Iterable[str], results: list[dict[str, An
     """Combined ``<out>/report.md``: header lines, a status table, then every section."""
     lines = ["# jaxmem bench report", ""]
     lines += list(header)
-    lines += ["", "| section | status | seconds | detail |", "|---|---|---|---|"]
+    lines += ["", "| section | status | seconds | CPU seconds | detail |", "|---|---|---|---|---|"]
     for r in results:
         detail = str(r.get("reason", "")).replace("|", "\\|").replace("\n", " ")[:160]
-        lines.append(f"| {r['name']} | {r['status']} | {r.get('seconds', 0):.1f} | {detail} |")
+        cpu = r.get("cpu_seconds")
+        cpu = "—" if cpu is None else f"{cpu:.1f}"
+        lines.append(f"| {r['name']} | {r['status']} | {r.get('seconds', 0):.1f} | {cpu} | "
+                     f"{detail} |")
     lines.append("")
     for r in results:
         s = sections.get(r["name"])

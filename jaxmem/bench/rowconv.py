@@ -14,6 +14,15 @@ import jax.numpy as jnp
 
 from jaxmem import rowconv as rc
 from jaxmem.bench import Section
+from jaxmem.bench.targets import (
+    GemmLog,
+    check_targets,
+    grouped_columns,
+    prefix,
+    resolve_preset,
+    target_meta,
+    target_notes,
+)
 from jaxmem.measure import compiled_memory
 
 
@@ -31,10 +40,11 @@ def setup(layers, shape, seed=0):
     return params, x
 
 
-def compiled_bytes(layers, shape, rows, mode, rows_bp=None, params=None, x=None):
+def compiled_bytes(layers, shape, rows, mode, rows_bp=None, params=None, x=None,
+                   target="cpu"):
     if params is None:
         params, x = setup(layers, shape)
-    return compiled_memory(make_step(layers, rows, mode, rows_bp), params, x)
+    return compiled_memory(make_step(layers, rows, mode, rows_bp), params, x, target=target)
 
 
 def time_ratios(fns: dict, args, repeats=3):
@@ -51,8 +61,14 @@ def time_ratios(fns: dict, args, repeats=3):
     return {k: (min(v), min(v) / base) for k, v in ts.items()}
 
 
-def sweep(layers, shape, configs, repeats=3, progress=None, hybrid_layers=None):
-    """Rows for each (label, mode, rows, rows_bp, hybrid) config; config 0 is the baseline."""
+def sweep(layers, shape, configs, repeats=3, progress=None, hybrid_layers=None,
+          targets=("cpu",), log: GemmLog | None = None):
+    """Rows for each (label, mode, rows, rows_bp, hybrid) config; config 0 is the baseline.
+
+    Compiled bytes on every target of ``targets`` (``<prefix>compiled_bytes``,
+    ``<prefix>temp_bytes``, ``<prefix>bytes_ratio``); the time ratio on this CPU."""
+    targets = check_targets(targets)
+    log = log if log is not None else GemmLog()
     params, x = setup(layers, shape)
     fns, rows_out = {}, []
     for label, mode, rows, rows_bp, hybrid in configs:
@@ -64,20 +80,26 @@ def sweep(layers, shape, configs, repeats=3, progress=None, hybrid_layers=None):
         if progress:
             progress(f"rowconv: compiling {label}")
         step = make_step(ls, rows, mode, rows_bp)
-        cm = compiled_memory(step, params if not hybrid else _hparams(ls, layers, params), x)
+        row = {"config": label, "mode": mode if rows != 1 else "untiled",
+               "rows": str(rows), "rows_bp": str(rows_bp or rows)}
+        for tgt in targets:  # CPU last: jax.jit(step) below reuses its compile
+            cm = log.compiled(step, params if not hybrid else _hparams(ls, layers, params), x,
+                              target=tgt, what=label)
+            row[f"{prefix(tgt)}compiled_bytes"] = cm.total_bytes
+            row[f"{prefix(tgt)}temp_bytes"] = cm.temp_bytes
         fns[label] = (jax.jit(step), hybrid)
-        rows_out.append({"config": label, "mode": mode if rows != 1 else "untiled",
-                         "rows": str(rows), "rows_bp": str(rows_bp or rows),
-                         "compiled_bytes": cm.total_bytes, "temp_bytes": cm.temp_bytes})
+        rows_out.append(row)
     hp = _hparams(hybrid_layers, layers, params) if hybrid_layers is not None else None
     calls = {k: (lambda f=f, h=h: f(hp if h else params, x)) for k, (f, h) in fns.items()}
     if progress:
         progress("rowconv: timing")
     tr = time_ratios({k: (lambda c=c: c()) for k, c in calls.items()}, (), repeats)
-    base = rows_out[0]["compiled_bytes"]
+    for tgt in targets:
+        base = rows_out[0][f"{prefix(tgt)}compiled_bytes"]
+        for r in rows_out:
+            r[f"{prefix(tgt)}bytes_ratio"] = base / r[f"{prefix(tgt)}compiled_bytes"]
     for r in rows_out:
         r["time_s"], r["time_ratio"] = tr[r["config"]]
-        r["bytes_ratio"] = base / r["compiled_bytes"]
     return rows_out
 
 
@@ -89,36 +111,64 @@ def _hparams(hlayers, layers, params):
     return out
 
 
-def run(quick: bool = False, models=None, progress: Callable[[str], None] | None = None
-        ) -> Section:
+#: per preset: image side, plain tilings and hybrid tilings (Checkpoint after every pool) as
+#: (mode, N) pairs, timing repeats. At 256x256 plain ``overlap`` tiles clip to 1 row (the
+#: halo of the whole trunk is too tall), so the default runs 2PS only among the plain ones.
+_BOTH = ("overlap", "share")
+PRESET_SIZES = {
+    "quick": {"side": 256, "plain": [(m, 2) for m in _BOTH],
+              "hybrid": [(m, 8) for m in _BOTH], "repeats": 2},
+    "default": {"side": 256, "plain": [("share", 4)], "hybrid": [("overlap", 8)],
+                "repeats": 3},
+    "full": {"side": 512, "plain": [(m, n) for n in (2, 4) for m in _BOTH],
+             "hybrid": [(m, n) for n in (4, 8, 16) for m in _BOTH], "repeats": 3},
+}
+_LABEL = {"overlap": "OverL", "share": "2PS"}
+
+
+def run(quick: bool = False, models=None, progress: Callable[[str], None] | None = None, *,
+        preset: str | None = None, targets=("cpu",)) -> Section:
+    """VGG-16 trunk (width 1/8) train step vs row tiles, compiled bytes on every target of
+    ``targets``. ``preset`` (default: ``"quick"`` if ``quick`` else ``"full"``;
+    :data:`PRESET_SIZES`): ``"quick"`` 256x256, N=2 and hybrid N=8; ``"default"``
+    (``jaxmem bench``) 256x256, 2PS N=4 and OverL-H N=8; ``"full"`` (``jaxmem bench --full``)
+    512x512, N=2, 4 and hybrid N=4, 8, 16."""
+    preset = resolve_preset(quick, preset)
+    targets = check_targets(targets)
+    P = PRESET_SIZES[preset]
+    log = GemmLog()
     width = 1 / 8
-    side = 256 if quick else 512
+    side = P["side"]
     shape = (1, side, side, 3)
     layers = rc.trunks.vgg_layers(width=width)
     hlayers = rc.trunks.vgg_layers(width=width, checkpoints_at_pools=True)
     configs = [("untiled", "overlap", 1, None, False)]
-    plain_ns = (2,) if quick else (2, 4)
-    for n in plain_ns:
-        configs.append((f"OverL N={n}", "overlap", n, None, False))
-        configs.append((f"2PS N={n}", "share", n, None, False))
-    for n in ((8,) if quick else (4, 8, 16)):
-        configs.append((f"OverL-H N={n}", "overlap", n, None, True))
-        configs.append((f"2PS-H N={n}", "share", n, None, True))
-    rows = sweep(layers, shape, configs, repeats=2 if quick else 3, progress=progress,
-                 hybrid_layers=hlayers)
+    configs += [(f"{_LABEL[m]} N={n}", m, n, None, False) for m, n in P["plain"]]
+    configs += [(f"{_LABEL[m]}-H N={n}", m, n, None, True) for m, n in P["hybrid"]]
+    rows = sweep(layers, shape, configs, repeats=P["repeats"], progress=progress,
+                 hybrid_layers=hlayers, targets=targets, log=log)
+    units = {"time_ratio": "x"}
+    for t in targets:
+        units.update({f"{prefix(t)}compiled_bytes": "B", f"{prefix(t)}bytes_ratio": "x"})
     return Section(
         name="rowconv",
         title=f"rowconv: VGG-16 trunk (width {width}) at {side}x{side}, train step vs row tiles",
-        columns=["config", "rows", "compiled_bytes", "bytes_ratio", "time_ratio"],
+        columns=(["config", "rows"] + grouped_columns(targets, ["compiled_bytes", "bytes_ratio"])
+                 + ["time_ratio"]),
         rows=rows,
-        units={"compiled_bytes": "B", "bytes_ratio": "x", "time_ratio": "x"},
+        units=units,
         notes=[
             "compiled bytes = temp + output + argument of the jitted grad step "
             "(jaxmem.measure.compiled_memory); bytes_ratio = untiled / tiled",
-            "time_ratio = tiled step time / untiled, min of interleaved repeats in one process",
+            "time_ratio = tiled step time / untiled, min of interleaved repeats in one process "
+            "(CPU)",
             "OverL = mode='overlap', 2PS = mode='share'; -H = Checkpoint after every pool; "
             "rows are clipped per segment to what its halo allows (rowconv.segment_rows)",
-            "full sweep: .venv/bin/python benchmarks/rowconv/bench_trunks.py",
+            f"preset {preset}: {side}x{side}, batch 1, {len(configs) - 1} tilings, "
+            f"{P['repeats']} timing repeats; full sweep: .venv/bin/python "
+            "benchmarks/rowconv/bench_trunks.py",
+            *target_notes(targets, log, cpu_only="time ratios"),
         ],
-        meta={"shape": shape, "width": width, "jax": jax.__version__},
+        meta={"shape": shape, "width": width, "preset": preset, "quick": preset == "quick",
+              **target_meta(targets, log)},
     )

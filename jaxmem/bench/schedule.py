@@ -224,7 +224,10 @@ def zoo_graph(framework, name, batch):
     return fx_to_graph(gm, donate=range(len(args) - 2)).graph
 
 
-def jax_row(name, batch, time_limit, exec_max_nodes=1600, measure_xla=True):
+def jax_row(name, batch, time_limit, exec_max_nodes=1600, measure_xla=True, targets=("cpu",),
+            log=None):
+    """One JAX zoo row; ``measure_xla``: XLA's compiled bytes of the whole-step jit on every
+    target of ``targets`` (``<prefix>xla_bytes``, ``<prefix>xla_temp_bytes``)."""
     import jax
 
     from jaxmem.schedule import execute, optimize, trace, validate_plan
@@ -247,20 +250,25 @@ def jax_row(name, batch, time_limit, exec_max_nodes=1600, measure_xla=True):
         )
         row["exec_peak"] = stats.peak_live_bytes
         row["exec_matches_jit"] = ok
-    row["xla_bytes"] = None
-    if measure_xla:
-        try:
-            from jaxmem.measure import compiled_memory
+    from jaxmem.bench.targets import GemmLog, check_targets, prefix
 
-            cm = compiled_memory(step, *args, donate_argnums=(0, 1, 2))
-            row["xla_bytes"] = cm.total_bytes
-            row["xla_temp_bytes"] = cm.temp_bytes
+    log = log if log is not None else GemmLog()
+    for tgt in check_targets(targets):
+        pre = prefix(tgt)
+        row[f"{pre}xla_bytes"] = None
+        if not measure_xla:
+            continue
+        try:
+            cm = log.compiled(step, *args, donate_argnums=(0, 1, 2), target=tgt,
+                              what=f"{name} batch {batch}")
+            row[f"{pre}xla_bytes"] = cm.total_bytes
+            row[f"{pre}xla_temp_bytes"] = cm.temp_bytes
         except Exception as err:  # noqa: BLE001 - report, don't crash the section
-            row["xla_error"] = repr(err)[:200]
+            row[f"{pre}xla_error"] = repr(err)[:200]
     return row
 
 
-def torch_row(name, batch, time_limit):
+def torch_row(name, batch, time_limit, targets=("cpu",)):
     import torch
 
     from jaxmem.schedule import optimize, validate_plan
@@ -277,7 +285,10 @@ def torch_row(name, batch, time_limit):
     a, b = gm(*args), gm2(*args)
     row["reexec_identical"] = all(torch.equal(p, q) for p, q in zip(a, b))
     row["exec_peak"] = None
-    row["xla_bytes"] = None
+    from jaxmem.bench.targets import check_targets, prefix
+
+    for tgt in check_targets(targets):
+        row[f"{prefix(tgt)}xla_bytes"] = None
     return row
 
 
@@ -303,25 +314,56 @@ def notes_for(time_limit: float, wall: float) -> list[str]:
         ]
 
 
+#: per preset: models, batches, CP-SAT time limit per stage (s), torch twins, XLA bytes,
+#: largest graph the executor runs
+PRESET_SIZES = {
+    "quick": {"models": tuple(QUICK_MODELS), "batches": (1,), "time_limit": 2.0,
+              "torch": False, "xla": False, "exec_max_nodes": 400},
+    "default": {"models": ("mlp", "convchain", "gpt"), "batches": (1,),
+                "time_limit": 3.0, "torch": False, "xla": True, "exec_max_nodes": 600},
+    "full": {"models": tuple(ALL_MODELS), "batches": (1, 32), "time_limit": 10.0,
+             "torch": True, "xla": True, "exec_max_nodes": 1600},
+}
+
+
 def run(quick: bool = False, models: list[str] | None = None,
         progress: Callable[[str], None] | None = None, batches=None, time_limit=None,
-        frameworks=None) -> Section:
-    models = list(models or (QUICK_MODELS if quick else ALL_MODELS))
+        frameworks=None, *, preset: str | None = None, targets=("cpu",)) -> Section:
+    """OLLA on the CPU-scaled zoo; XLA's compiled bytes of the whole step (``xla_bytes``) on
+    every target of ``targets``. ``preset`` (default: ``"quick"`` if ``quick`` else
+    ``"full"``; :data:`PRESET_SIZES`): ``"quick"`` mlp and convchain at batch 1, 2 s
+    solves, JAX only, no XLA bytes; ``"default"`` (``jaxmem bench``) mlp, convchain
+    and gpt at batch 1, 3 s solves, JAX only, XLA bytes; ``"full"`` (``jaxmem bench --full``)
+    the whole zoo at batch 1 and 32, 10 s solves, JAX and the torch twins."""
+    from jaxmem.bench.targets import (
+        GemmLog,
+        check_targets,
+        grouped_columns,
+        prefix,
+        resolve_preset,
+        target_meta,
+        target_notes,
+    )
+
+    preset = resolve_preset(quick, preset)
+    targets = check_targets(targets)
+    P = PRESET_SIZES[preset]
+    log = GemmLog()
+    models = list(models or P["models"])
     for m in models:
         if m not in ALL_MODELS:
             raise ValueError(f"models: unknown model {m!r}; allowed: {ALL_MODELS}")
-    batches = list(batches or ((1,) if quick else (1, 32)))
-    time_limit = time_limit or (2.0 if quick else 10.0)
+    batches = list(batches or P["batches"])
+    time_limit = time_limit or P["time_limit"]
     if frameworks is None:
         frameworks = ["jax"]
-        try:
-            import torch  # noqa: F401
+        if P["torch"]:
+            try:
+                import torch  # noqa: F401
 
-            frameworks.append("torch")
-        except ImportError:
-            pass
-        if quick:
-            frameworks = ["jax"]
+                frameworks.append("torch")
+            except ImportError:
+                pass
     rows = []
     t0 = time.perf_counter()
     for fw in frameworks:
@@ -330,17 +372,28 @@ def run(quick: bool = False, models: list[str] | None = None,
                 if progress:
                     progress(f"schedule: {fw} {m} batch {b}")
                 try:
-                    row = (jax_row(m, b, time_limit, exec_max_nodes=400 if quick else 1600,
-                                   measure_xla=not quick)
-                           if fw == "jax" else torch_row(m, b, time_limit))
+                    row = (jax_row(m, b, time_limit, exec_max_nodes=P["exec_max_nodes"],
+                                   measure_xla=P["xla"], targets=targets, log=log)
+                           if fw == "jax" else torch_row(m, b, time_limit, targets=targets))
                 except Exception as err:  # noqa: BLE001
                     row = {"framework": fw, "model": m, "batch": b, "status": f"error: {err!r}"[:200]}
                 rows.append(row)
     notes = notes_for(time_limit, time.perf_counter() - t0)
+    gpus = [t for t in targets if t != "cpu"]
+    if gpus:
+        notes.append("h100_xla_bytes etc.: the same whole-step jit compiled for the GPU plan; "
+                     "the OLLA columns are graph-level (target-independent).")
+    notes.append(f"preset {preset}: {', '.join(models)} at batch "
+                 f"{', '.join(map(str, batches))}, frameworks {', '.join(frameworks)}.")
+    notes += target_notes(targets, log, cpu_only="solver times and exec_peak")
+    i = COLUMNS.index("xla_bytes")
+    columns = COLUMNS[:i] + grouped_columns(targets, ["xla_bytes"]) + COLUMNS[i + 1:]
+    units = {**UNITS, **{f"{prefix(t)}xla_bytes": "B" for t in targets}}
     return Section(
         name="schedule",
         title="OLLA scheduling: peak memory of program order vs optimised order and arena",
-        columns=COLUMNS, rows=rows, units=UNITS, notes=notes,
+        columns=columns, rows=rows, units=units, notes=notes,
         meta={"time_limit": time_limit, "batches": batches, "models": models,
-              "frameworks": frameworks},
+              "frameworks": frameworks, "preset": preset, "quick": preset == "quick",
+              **target_meta(targets, log)},
     )

@@ -26,6 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.bench import Section
+from jaxmem.bench.targets import (
+    GemmLog,
+    check_targets,
+    grouped_columns,
+    prefix,
+    resolve_preset,
+    target_meta,
+    target_notes,
+)
 
 CASES = ("all", "input", "conv", "norm", "bn_eval", "first_quarter", "last_quarter")
 
@@ -120,11 +129,11 @@ def make_step(model, variables, case: str, *, train_bn: bool = True):
     return lambda params, x: sgrad(loss, trainable=flt)(params, x)
 
 
-def jax_bytes(step: Callable, params, x) -> dict:
-    """Residual activation bytes and compiled temp+output bytes of ``step``."""
-    from jaxmem.measure import compiled_memory
-    c = compiled_memory(step, params, x)
-    return {"compiled": int(c.temp_bytes + c.output_bytes)}
+def jax_bytes(step: Callable, params, x, target: str = "cpu", log: GemmLog | None = None,
+              what: str = "") -> dict:
+    """Compiled temp+output bytes of ``step`` on ``target`` (``"cpu"`` or a GPU plan)."""
+    c = (log or GemmLog()).compiled(step, params, x, target=target, what=what)
+    return {"compiled": int(c.temp_bytes + c.output_bytes), "gemm": c.gemm_backend}
 
 
 def residual_activation_bytes(model, variables, case, x) -> int:
@@ -184,13 +193,17 @@ FIG1_CASES = {
 }
 
 
-def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True):
-    """Rows for the Figure-1 chain (linear convs, input differentiated, as the paper)."""
+def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True,
+                 targets=("cpu",), log: GemmLog | None = None, cases=tuple(FIG1_CASES)):
+    """Rows for the Figure-1 chain (linear convs, input differentiated, as the paper).
+    Compiled bytes on every target of ``targets`` (columns ``<prefix>jax_compiled``, ...)."""
     from jaxmem import models
-    from jaxmem.measure import compiled_memory, residual_bytes
+    from jaxmem.measure import residual_bytes
     from jaxmem.selective import linen as SL
     from jaxmem.selective.subset import combine, partition, path_str
     rows = []
+    targets = check_targets(targets)
+    log = log if log is not None else GemmLog()
     x = jax.random.normal(jax.random.key(0), (batch, size, size, channels))
     act = batch * size * size * channels * 4
     for depth in depths:
@@ -208,6 +221,8 @@ def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True):
             except ImportError:  # pragma: no cover
                 tm = None
         for case, which in FIG1_CASES.items():
+            if case not in cases:
+                continue
             layers = which(depth)
             flt = lambda p, _, L=layers: int(path_str(p).split("/")[0].split("_")[1]) in L
             row = {"table": "figure1", "depth": depth, "case": case,
@@ -219,9 +234,11 @@ def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True):
                 an = (0, 1) if jax.tree_util.tree_leaves(t) else (1,)
                 rb = residual_bytes(fwd, t, x, argnums=an).activation_bytes
                 step = lambda t_, x, fwd=fwd: jax.grad(fwd, (0, 1))(t_, x)
-                cb = compiled_memory(step, t, x)
                 row[f"{impl}_residual"] = int(rb)
-                row[f"{impl}_compiled"] = int(cb.temp_bytes + cb.output_bytes)
+                for tgt in targets:
+                    cb = log.compiled(step, t, x, target=tgt,
+                                      what=f"figure1 depth {depth} {case} {impl}")
+                    row[f"{prefix(tgt)}{impl}_compiled"] = int(cb.temp_bytes + cb.output_bytes)
             if tm is not None:
                 import torch
 
@@ -252,8 +269,14 @@ def cnn_models(quick: bool):
 
 
 def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_too=True,
-             timing=True, cases=CASES):
+             timing=True, cases=CASES, targets=("cpu",), log: GemmLog | None = None,
+             repeats=None):
+    """Rows of the paper's cases on the CNNs of :func:`cnn_models` (``quick``: ResNet-18
+    only). Compiled bytes on every target of ``targets``; residual and torch saved bytes
+    (target-independent) and the CPU step-time ratio once per case."""
     from jaxmem.selective import linen as SL
+    targets = check_targets(targets)
+    log = log if log is not None else GemmLog()
     rows = []
     specs = cnn_models(quick)
     if models_:
@@ -276,13 +299,19 @@ def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_t
                 progress(f"selective: {name} {case}")
             sj = make_step(model, variables, case)
             ss = make_step(SL.convert(model), variables, case)
-            bj = jax_bytes(sj, variables["params"], x)["compiled"]
-            bs = jax_bytes(ss, variables["params"], x)["compiled"]
-            row = {"table": "cnn", "model": name, "case": case, "batch": f"{batch}x{size}x{size}",
-                   "jax_compiled": bj, "jaxmem_compiled": bs, "ratio": bs / bj,
-                   "jax_residual": residual_activation_bytes(model, variables, case, x),
-                   "jaxmem_residual": residual_activation_bytes(SL.convert(model), variables,
-                                                                case, x)}
+            row = {"table": "cnn", "model": name, "case": case,
+                   "batch": f"{batch}x{size}x{size}"}
+            # CPU last: its compile is reused by the timing below (jit's cache)
+            for tgt in targets:
+                pre = prefix(tgt)
+                bj = jax_bytes(sj, variables["params"], x, tgt, log, f"{name} {case} jax")
+                bs = jax_bytes(ss, variables["params"], x, tgt, log, f"{name} {case} jaxmem")
+                row[f"{pre}jax_compiled"] = bj["compiled"]
+                row[f"{pre}jaxmem_compiled"] = bs["compiled"]
+                row[f"{pre}ratio"] = bs["compiled"] / bj["compiled"]
+            row["jax_residual"] = residual_activation_bytes(model, variables, case, x)
+            row["jaxmem_residual"] = residual_activation_bytes(SL.convert(model), variables,
+                                                               case, x)
             if tm is not None:
                 xn = jax.device_get(x).transpose(0, 3, 1, 2).copy()
                 row["torch_saved"] = torch_saved_bytes(tm, case, xn, memsave=False,
@@ -291,7 +320,7 @@ def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_t
                                                          jax_params=variables["params"])
             if timing:
                 row["time_ratio"] = time_ratio(sj, ss, (variables["params"], x),
-                                               repeats=3 if quick else 9)
+                                               repeats=repeats or (3 if quick else 9))
             rows.append(row)
     return rows
 
@@ -439,28 +468,65 @@ def slope_section(rows, meta=None) -> Section:
     )
 
 
-def run(quick: bool = False, models=None, progress=None) -> Section:
-    """Figure-1 chain + CNN cases. ``quick``: depth 4 & 8 chain (all / layer 4), ResNet-18
-    (width 0.25) Input case at 4x32x32, JAX only, no timing. Default: depth 5 & 10 chain
-    with torch, ResNet-18 / ResNet-50 / VGG-11-BN (width 0.25) at 8x64x64, all cases."""
-    if quick:
-        fig = figure1_rows(depths=(4, 8), batch=2, size=16, torch_too=False)
-        fig = [r for r in fig if r["case"] in ("all", "layer4")]
-        cnn = cnn_rows(True, models, progress, batch=4, size=32, timing=False,
-                       torch_too=False, cases=("input",))
-    else:
-        fig = figure1_rows(depths=(5, 10), batch=4, size=32)
-        cnn = cnn_rows(False, models, progress)
-    columns = ["table", "model", "depth", "case", "jax_residual", "jaxmem_residual",
-               "jax_compiled", "jaxmem_compiled", "ratio", "torch_saved", "memsave_saved",
-               "time_ratio", "layer_input_bytes"]
+#: per preset: Figure-1 chain (depths, batch, size, torch, cases), CNN models, CNN
+#: (batch, size), CNN cases, torch saved bytes, timing repeats (0 = no timing)
+PRESET_SIZES = {
+    "quick": {"depths": (4, 8), "fig_batch": 2, "fig_size": 16, "fig_torch": False,
+              "fig_cases": ("all", "layer4"), "models": ("resnet18",), "batch": 4,
+              "size": 32, "cases": ("input",), "torch": False, "repeats": 0},
+    "default": {"depths": (5, 10), "fig_batch": 4, "fig_size": 32, "fig_torch": True,
+                "fig_cases": ("all", "layer4"), "models": ("resnet18",), "batch": 8,
+                "size": 32, "cases": ("all", "input"), "torch": True, "repeats": 5},
+    "full": {"depths": (5, 10), "fig_batch": 4, "fig_size": 32, "fig_torch": True,
+             "fig_cases": tuple(FIG1_CASES), "models": ("resnet18", "resnet50", "vgg11_bn"),
+             "batch": 8, "size": 64, "cases": CASES, "torch": True, "repeats": 9},
+}
+
+
+def run(quick: bool = False, models=None, progress=None, *, preset: str | None = None,
+        targets=("cpu",)) -> Section:
+    """Figure-1 chain + CNN cases, compiled bytes on every target of ``targets``.
+
+    ``preset`` (default: ``"quick"`` if ``quick`` else ``"full"``; see :data:`PRESET_SIZES`):
+
+    * ``"quick"``: depth 4 & 8 chain (all / layer 4), ResNet-18 (width 0.25) Input case at
+      4x32x32, JAX only, no timing;
+    * ``"default"`` (``jaxmem bench``): depth 5 & 10 chain (all / layer 4) with torch,
+      ResNet-18 (width 0.25) at 8x32x32, cases All / Input, torch, 5 timing repeats;
+    * ``"full"`` (``jaxmem bench --full``): depth 5 & 10 chain with torch, ResNet-18 /
+      ResNet-50 / VGG-11-BN (width 0.25) at 8x64x64, all seven cases, 9 timing repeats.
+
+    ``models``: a subset of ``resnet18, resnet50, vgg11_bn`` (of those the preset runs).
+    """
+    preset = resolve_preset(quick, preset)
+    targets = check_targets(targets)
+    P = PRESET_SIZES[preset]
+    log = GemmLog()
+    # ``models`` filters the CNNs (names of other sections' models are ignored, as before)
+    names = tuple(m for m in cnn_models(False) if m in models) if models else P["models"]
+    if progress:
+        progress("selective: Figure-1 chain")
+    fig = figure1_rows(depths=P["depths"], batch=P["fig_batch"], size=P["fig_size"],
+                       torch_too=P["fig_torch"], targets=targets, log=log,
+                       cases=P["fig_cases"])
+    cnn = cnn_rows(False, names, progress, batch=P["batch"],
+                   size=P["size"], timing=P["repeats"] > 0, torch_too=P["torch"],
+                   cases=P["cases"], targets=targets, log=log, repeats=P["repeats"] or None)
+    compiled = grouped_columns(targets, ["jax_compiled", "jaxmem_compiled", "ratio"])
+    columns = (["table", "model", "depth", "case", "batch"] + compiled
+               + ["jax_residual", "jaxmem_residual", "torch_saved", "memsave_saved",
+                  "time_ratio", "layer_input_bytes"])
     units = {c: "B" for c in columns if c.endswith(("_residual", "_compiled", "_saved",
                                                       "_bytes"))}
-    units.update(ratio="x", time_ratio="x")
+    units.update({c: "x" for c in columns if c.endswith("ratio")})
     for r in fig:
+        r["batch"] = f"{P['fig_batch']}x{P['fig_size']}x{P['fig_size']}"
         r["torch_saved"] = r.pop("torch_saved", None)
         r["memsave_saved"] = r.pop("memsave_saved", None)
-        r["ratio"] = r["jaxmem_compiled"] / r["jax_compiled"]
+        for tgt in targets:
+            pre = prefix(tgt)
+            r[f"{pre}ratio"] = r[f"{pre}jaxmem_compiled"] / r[f"{pre}jax_compiled"]
+    flag = {"quick": " --quick", "default": "", "full": " --full"}[preset]
     return Section(
         name="selective",
         title="jaxmem.selective: memory of selective differentiation (paper cases)",
@@ -472,9 +538,17 @@ def run(quick: bool = False, models=None, progress=None) -> Section:
             "compiled = XLA temp+output bytes of the jitted gradient step; torch_saved / "
             "memsave_saved = bytes saved for backward (saved-tensor hooks, dedup by storage).",
             "JAX default differentiates only the case's leaves (the best plain JAX does); "
-            "jaxmem = same request through jaxmem.selective.linen.convert(model).",
+            "jaxmem = same request through jaxmem.selective.linen.convert(model); "
+            "ratio = jaxmem_compiled / jax_compiled.",
             "figure1: linear ConvChain (relu=False), input differentiated as in the paper.",
-            "time_ratio = median jaxmem step time / median JAX step time, interleaved.",
+            "time_ratio = median jaxmem step time / median JAX step time, interleaved (CPU).",
+            f"preset {preset}: models {', '.join(names)} (width 0.25) at "
+            f"{P['batch']}x{P['size']}x{P['size']}; cases {', '.join(P['cases'])}.",
+            *target_notes(targets, log),
         ],
-        meta={"quick": quick, "command": "jaxmem bench selective" + (" --quick" if quick else "")},
+        meta={"quick": preset == "quick", "preset": preset,
+              "command": f"jaxmem bench --sections selective{flag} --target "
+                         f"{','.join(targets)}",
+              "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in P.items()},
+              **target_meta(targets, log)},
     )
