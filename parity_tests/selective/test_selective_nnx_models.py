@@ -454,7 +454,14 @@ def test_convert_is_in_place_idempotent_and_leaves_subclasses():
             self.a = nnx.Linear(3, 3, rngs=rngs)
             self.b = MyLinear(3, 3, rngs=rngs)
     net = Net(nnx.Rngs(0))
-    kernel = net.a.kernel
+    kernel, b_kernel = net.a.kernel, net.b.kernel
+    x = jax.random.normal(jax.random.key(3), (2, 3))
+    b_out = net.b(x)
     assert SN.convert(net) is net and SN.convert(net) is net
-    assert net.a.kernel is kernel and type(net.b) is MyLinear
-    assert type(net.a).__mro__[1] is nnx.Linear
+    assert net.a.kernel is kernel and type(net.a).__mro__[1] is nnx.Linear
+    # the subclass is not converted: it stays a MyLinear (wrapped only so that the report
+    # lists it as left as is), with the same parameters and outputs
+    assert isinstance(net.b, MyLinear) and net.b.kernel is b_kernel
+    assert not any(c.__module__.startswith("jaxmem.selective") and c.__name__ == "_SelectiveLinear"
+                   for c in type(net.b).__mro__)
+    np.testing.assert_array_equal(np.asarray(net.b(x)), np.asarray(b_out))
