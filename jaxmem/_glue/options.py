@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from jax._src import config as _jax_config
+from jaxmem._compat import jax_config as _jax_config
 
 __all__ = ["Options", "current", "keyed", "lookup", "stack", "using"]
 

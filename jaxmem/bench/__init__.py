@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: name -> module path, in the order the CLI runs them.
 SECTIONS: dict[str, str] = {

@@ -406,7 +406,7 @@ def _shared_compilation_cache():
         # the cache object was initialised on the temporary folder: drop it, or later
         # compilations keep writing into the folder removed below (noisy warnings)
         try:
-            from jax._src import compilation_cache as _cc
+            from jaxmem._compat import compilation_cache as _cc
 
             _cc.reset_cache()
         except Exception:  # noqa: BLE001 - private API; only the warnings depend on it

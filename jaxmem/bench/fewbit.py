@@ -249,8 +249,8 @@ def torch_rows(kind: str = "gpt", bits: int = 3, reps: int = 15) -> list[dict]:
     import torch
 
     import torch_ref.fewbit as tfb
-    from torch_ref.measure import saved_bytes
     from torch_ref import models as tm
+    from torch_ref.measure import saved_bytes
 
     def build(L, convert):
         torch.manual_seed(0)

@@ -10,8 +10,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
+from jaxmem._compat import core
 from jaxmem.planner import solve as _solve
 from jaxmem.planner import trace as _trace
 

@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import core
-from jax._src.ad_checkpoint import saved_residuals
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
+from jaxmem._compat import core, saved_residuals
 from jaxmem.planner.trace import itemsize
 
 __all__ = ["HOST_KIND", "compiled_bytes", "host_offload_kind", "offload_available",

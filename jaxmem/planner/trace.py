@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
 from jax.ad_checkpoint import checkpoint_name
+
+from jaxmem._compat import core
 
 __all__ = ["PREFIX", "Conversion", "Traced", "Unit", "row_twin", "run_chunks", "tag", "trace",
            "units_at"]

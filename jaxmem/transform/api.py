@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
+from jaxmem._compat import core
 from jaxmem.transform.interpret import Interpreter
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Report, collect

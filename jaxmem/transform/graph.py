@@ -16,8 +16,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
-from jax._src import source_info_util as siu
+
+from jaxmem._compat import core
+from jaxmem._compat import source_info_util as siu
 
 __all__ = ["CALL_PRIMS", "Graph", "bind_eqn", "inline_calls", "is_literal", "location",
            "name_stack"]

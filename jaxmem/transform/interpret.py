@@ -24,8 +24,8 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax._src import core
 
+from jaxmem._compat import core
 from jaxmem.transform.graph import Graph, bind_eqn, context, inline_calls, location, name_stack
 from jaxmem.transform.match import Match
 from jaxmem.transform.options import Options

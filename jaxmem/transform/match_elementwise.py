@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
 
+from jaxmem._compat import core
 from jaxmem.transform.graph import Graph, bind_eqn, is_literal, location, name_stack
 from jaxmem.transform.match import Match, aval_str
 from jaxmem.transform.report import Row
