@@ -216,32 +216,30 @@ def canonical(sub: Subgraph) -> Subgraph:
 
 
 # ---------------------------------------------------------------------- classification
-def _is_piecewise_linear(graph: Graph, eqns) -> bool:
+def _uses_only(graph: Graph, eqns, allowed, *, wrappers: bool) -> bool:
+    """Every equation is in ``allowed`` (``mul`` / ``div`` only by a constant); with
+    ``wrappers``, call wrappers whose bodies are piecewise-linear elementwise count too."""
     for e in eqns:
         name = e.primitive.name
-        if name in _WRAPPERS:
+        if wrappers and name in _WRAPPERS:
             if not _body_elementwise(_body(e), pl=True):
                 return False
             continue
-        if name not in _PIECEWISE_LINEAR:
+        if name not in allowed:
             return False
         if name == "mul" and not any(graph.is_const(v) for v in e.invars):
             return False
         if name == "div" and not graph.is_const(e.invars[1]):
             return False
     return True
+
+
+def _is_piecewise_linear(graph: Graph, eqns) -> bool:
+    return _uses_only(graph, eqns, _PIECEWISE_LINEAR, wrappers=True)
 
 
 def _is_linear(graph: Graph, eqns) -> bool:
-    for e in eqns:
-        name = e.primitive.name
-        if name not in _LINEAR:
-            return False
-        if name == "mul" and not any(graph.is_const(v) for v in e.invars):
-            return False
-        if name == "div" and not graph.is_const(e.invars[1]):
-            return False
-    return True
+    return _uses_only(graph, eqns, _LINEAR, wrappers=False)
 
 
 def _probe(consts: list[float]) -> np.ndarray:
