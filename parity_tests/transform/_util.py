@@ -1,4 +1,4 @@
-"""Helpers of the transform tests: fresh keys and a two-sided closeness check."""
+"""Helpers of the transform tests: fresh keys, a small MLP loss, a closeness check."""
 from __future__ import annotations
 
 import secrets
@@ -6,6 +6,7 @@ import secrets
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _assert import assert_tree_close, scaled_atol
 
 
 def key():
@@ -22,13 +23,24 @@ def normal(shape, dtype=jnp.float32, scale=1.0):
 
 
 def close(got, want, rtol=1e-5, atol=1e-5):
-    """Leaf-wise ``|got - want| <= atol * max|want| + rtol * |want|``."""
-    gl, gt = jax.tree_util.tree_flatten(got)
-    wl, wt = jax.tree_util.tree_flatten(want)
+    """Same tree structure, and leaf-wise ``|got - want| <= atol * max(1, max|want|) +
+    rtol * |want|``."""
+    gt, wt = jax.tree_util.tree_structure(got), jax.tree_util.tree_structure(want)
     assert gt == wt, f"tree structures differ: {gt} vs {wt}"
-    for g, w in zip(gl, wl):
-        g = np.asarray(g, np.float64)
-        w = np.asarray(w, np.float64)
-        assert g.shape == w.shape and g.dtype == w.dtype or g.shape == w.shape
-        scale = max(1.0, float(np.max(np.abs(w)))) if w.size else 1.0
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale)
+    assert_tree_close(got, want, rtol=rtol, atol=scaled_atol(atol, floor=1.0))
+
+
+def mlp_loss(params, x, *, scale=1.0):
+    """A two-layer loss mixing GELU, a ReLU spelled ``maximum`` and SiLU (the programs the
+    interpreter tests re-emit)."""
+    h = x
+    for w, b in params["layers"]:
+        h = jax.nn.gelu(h @ w + b)
+        h = jnp.maximum(h, 0.0) + 0.1 * jax.nn.silu(h)
+    return scale * jnp.mean(jnp.tanh(h) ** 2)
+
+
+def mlp_params(dtype=jnp.float32):
+    """Fresh parameters of :func:`mlp_loss` (8 -> 16 -> 8)."""
+    return {"layers": [(normal((8, 16), dtype, 0.4), normal((16,), dtype, 0.1)),
+                       (normal((16, 8), dtype, 0.4), normal((8,), dtype, 0.1))]}

@@ -16,19 +16,8 @@ from jaxmem.transform import Options, report, transform
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _util import close, normal
-
-
-def _mlp(params, x, *, scale=1.0):
-    h = x
-    for w, b in params["layers"]:
-        h = jax.nn.gelu(h @ w + b)
-        h = jnp.maximum(h, 0.0) + 0.1 * jax.nn.silu(h)
-    return scale * jnp.mean(jnp.tanh(h) ** 2)
-
-
-def _params(dtype=jnp.float32):
-    return {"layers": [(normal((8, 16), dtype, 0.4), normal((16,), dtype, 0.1)),
-                       (normal((16, 8), dtype, 0.4), normal((8,), dtype, 0.1))]}
+from _util import mlp_loss as _mlp
+from _util import mlp_params as _params
 
 
 def test_forward_and_grad_equal_the_original():
