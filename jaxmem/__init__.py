@@ -13,6 +13,8 @@ Submodules (imported lazily, so ``import jaxmem`` stays cheap and never imports 
 
 The one way in for Flax: :func:`jaxmem.linen.convert`, :func:`jaxmem.nnx.convert`,
 :func:`jaxmem.scope` (context manager), :func:`jaxmem.report` (what was converted and why).
+Any JAX function: :func:`jaxmem.transform`. Older spellings warn
+:class:`JaxmemDeprecationWarning` and name their replacement (``docs/api.md``).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ _ATTRS = {"scope": ("jaxmem._glue.patch", "scope"),
           "transform": ("jaxmem.transform", "transform"),
           "report": ("jaxmem._glue.report", "report"),
           "Report": ("jaxmem._glue.report", "Report"),
-          "NothingConvertedWarning": ("jaxmem._glue.report", "NothingConvertedWarning")}
+          "NothingConvertedWarning": ("jaxmem._glue.report", "NothingConvertedWarning"),
+          "JaxmemDeprecationWarning": ("jaxmem._deprecation", "JaxmemDeprecationWarning")}
 __all__ = list(_SUBMODULES) + list(_ATTRS) + ["__version__"]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from jax._src import compilation_cache, core, source_info_util, xla_bridge
 from jax._src import config as jax_config
 from jax._src import custom_partitioning as custom_partitioning_internal
-from jax._src.ad_checkpoint import saved_residuals
+from jax._src.ad_checkpoint import name_p, saved_residuals
 from jax._src.lax import lax as lax_internal
 from jax._src.lib import xla_client
 
@@ -22,6 +22,7 @@ __all__ = [
     "custom_partitioning_internal",
     "jax_config",
     "lax_internal",
+    "name_p",
     "saved_residuals",
     "source_info_util",
     "xla_bridge",

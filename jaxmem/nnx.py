@@ -1,7 +1,7 @@
 """``jaxmem.nnx.convert``: the one way in for Flax NNX modules.
 
 ``convert(module)`` converts the module's layers with the selective part
-(:func:`jaxmem.selective.nnx.convert`) and the attention part
+(:mod:`jaxmem.selective.nnx`) and the attention part
 (``jaxmem.fewbit.flax_attention.nnx_convert_attention``, when available), and makes calls of
 the root run inside :func:`jaxmem.scope` (inline functions such as ``nnx.relu``,
 ``nnx.gelu``, ``nnx.max_pool``, and activations held as attributes, are converted while
@@ -126,7 +126,7 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
     m = _nnx.clone(module) if copy else module
     if selective:
         from jaxmem.selective import nnx as _sel_nnx
-        _sel_nnx.convert(m)
+        _sel_nnx._convert(m)
     if attention:
         try:
             fa = importlib.import_module("jaxmem.fewbit.flax_attention")

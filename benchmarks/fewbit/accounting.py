@@ -33,18 +33,15 @@ CONFIGS = {
 }
 
 CHILD = r'''
-import contextlib, json, sys
+import json, sys
 import jax
-from jaxmem import fewbit
+import jaxmem
 from jaxmem.bench.fewbit import _gpt
 from jaxmem.measure import residual_bytes
 cfg = json.loads(sys.argv[1]); L = int(sys.argv[2])
-loss, params, tok, _ = _gpt(L, False, selective=cfg["sel"])
-with contextlib.ExitStack() as st:
-    if cfg["bits"]:
-        st.enter_context(fewbit.patch_activations(bits=cfg["bits"], activations=["gelu"]))
-    if cfg["attn"]:
-        st.enter_context(fewbit.patch_attention())
+conv = {"fewbit": cfg["bits"], "attention": cfg["attn"]} if cfg["sel"] else None
+loss, params, tok, _ = _gpt(L, False, convert=conv)
+with jaxmem.scope(selective=False, fewbit=cfg["bits"], attention=cfg["attn"]):
     c = jax.jit(jax.grad(loss)).lower(params, tok).compile()
     m = c.memory_analysis()
     res = residual_bytes(loss, params, tok)

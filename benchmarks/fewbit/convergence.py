@@ -20,7 +20,8 @@ Tasks:
 * synthetic image task: 16x16 grey images of a noisy oriented bar (4 orientations,
   random position/width/contrast), a small conv net with inline ``jax.nn.silu``.
 
-Few-bit runs switch the activations with ``jaxmem.fewbit.patch_activations`` around tracing.
+Few-bit runs switch the activations with ``jaxmem.scope(selective=False, fewbit=bits,
+attention=False)`` around tracing.
 Writes benchmarks/results/fewbit/convergence.{json,md,png}.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmem import fewbit
+import jaxmem
 from jaxmem.models import GPT, GPTConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -65,7 +66,7 @@ def train(loss_fn, params, batches, evaluate, bits, lr):
         step_c = jax.jit(step)
         step_c(params, opt.init(params), batches[0])  # compile
     else:
-        with fewbit.patch_activations(bits=bits):
+        with jaxmem.scope(selective=False, fewbit=bits, attention=False):
             step_c = jax.jit(step)
             step_c(params, opt.init(params), batches[0])  # trace + compile inside the patch
     state = opt.init(params)

@@ -5,9 +5,9 @@ Command: .venv/bin/python benchmarks/selective/gpu_plan_cases.py
     [--models resnet50,resnet18] [--cases input,norm,all] [--batch 8] [--size 64]
 
 For each model (width 0.25, 10 classes) and case, the jitted gradient step of JAX default
-(differentiating only the case's leaves) and of ``jaxmem.selective.linen.convert(model)`` is
-compiled for the H100 plan and for the CPU; compiled = temp + output bytes. The column
-``h100_jaxmem_arith_tie`` compiles jaxmem's step for the H100 plan once more with the tie's
+(differentiating only the case's leaves) and of
+``jaxmem.linen.convert(model, attention=False)`` is compiled for the H100 plan and for the
+CPU; compiled = temp + output bytes. The column ``h100_jaxmem_arith_tie`` compiles jaxmem's step for the H100 plan once more with the tie's
 CPU lowering forced everywhere (``x - isnan(g_0) * 0``, which XLA:GPU folds away), to show
 what the per-platform tie (an ``optimization_barrier`` on GPU) is worth there.
 Writes benchmarks/results/gpu_plan/selective_cases.{json,md}.
@@ -45,15 +45,15 @@ def _bytes(step, params, x, target):
 def rows(models, cases, batch, size):
     import jax
 
+    import jaxmem
     from jaxmem import models as zoo
     from jaxmem.bench.selective import make_step
-    from jaxmem.selective import linen as SL
     out = []
     for name in models:
         model = getattr(zoo, name)(width=0.25, num_classes=10)
         x = jax.random.normal(jax.random.key(0), (batch, size, size, 3))
         v = model.init(jax.random.key(1), x, train=False)
-        conv = SL.convert(model)
+        conv = jaxmem.linen.convert(model, attention=False)
         for case in cases:
             row = {"model": name, "case": case, "batch": f"{batch}x{size}x{size}"}
             for target in ("h100", "cpu"):

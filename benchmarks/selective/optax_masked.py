@@ -4,7 +4,7 @@ Command: .venv/bin/python benchmarks/selective/optax_masked.py
 Writes benchmarks/results/selective/optax_masked.{json,md}. Compiled bytes (XLA temp+output)
 of one jitted gradient step; "optax.masked" = jax.grad w.r.t. all params (what a masked /
 multi_transform optimizer is fed), "subset" = jaxmem.selective.grad(trainable=...), "subset +
-convert" = the same through jaxmem.selective.linen.convert(model).
+convert" = the same through jaxmem.linen.convert(model, attention=False).
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import os
 import jax
 import jax.numpy as jnp
 
+import jaxmem
 from jaxmem import models
 from jaxmem.bench.selective import case_filter
 from jaxmem.measure import compiled_memory
-from jaxmem.selective import linen as SL
 from jaxmem.selective.subset import grad as sgrad
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "results", "selective")
@@ -31,8 +31,9 @@ def main():
     for case in ("norm", "conv", "last_quarter"):
         flt = case_filter(case, v["params"])
         out = {"case": case}
+        conv = jaxmem.linen.convert(m, attention=False)
         for label, model, subset in (("optax_masked", m, False), ("subset", m, True),
-                                     ("subset_convert", SL.convert(m), True)):
+                                     ("subset_convert", conv, True)):
             def loss(p, x, model=model):
                 y, _ = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x,
                                    train=True, mutable=["batch_stats"])

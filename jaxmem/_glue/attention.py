@@ -5,7 +5,9 @@ available), and the model zoo's :class:`jaxmem.models.SelfAttention`."""
 from __future__ import annotations
 
 import importlib
+import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxmem._glue import patch as _gpatch
@@ -18,7 +20,7 @@ DPA_MODULES = ("flax.linen", "flax.linen.attention", "flax.nnx",
 
 
 def _softmax_rule(opts, orig):
-    _att = importlib.import_module("jaxmem.fewbit.attention")
+    _att = importlib.import_module("jaxmem.selective.attention")
 
     def softmax(x, axis=-1, where=None, **kw):
         if kw or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -47,14 +49,39 @@ def _dpa_rule(opts, orig):
 
 
 def _zoo_handler(m, next_fun, args, kwargs):
-    _att = importlib.import_module("jaxmem.fewbit.attention")
     if kwargs or len(args) != 1:
         _report.record(kind="module", target=type(m).__name__, technique="attention",
                        status="fallback", reason="extra arguments")
         return next_fun(*args, **kwargs)
     _report.record(kind="module", target=type(m).__name__, technique="attention",
                    status="converted")
-    return _att._zoo_attention(m, args[0])
+    return _zoo_attention(m, args[0])
+
+
+def _dense(x, params, dtype):
+    """``flax.linen.Dense`` arithmetic (promote, dot over the last axis, + bias)."""
+    from flax.linen.dtypes import promote_dtype
+    kernel, bias = params["kernel"], params.get("bias")
+    x, kernel, bias = promote_dtype(x, kernel, bias, dtype=dtype)
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    if bias is not None:
+        y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y
+
+
+def _zoo_attention(m, x):
+    """:class:`jaxmem.models.SelfAttention` computed from its own ``c_attn`` / ``c_proj``
+    parameters with the same arithmetic, the attention by :func:`jaxmem.selective.attention`."""
+    from jaxmem.selective.attention import attention
+    b, t, d = x.shape
+    if d % m.n_head:
+        raise ValueError(f"SelfAttention: d_model={d} is not divisible by n_head={m.n_head}")
+    p = m.variables["params"]
+    hd = d // m.n_head
+    qkv = _dense(x, p["c_attn"], m.dtype)
+    q, k, v = (a.reshape(b, t, m.n_head, hd) for a in jnp.split(qkv, 3, axis=-1))
+    y = attention(q, k, v, causal=bool(m.causal), scale=1.0 / math.sqrt(hd))
+    return _dense(y.reshape(b, t, d), p["c_proj"], m.dtype)
 
 
 def _is_zoo(m):

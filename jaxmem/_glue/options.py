@@ -11,9 +11,9 @@ and gets plain JAX/Flax.
 
 A layer or function named ``name`` is decided by the innermost options that *cover* it
 (:func:`lookup`): options built by :func:`jaxmem.scope` cover everything (inner overrides
-outer); the narrow compatibility switches (``fewbit.patch_activations(activations=...)``,
-``fewbit.patch_softmax``, ...) cover only their own names, so they compose with the scopes
-around them.
+outer); the deprecated narrow switches (``fewbit.patch_activations(activations=...)``,
+``fewbit.patch_softmax``, ``selective.linen.convert``, ...) cover only their own names, so
+they compose with the scopes around them.
 """
 from __future__ import annotations
 

@@ -250,7 +250,9 @@ def pack(codes: jax.Array, bits: int, blocks: int = 1) -> jax.Array:
         grouped = flat.reshape(-1, g)
     code_shift, byte_shift = _byte_shifts(bits)
     # contrib[..., k, j]: byte k of code j at its offset in the group word.  Bits of different
-    # codes never overlap, so the sum over j (the trailing axis) is their bitwise or.
+    # codes never overlap, so the sum over j (the trailing axis) is their bitwise or.  For
+    # bits=1 the bytes equal jnp.packbits(..., axis=-1, bitorder="little"), but that reduces
+    # in uint32 and XLA keeps the uint32 sums (4x the packed bytes): the uint8 sum stays.
     contrib = ((grouped[..., None, :] << code_shift) >> byte_shift) & jnp.uint32(0xFF)
     packed = jnp.sum(contrib.astype(jnp.uint8), axis=-1, dtype=jnp.uint8)  # the reduction
     return packed.reshape(packed_shape(shape, bits, k))

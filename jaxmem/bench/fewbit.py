@@ -5,17 +5,17 @@ Measures, for the default activations and the few-bit ones (1-4 bits):
 * frozen-weight GELU MLP: compiled bytes per added layer per hidden element (slope of two
   depths, gradient w.r.t. the input only) — target ``<= bits/8 B * 1.05``;
 * GPT-2-style decoder (``jaxmem.models.GPT``, inline ``nn.gelu`` switched with
-  :func:`jaxmem.fewbit.patch_activations`) and a tiny ViT (full training gradient w.r.t. all
-  parameters): compiled bytes total and per layer, residual bytes, step-time ratio -- for the
-  few-bit GELU alone, with the exact :func:`jaxmem.fewbit.attention` (``patch_attention``;
-  "fewbit only") and additionally with ``jaxmem.selective.linen.convert`` ("combined");
+  ``jaxmem.scope(selective=False, fewbit=bits)``) and a tiny ViT (full training gradient
+  w.r.t. all parameters): compiled bytes total and per layer, residual bytes, step-time
+  ratio -- for the few-bit GELU alone, with the exact :func:`jaxmem.selective.attention`
+  (``attention=True``; "fewbit only") and additionally with the selective layers
+  (``jaxmem.linen.convert(model, fewbit=3)``; "combined");
 * (full mode) PyTorch twins: bytes saved for backward, default vs ``torch_ref.fewbit``.
 
 Memory is deterministic; times are ratios measured side by side (interleaved, median).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxmem
 from jaxmem import fewbit
 from jaxmem.bench import Section
 from jaxmem.bench.targets import (
@@ -120,7 +121,7 @@ def _time_ratio(fns: dict[str, Callable], args, reps: int) -> dict[str, float]:
     return ratios
 
 
-def _gpt(n_layer, quick, selective=False):
+def _gpt(n_layer, quick, convert=None):
     from jaxmem.models import GPT, GPTConfig
     if quick:
         cfg = GPTConfig(vocab=128, ctx=64, d_model=64, n_head=2, n_layer=n_layer)
@@ -129,9 +130,8 @@ def _gpt(n_layer, quick, selective=False):
         cfg = GPTConfig(vocab=256, ctx=128, d_model=128, n_head=4, n_layer=n_layer)
         batch = 8
     model = GPT(cfg)
-    if selective:
-        from jaxmem.selective import linen as sel_linen
-        model = sel_linen.convert(model)
+    if convert is not None:  # options of jaxmem.linen.convert
+        model = jaxmem.linen.convert(model, **convert)
     tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (batch, cfg.ctx)))
     params = model.init(jax.random.PRNGKey(0), tok)
 
@@ -144,14 +144,13 @@ def _gpt(n_layer, quick, selective=False):
     return loss, params, tok, hidden
 
 
-def _vit(n_layer, quick, selective=False):
+def _vit(n_layer, quick, convert=None):
     from jaxmem.models import ViT, ViTConfig
     cfg = ViTConfig(image_size=32, patch_size=4, d_model=64 if quick else 96, n_head=2,
                     n_layer=n_layer, num_classes=10)
     model = ViT(cfg)
-    if selective:
-        from jaxmem.selective import linen as sel_linen
-        model = sel_linen.convert(model)
+    if convert is not None:  # options of jaxmem.linen.convert
+        model = jaxmem.linen.convert(model, **convert)
     batch = 4 if quick else 16
     x = jnp.asarray(np.random.default_rng(0).normal(size=(batch, 32, 32, 3)), jnp.float32)
     y = jnp.asarray(np.random.default_rng(1).integers(0, 10, (batch,)))
@@ -166,7 +165,7 @@ def _vit(n_layer, quick, selective=False):
     return loss, params, (x, y), hidden
 
 
-#: (label, GELU bits or None, exact fewbit.attention, jaxmem.selective.linen.convert)
+#: (label, GELU bits or None, exact attention, selective layers (jaxmem.linen.convert))
 def methods(bits_list, quick: bool = False, attention_row: bool | None = None
             ) -> list[tuple[str, int | None, bool, bool]]:
     out = [("jax default", None, False, False)]
@@ -178,14 +177,9 @@ def methods(bits_list, quick: bool = False, attention_row: bool | None = None
     return out
 
 
-@contextlib.contextmanager
 def _patched(bits, attn):
-    with contextlib.ExitStack() as st:
-        if bits is not None:
-            st.enter_context(fewbit.patch_activations(bits=bits, activations=["gelu"]))
-        if attn:
-            st.enter_context(fewbit.patch_attention())
-        yield
+    """Few-bit GELU (the models' one smooth activation) and / or exact attention."""
+    return jaxmem.scope(selective=False, fewbit=bits, attention=attn)
 
 
 def _total_bytes(compiled) -> int:
@@ -210,7 +204,8 @@ def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int,
         meas: dict[tuple[str, int], int] = {}
         resid, gemms = {}, {t: set() for t in targets}
         for L in (depth, 2 * depth):
-            loss, params, data, hidden = make(L, quick, selective=sel)
+            conv = {"fewbit": bits, "attention": attn} if sel else None
+            loss, params, data, hidden = make(L, quick, convert=conv)
             grad = jax.grad(loss)
             with _patched(bits, attn):
                 for tgt in targets:
@@ -366,12 +361,13 @@ def run(quick: bool = False, models: list[str] | None = None,
             "MLP: frozen weights, gradient w.r.t. the input only; per_elem_per_layer in bytes "
             "per hidden element (target <= bits/8 * 1.05).",
             "GPT/ViT: gradient w.r.t. all parameters; inline nn.gelu switched by "
-            "fewbit.patch_activations(activations=['gelu']); residual = activation residual "
+            "jaxmem.scope(selective=False, fewbit=bits); residual = activation residual "
             "bytes (jaxmem.measure.residual_bytes) at depth L.",
-            "fewbit.attention (via fewbit.patch_attention): exact attention, flash-style "
-            "backward (stores q, k, v and a log-sum-exp, recomputes the probabilities); "
-            "selective.convert: jaxmem.selective's Linen drop-in (LayerNorm keeps its input "
-            "+ statistics). Only the GELU derivative is approximate in every row.",
+            "fewbit.attention (jaxmem.scope(attention=True)): jaxmem.selective.attention, exact, "
+            "flash-style backward (stores q, k, v and a log-sum-exp, recomputes the "
+            "probabilities); selective.convert: jaxmem.linen.convert(model, fewbit=3) (the "
+            "selective layers too; LayerNorm keeps its input + statistics). Only the GELU "
+            "derivative is approximate in every row.",
             "step_time_ratio: median of interleaved per-step ratios vs the default, CPU.",
             "torch rows: bytes saved for backward (torch_ref.measure.saved_bytes); "
             "per_layer_vs_default from depths 2 and 4.",

@@ -39,7 +39,14 @@ from jaxmem.bench.targets import (
 CASES = ("all", "input", "conv", "norm", "bn_eval", "first_quarter", "last_quarter")
 
 
+def _convert(model):
+    """The selective part of :func:`jaxmem.linen.convert` (exact; no attention)."""
+    from jaxmem import linen
+    return linen.convert(model, attention=False)
+
+
 # ------------------------------------------------------------------------ case filters
+
 def _layer_paths(params) -> list[str]:
     from jaxmem.selective.subset import path_str
     out = []
@@ -199,7 +206,6 @@ def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True,
     Compiled bytes on every target of ``targets`` (columns ``<prefix>jax_compiled``, ...)."""
     from jaxmem import models
     from jaxmem.measure import residual_bytes
-    from jaxmem.selective import linen as SL
     from jaxmem.selective.subset import combine, partition, path_str
     rows = []
     targets = check_targets(targets)
@@ -227,7 +233,7 @@ def figure1_rows(depths=(5, 10), channels=8, batch=4, size=32, torch_too=True,
             flt = lambda p, _, L=layers: int(path_str(p).split("/")[0].split("_")[1]) in L
             row = {"table": "figure1", "depth": depth, "case": case,
                    "layer_input_bytes": act}
-            for impl, m in (("jax", model), ("jaxmem", SL.convert(model))):
+            for impl, m in (("jax", model), ("jaxmem", _convert(model))):
                 t, f = partition(params, flt)
                 fwd = lambda t_, x, m=m, f=f: jnp.sum(m.apply({"params": combine(t_, f)}, x))
                 # the paper differentiates the input too (it has requires_grad upstream)
@@ -274,7 +280,6 @@ def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_t
     """Rows of the paper's cases on the CNNs of :func:`cnn_models` (``quick``: ResNet-18
     only). Compiled bytes on every target of ``targets``; residual and torch saved bytes
     (target-independent) and the CPU step-time ratio once per case."""
-    from jaxmem.selective import linen as SL
     targets = check_targets(targets)
     log = log if log is not None else GemmLog()
     rows = []
@@ -298,7 +303,7 @@ def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_t
             if progress:
                 progress(f"selective: {name} {case}")
             sj = make_step(model, variables, case)
-            ss = make_step(SL.convert(model), variables, case)
+            ss = make_step(_convert(model), variables, case)
             row = {"table": "cnn", "model": name, "case": case,
                    "batch": f"{batch}x{size}x{size}"}
             # CPU last: its compile is reused by the timing below (jit's cache)
@@ -310,7 +315,7 @@ def cnn_rows(quick: bool, models_=None, progress=None, batch=8, size=64, torch_t
                 row[f"{pre}jaxmem_compiled"] = bs["compiled"]
                 row[f"{pre}ratio"] = bs["compiled"] / bj["compiled"]
             row["jax_residual"] = residual_activation_bytes(model, variables, case, x)
-            row["jaxmem_residual"] = residual_activation_bytes(SL.convert(model), variables,
+            row["jaxmem_residual"] = residual_activation_bytes(_convert(model), variables,
                                                                case, x)
             if tm is not None:
                 xn = jax.device_get(x).transpose(0, 3, 1, 2).copy()
@@ -340,9 +345,8 @@ def _build(name: str, batch: int, size: int):
 def peak_step_jax(name: str, case: str, impl: str, batch: int, size: int):
     """Target for :func:`jaxmem.measure.peak_memory`: the jitted gradient step of ``case`` on
     CNN ``name`` (``impl``: ``'jax'`` or ``'jaxmem'``), bound to its inputs."""
-    from jaxmem.selective import linen as SL
     model, variables, x, _, _ = _build(name, batch, size)
-    m = SL.convert(model) if impl == "jaxmem" else model
+    m = _convert(model) if impl == "jaxmem" else model
     f = jax.jit(make_step(m, variables, case))
     params = variables["params"]
     del variables
@@ -384,7 +388,6 @@ def slope_rows(models_=("resnet18", "resnet50"), batches=(8, 32), size=64, cases
     measured process peak (fresh subprocess, VmHWM delta) at two batch sizes, and the slope
     ``(bytes(b2) - bytes(b1)) / (b2 - b1)`` in bytes per extra image."""
     from jaxmem.measure import compiled_memory, peak_memory
-    from jaxmem.selective import linen as SL
     b1, b2 = batches
     rows = []
     for name in models_:
@@ -395,7 +398,7 @@ def slope_rows(models_=("resnet18", "resnet50"), batches=(8, 32), size=64, cases
                    "batches": f"{b1},{b2}x{size}x{size}"}
             for b in batches:
                 model, variables, x, tname, tkw = _build(name, b, size)
-                for impl, m in (("jax", model), ("jaxmem", SL.convert(model))):
+                for impl, m in (("jax", model), ("jaxmem", _convert(model))):
                     c = compiled_memory(make_step(m, variables, case), variables["params"], x)
                     row[f"{impl}_compiled@{b}"] = int(c.temp_bytes + c.output_bytes)
                     row[f"{impl}_residual@{b}"] = int(
@@ -538,7 +541,7 @@ def run(quick: bool = False, models=None, progress=None, *, preset: str | None =
             "compiled = XLA temp+output bytes of the jitted gradient step; torch_saved / "
             "memsave_saved = bytes saved for backward (saved-tensor hooks, dedup by storage).",
             "JAX default differentiates only the case's leaves (the best plain JAX does); "
-            "jaxmem = same request through jaxmem.selective.linen.convert(model); "
+            "jaxmem = same request through jaxmem.linen.convert(model, attention=False); "
             "ratio = jaxmem_compiled / jax_compiled.",
             "figure1: linear ConvChain (relu=False), input differentiated as in the paper.",
             "time_ratio = median jaxmem step time / median JAX step time, interleaved (CPU).",

@@ -6,24 +6,23 @@ optimal piecewise-constant approximation of ``f'`` on the code's bin.
 
 Functional core:  :func:`fit` (DP + refinement), :func:`pack` / :func:`unpack`,
 named ops (:func:`gelu`, :func:`silu`, ...), :func:`make_activation` (any elementwise fn).
-The ReLU family (:func:`relu`, :func:`relu6`, :func:`hard_tanh`, :func:`leaky_relu`) is exact
-with a 1-bit mask and is the very same op as ``jaxmem.selective.relu`` & co.
-Exact companions for transformer blocks (:mod:`jaxmem.fewbit.attention`): :func:`attention`
-(flash-style backward, no ``T x T`` residual) and :func:`softmax` (stores its output once).
-Flax glue: :mod:`jaxmem.fewbit.linen` (:func:`patch_activations`, :func:`activation_fn`),
-:func:`patch_softmax`, :func:`patch_attention`.
+The exact ReLU family (1-bit mask) is ``jaxmem.selective.relu`` & co. (:func:`leaky_relu`
+here also takes an array or traced slope); exact attention is
+:mod:`jaxmem.selective.attention`. Models get few-bit activations without edits through
+``jaxmem.linen.convert(model, fewbit=bits)`` / ``jaxmem.nnx.convert`` /
+``jaxmem.scope(fewbit=bits)`` (rules registered by :mod:`jaxmem.fewbit.linen`).
 
 Registries: :data:`TABLE_ACTIVATIONS` (name -> :class:`~jaxmem.fewbit.activations.Activation`,
 the activations with shipped tables)
 and :data:`MASK_ACTIVATIONS` (the exact 1-bit ones).  Aliases: ``swish`` = ``silu``,
 ``soft_sign`` = ``softsign``.
 """
-from . import ops
+from jaxmem import _deprecation
+
+from . import linen, ops
 from .activations import MASK_ACTIVATIONS, TABLE_ACTIVATIONS
-from .attention import attention, patch_attention, patch_softmax, softmax
 from .factory import check_elementwise, make_activation
 from .fit import Fit, approximation_error, fit, gaussian_weight, uniform_weight
-from .linen import activation_fn, patch_activations
 from .ops import *  # the named few-bit ops (ops.__all__)
 from .pack import codes, pack, packed_shape, unpack
 from .tables import Table, load_table, table_names
@@ -33,9 +32,7 @@ __all__ = [
     "TABLE_ACTIVATIONS",
     "Fit",
     "Table",
-    "activation_fn",
     "approximation_error",
-    "attention",
     "check_elementwise",
     "codes",
     "fit",
@@ -44,12 +41,18 @@ __all__ = [
     "make_activation",
     "pack",
     "packed_shape",
-    "patch_activations",
-    "patch_attention",
-    "patch_softmax",
-    "softmax",
     "table_names",
     "uniform_weight",
     "unpack",
 ]
 __all__ += ops.__all__
+
+#: deprecated spellings: old name -> ("module:attribute", the spelling to use)
+_DEPRECATED = {
+    **{n: (f"jaxmem.selective.activation:{n}", f"jaxmem.selective.{n}")
+       for n in ("relu", "relu6", "hard_tanh")},
+    **{n: (f"jaxmem.selective.attention:{n}", f"jaxmem.selective.{n}")
+       for n in ("attention", "softmax", "attention_core")},
+    **linen._DEPRECATED,
+}
+__getattr__ = _deprecation.deprecated_attributes("jaxmem.fewbit", _DEPRECATED)

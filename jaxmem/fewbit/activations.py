@@ -33,7 +33,7 @@ class Activation:
     torch: str = ""
 
 
-# Captured at import: jaxmem.fewbit.patch_activations may later replace the jax.nn attributes.
+# Captured at import: jaxmem.scope may later replace the jax.nn attributes.
 _JAX_GELU = jax.nn.gelu
 _JAX_LEAKY_RELU = jax.nn.leaky_relu
 

@@ -3,7 +3,7 @@
 Drop-ins with the signatures of Flax's functions (layout ``[batch..., length, heads,
 head_dim]``); the forward is Flax's arithmetic step for step, the gradient the exact
 derivative of it, and autodiff keeps no ``T x S`` array (see
-:func:`jaxmem.fewbit.attention.attention_core`):
+:func:`jaxmem.selective.attention.attention_core`):
 
 * :func:`dot_product_attention` -- ``flax.linen.dot_product_attention``:
   ``softmax((q / sqrt(D)) k^T + bias, masked with finfo.min) [* dropout] v``;
@@ -44,7 +44,7 @@ from flax import nnx
 from flax.linen.dtypes import promote_dtype as _linen_promote
 from flax.nnx.nn import dtypes as _nnx_dtypes
 
-from .attention import AttentionSpec, attention_core
+from jaxmem.selective.attention import AttentionSpec, attention_core
 
 __all__ = ["dot_product_attention", "linen_attention_handler", "nnx_convert_attention",
            "nnx_dot_product_attention"]

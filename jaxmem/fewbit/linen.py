@@ -1,15 +1,16 @@
 """Flax glue: switch a model's activations to few-bit without editing the model.
 
 The one way in is ``jaxmem.scope(fewbit=bits)`` / ``jaxmem.linen.convert(model,
-fewbit=bits)``; this module registers the few-bit rules on :mod:`jaxmem._glue.patch` and
-keeps :func:`patch_activations` as a compatibility form.
+fewbit=bits)``; this module registers the few-bit rules on :mod:`jaxmem._glue.patch`.
+Deprecated: ``patch_activations``, ``patch_softmax``, ``patch_attention`` (use
+:func:`jaxmem.scope`) and ``activation_fn`` (use :func:`jaxmem.fewbit.activation`).
 
 Models usually call activations inline (``nn.gelu(x)``, ``jax.nn.silu(x)``,
 ``nnx.gelu(x)``); those are attribute look-ups on the modules ``jax.nn``, ``flax.linen``
-and ``flax.nnx`` at *trace* time.  :func:`patch_activations` is a scoped, restorable context
+and ``flax.nnx`` at *trace* time.  :func:`jaxmem.scope` is a scoped, restorable context
 manager that swaps those attributes for few-bit versions while it is active::
 
-    with fewbit.patch_activations(bits=3):
+    with jaxmem.scope(fewbit=3):
         step = jax.jit(train_step).lower(state, batch).compile()   # trace inside
     step(state, batch)                                            # few-bit residuals
 
@@ -30,24 +31,25 @@ Caveats (read them):
   :func:`make_activation` (fitted once, cached) or the exact 1-bit mask.
 
 For models that take the activation as a field, pass ``functools.partial(fewbit.gelu,
-bits=3)`` (or :func:`activation_fn`) instead.
+bits=3)`` (or ``fewbit.activation("gelu", 3)``) instead.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jaxmem import _deprecation
 from jaxmem._prims.checks import check_bits
 
 from . import ops
 from .factory import make_activation
 
-__all__ = ["PATCHABLE", "PATCH_MODULES", "activation_fn", "patch_activations"]
+__all__ = ["PATCHABLE", "PATCH_MODULES"]
 
 #: modules whose attributes are patched (those that exist and are importable)
 PATCH_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
@@ -109,11 +111,6 @@ def _fixed(orig: Callable, kw: str, value: float) -> Callable:
 PATCHABLE = tuple(_ORIG)
 
 
-def activation_fn(name: str, bits: int = 3) -> Callable:
-    """``x -> few-bit name(x)``, for models that take the activation as a field."""
-    return ops.activation(name, bits)
-
-
 def _make_rule(attr):
     def make(opts, orig):
         if opts.fewbit is None:
@@ -134,9 +131,11 @@ _register()
 
 
 @contextlib.contextmanager
-def patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
+def _patch_activations(bits: int = 3, activations: Iterable[str] | None = None,
                       modules: Iterable[str] = PATCH_MODULES) -> Iterator[dict]:
-    """Few-bit ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` activations inside the block.
+    """Deprecated: use ``jaxmem.scope(selective=False, fewbit=bits, attention=False)``.
+
+    Few-bit ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` activations inside the block.
 
     The activations half of ``jaxmem.scope(selective=False, fewbit=bits, attention=False)``,
     restricted to ``activations`` (so it composes with enclosing scopes, which decide
@@ -186,3 +185,64 @@ def _module_attributes(modules: Iterable[str], names: Iterable[str]) -> dict[str
             if cur is not None:
                 found[f"{modname}.{attr}"] = cur
     return found
+
+
+@contextlib.contextmanager
+def _patch_softmax(modules: Sequence[str] | None = None) -> Iterator[dict]:
+    """Deprecated: use ``jaxmem.scope(selective=False, attention=True)``.
+
+    Use :func:`jaxmem.selective.softmax` (exact; backward stores only the output) for
+    ``softmax`` looked up in ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` inside the block: the
+    softmax part of ``jaxmem.scope(attention=True)``, restricted to it (so it composes with
+    enclosing scopes).
+
+    Same rules as ``patch_activations``: wrap the *tracing*; only look-ups
+    through the module (``nn.softmax(x)``) are redirected; everything is restored on exit.
+    ``modules``: default, those of ``jaxmem._glue.attention.SOFTMAX_MODULES``. Yields
+    ``{"module.softmax": function}``.
+    """
+    from jaxmem._glue import options as _options
+    from jaxmem._glue import patch as _gpatch
+    from jaxmem._glue.attention import SOFTMAX_MODULES
+
+    modules = SOFTMAX_MODULES if modules is None else tuple(modules)
+    only = (frozenset({"softmax"}) if set(modules) == set(SOFTMAX_MODULES)
+            else frozenset(f"{m}.softmax" for m in modules))
+    opts = _options.Options(selective=False, fewbit=None, attention=True, only=only)
+    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_softmax", linen=False):
+        yield _module_attributes(modules, ("softmax",))
+
+
+@contextlib.contextmanager
+def _patch_attention() -> Iterator[None]:
+    """Deprecated: use ``jaxmem.scope(selective=False, attention=True)``.
+
+    Run :class:`jaxmem.models.SelfAttention` (GPT, ViT of the model zoo) with
+    :func:`jaxmem.selective.attention` while tracing inside the context: the zoo part of
+    ``jaxmem.scope(attention=True)``, restricted to it (so it composes with enclosing
+    scopes).
+
+    Each ``SelfAttention.__call__`` (outside ``init``) is computed from the module's own
+    ``c_attn`` / ``c_proj`` parameters with the same arithmetic (``flax.linen.Dense``'s
+    promote-dot-bias, the same split, scale and causal mask), so the forward is the model's
+    and the gradient is exact; only the attention matrix is not stored. Parameters and their
+    tree are untouched. Wrap the tracing.
+    """
+    from jaxmem._glue import options as _options
+    from jaxmem._glue import patch as _gpatch
+
+    opts = _options.Options(selective=False, fewbit=None, attention=True,
+                            only=frozenset({"SelfAttention"}))
+    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_attention"):
+        yield
+
+
+_SCOPE = "jaxmem.scope(selective=False, fewbit={}, attention={})"
+#: deprecated spellings: old name -> ("module:attribute", the spelling to use)
+_DEPRECATED = {
+    **{n: (f"jaxmem.fewbit.linen:_{n}", _SCOPE.format(f, a))
+       for n, f, a in (("patch_activations", "bits", False), ("patch_softmax", "None", True),
+                       ("patch_attention", "None", True))},
+    "activation_fn": ("jaxmem.fewbit.ops:activation", "jaxmem.fewbit.activation(name, bits)"),
+}
+__getattr__ = _deprecation.deprecated_attributes("jaxmem.fewbit.linen", _DEPRECATED)

@@ -35,15 +35,15 @@ import numpy as np
 from jaxmem._prims.bitpack import pack, shard_blocks, unpack
 from jaxmem._prims.checks import check_bits
 from jaxmem._prims.codes import bin_codes
-from jaxmem._prims.mask import (  # the exact 1-bit ops, re-exported
+from jaxmem._prims.mask import (  # the exact 1-bit ops (used by name, not exported)
     MASKED,
     check_floating,
-    hard_tanh,
+    hard_tanh,  # noqa: F401
     leaky_relu,
     mask_op,
     named,
-    relu,
-    relu6,
+    relu,  # noqa: F401
+    relu6,  # noqa: F401
 )
 
 from .activations import get_activation
@@ -56,13 +56,10 @@ __all__ = [
     "fewbit_op",
     "gelu",
     "hard_swish",
-    "hard_tanh",
     "leaky_relu",
     "log_sigmoid",
     "mask_op",
     "mish",
-    "relu",
-    "relu6",
     "selu",
     "sigmoid",
     "silu",

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxmem import _deprecation
+
 from . import trunks
 from .halo import HaloReport, check_shape, halos
 from .layers import (
@@ -35,7 +37,7 @@ from .layers import (
     init_layers,
     output_shape,
 )
-from .planner import TilePlan, estimate, plan
+from .planner import Tiling, estimate, plan
 from .spatial import SpatialPlan, spatial_apply, spatial_local, spatial_plan
 from .tiled import MODES, apply, segment_rows, split_segments
 
@@ -53,7 +55,7 @@ __all__ = [
     "Residual",
     "RowLayer",
     "SpatialPlan",
-    "TilePlan",
+    "Tiling",
     "apply",
     "apply_layers",
     "estimate",
@@ -74,3 +76,7 @@ def init(layers: Sequence[Layer], key: jax.Array, input_shape: Sequence[int],
          dtype: Any = jnp.float32) -> list[Any]:
     """Parameters for ``layers`` on NHWC ``input_shape`` (a list aligned with ``layers``)."""
     return init_layers(list(layers), key, check_shape(input_shape), dtype)[0]
+
+
+__getattr__ = _deprecation.deprecated_attributes(
+    "jaxmem.rowconv", {"TilePlan": ("jaxmem.rowconv.planner:Tiling", "jaxmem.rowconv.Tiling")})

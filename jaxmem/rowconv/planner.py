@@ -32,7 +32,7 @@ from .tiled import MODES, split_segments
 
 
 @dataclasses.dataclass
-class TilePlan:
+class Tiling:
     """Result of :func:`plan`: the tiling mode and row counts chosen for a budget.
 
     ``rows``/``rows_bp`` hold the forward/backward tile counts per segment (segments are cut
@@ -93,7 +93,7 @@ def estimate(layers: Sequence[Layer], input_shape: Sequence[int], mode: str,
 
 def plan(layers: Sequence[Layer], input_shape: Sequence[int], budget_bytes: int,
          modes: str | Sequence[str] = MODES, max_rows: int = 64,
-         verify: bool = True, params_bytes: int | None = None) -> TilePlan:
+         verify: bool = True, params_bytes: int | None = None) -> Tiling:
     """Pick mode and rows (per segment) whose train step fits ``budget_bytes``.
 
     Raises ValueError (naming the smallest reachable size) if nothing fits.
@@ -133,7 +133,7 @@ def plan(layers: Sequence[Layer], input_shape: Sequence[int], budget_bytes: int,
         cb = _compiled(layers, input_shape, m, rows) if verify else None
         size = cb if cb is not None else est
         if size <= budget_bytes:
-            return TilePlan(m, rows, rows, est, cb, rec, True)
+            return Tiling(m, rows, rows, est, cb, rec, True)
     raise ValueError(
         f"no mode/rows up to max_rows={max_rows} fits budget_bytes={budget_bytes} "
         f"(smallest estimate {best_est} bytes); add rowconv.Checkpoint() markers, raise "

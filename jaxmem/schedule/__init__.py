@@ -5,7 +5,7 @@ imports jax or torch):
 
 * :class:`Graph` — dataflow graph (nodes = operators, edges = tensors in bytes);
 * :func:`simulate` — peak resident bytes of a node order;
-* :func:`optimize` -> :class:`Plan` — ILP node ordering (eq. 14) + arena placement (eq. 15);
+* :func:`optimize` -> :class:`Schedule` — ILP node ordering (eq. 14) + arena placement (eq. 15);
 * :func:`place` — placement alone for fixed lifetimes;
 * :func:`relocate_blocks`, :func:`improve_order` — local search on orders;
   :func:`cut_lower_bound`, :func:`antichain_lower_bound` — proven bounds of the best peak.
@@ -15,12 +15,14 @@ JAX front end (imported lazily): :func:`trace` (jaxpr -> Graph), :func:`execute`
 """
 from __future__ import annotations
 
+from jaxmem import _deprecation
+
 from .bounds import antichain_lower_bound, cut_lower_bound, structural_lower_bound
 from .graph import Edge, Graph, GraphError, Node
 from .inplace import expand_order, inplace_update_graph
 from .order import best_greedy_order, greedy_order, improve_order
 from .place import best_fit_online, check_placement, peak_of_spans, place
-from .plan import Plan, node_lower_bound, optimize, validate_plan
+from .plan import Schedule, node_lower_bound, optimize, validate_plan
 from .relocate import relocate_blocks
 from .simulate import lifetimes, memory_profile, simulate
 
@@ -37,7 +39,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "Node",
-    "Plan",
+    "Schedule",
     "antichain_lower_bound",
     "best_fit_online",
     "best_greedy_order",
@@ -60,9 +62,14 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def _lazy(name):
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jaxmem.schedule' has no attribute {name!r}")
+
+
+__getattr__ = _deprecation.deprecated_attributes(
+    "jaxmem.schedule", {"Plan": ("jaxmem.schedule.plan:Schedule", "jaxmem.schedule.Schedule")},
+    fallback=_lazy)

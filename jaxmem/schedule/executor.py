@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from .jaxpr_graph import TracedStep, trace
-from .plan import Plan, optimize
+from .plan import Schedule, optimize
 
 __all__ = ["ExecStats", "Scheduled", "execute"]
 
@@ -110,14 +110,14 @@ def _run_with_views(ts: TracedStep, eq, env):
 
 def execute(
     traced: TracedStep | Callable,
-    plan: Plan | Sequence[str] | None,
+    plan: Schedule | Sequence[str] | None,
     *args,
     measure: bool = False,
     return_stats: bool = False,
     keep_donated: bool = False,
 ):
     """Run ``traced`` (or trace ``fn`` on ``args``) in ``plan.order`` and return exactly
-    what the function returns. ``plan`` may be a :class:`Plan`, a node order, or None
+    what the function returns. ``plan`` may be a :class:`Schedule`, a node order, or None
     (program order). With ``measure``/``return_stats`` also return :class:`ExecStats`.
 
     Leaves of arguments traced with ``donate_argnums`` are *deleted* after their last
@@ -127,7 +127,7 @@ def execute(
     Args:
       traced: a :class:`TracedStep` from :func:`trace`, or the function itself (traced
         here on ``args``).
-      plan: a :class:`Plan` from :func:`optimize`, a node order, or None.
+      plan: a :class:`Schedule` from :func:`optimize`, a node order, or None.
       *args: the function's arguments (same structure, shapes and dtypes as traced).
       measure: also measure the live bytes after each node (``jax.live_arrays``).
       return_stats: return :class:`ExecStats` (predicted peak, time) even unmeasured.
@@ -157,7 +157,7 @@ def execute(
     g = ts.graph
     if plan is None:
         order = g.program_order
-    elif isinstance(plan, Plan):
+    elif isinstance(plan, Schedule):
         order = plan.order
     else:
         order = list(plan)
@@ -268,7 +268,7 @@ class Scheduled:
         self.measure = measure
         self.optimize_kwargs = optimize_kwargs
         self._cache: dict = {}
-        self.plan: Plan | None = None
+        self.plan: Schedule | None = None
         self.traced: TracedStep | None = None
         self.stats: ExecStats | None = None
 

@@ -1,6 +1,6 @@
 """OLLA end to end: order the nodes, then place the tensors (paper section 4.4).
 
-``optimize(graph)`` returns a :class:`Plan`:
+``optimize(graph)`` returns a :class:`Schedule`:
 
 1. warm start — the best greedy order (:mod:`jaxmem.schedule.order`), always available;
 2. local search and bounds — local search around the peak step
@@ -40,11 +40,11 @@ from .relocate import relocate_blocks
 from .simulate import lifetimes, memory_profile, simulate
 from .updates import add_early_update_edges
 
-__all__ = ["Plan", "node_lower_bound", "optimize", "validate_plan"]
+__all__ = ["Schedule", "node_lower_bound", "optimize", "validate_plan"]
 
 
 @dataclasses.dataclass
-class Plan:
+class Schedule:
     """Result of :func:`optimize`.
 
     Attributes:
@@ -315,7 +315,7 @@ def optimize(
     gap_limit: float = 0.01,
     local_search: bool = True,
     log: bool = False,
-) -> Plan:
+) -> Schedule:
     """Find a low-peak node order (and arena placement) for ``graph``.
 
     Time: the whole call (ordering and placement) returns within ``time_limit`` plus a
@@ -362,7 +362,7 @@ def optimize(
     order of the other stages (``method`` names it) with the bounds they proved.
 
     Returns:
-      A :class:`Plan`: ``order`` (a topological node order), its ``peak``, the arena
+      A :class:`Schedule`: ``order`` (a topological node order), its ``peak``, the arena
       ``addresses`` and ``arena_size``, the proven ``lower_bound`` and ``optimal``.
 
     Example:
@@ -426,7 +426,7 @@ def optimize(
             s.status = _gap_status(s, "FEASIBLE")
         addresses = _arena_addresses(graph, names, offsets)
     total = time.perf_counter() - t0
-    return Plan(
+    return Schedule(
         order=list(s.order), peak=int(s.peak), addresses=addresses, arena_size=int(arena),
         lower_bound=int(s.lb), optimal=bool(s.peak == s.lb and arena == s.peak),
         solve_seconds=total, baseline_peak=baseline, greedy_peak=int(g_peak),
@@ -436,7 +436,7 @@ def optimize(
     )
 
 
-def validate_plan(graph: Graph, plan: Plan) -> None:
+def validate_plan(graph: Graph, plan: Schedule) -> None:
     """Raise ValueError unless ``plan.order`` is topological, ``plan.peak`` is its
     simulated peak, and (when placed) no two co-live tensors overlap in the arena."""
     graph.check_order(plan.order)

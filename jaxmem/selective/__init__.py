@@ -12,19 +12,23 @@ saves residuals according to which inputs are perturbed):
   scale is differentiated, nothing input-sized for a bias-only update;
 * :func:`relu`, :func:`leaky_relu`, :func:`relu6`, :func:`hard_tanh` -- a 1-bit packed mask;
 * :func:`max_pool` -- the packed argmax position inside each window;
-* :func:`dropout` -- only the PRNG key.
+* :func:`dropout` -- only the PRNG key;
+* :func:`attention`, :func:`attention_core` (flash-style backward, nothing ``T x S`` kept)
+  and :func:`softmax` (stores its output once) -- :mod:`jaxmem.selective.attention`.
 
 Trainable subsets: :func:`value_and_grad`, :func:`grad`, :func:`partition`,
 :func:`combine`, :func:`train_step`, :func:`nnx_value_and_grad`.
-Flax glue: :mod:`jaxmem.selective.linen` (``convert(model)``, ``scope()``) and
-:mod:`jaxmem.selective.nnx` (``convert(module)``); configurations they cannot convert run
-Flax's own code with a ``jaxmem.selective.linen.SelectiveFallbackWarning``. Forward-mode
+Flax models: :func:`jaxmem.linen.convert` / :func:`jaxmem.nnx.convert` /
+:func:`jaxmem.scope` (the layer rules live in :mod:`jaxmem.selective.linen` and
+:mod:`jaxmem.selective.nnx`); configurations they cannot convert run Flax's own code with a
+``jaxmem.selective.linen.SelectiveFallbackWarning``. Forward-mode
 ``jax.jvp`` through selective primitives raises JAX's custom_vjp TypeError (reverse mode,
 also grad-of-grad, works). Bit packing: :mod:`jaxmem.selective.bits`.
 Every residual is tagged ``checkpoint_name(..., "jaxmem.selective.<op>.<what>")``.
 """
 from jaxmem.selective._core import NAME_PREFIX
 from jaxmem.selective.activation import hard_tanh, leaky_relu, relu, relu6
+from jaxmem.selective.attention import attention, attention_core, softmax
 from jaxmem.selective.bits import pack_bits, unpack_bits
 from jaxmem.selective.dropout import dropout
 from jaxmem.selective.linear import (
@@ -49,9 +53,9 @@ from jaxmem.selective.subset import (
 )
 
 __all__ = [
-    "NAME_PREFIX", "batch_norm", "bilinear", "combine", "conv", "conv_general_dilated",
-    "conv_transpose", "dense", "dot_general", "dropout", "grad", "group_norm", "hard_tanh",
-    "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad", "normalize", "pack_bits",
-    "partition", "path_str", "relu", "relu6", "rms_norm", "train_step", "trainable_mask",
-    "unpack_bits", "value_and_grad",
+    "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bilinear", "combine", "conv",
+    "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "grad",
+    "group_norm", "hard_tanh", "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad",
+    "normalize", "pack_bits", "partition", "path_str", "relu", "relu6", "rms_norm", "softmax",
+    "train_step", "trainable_mask", "unpack_bits", "value_and_grad",
 ]

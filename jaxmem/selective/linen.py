@@ -23,9 +23,8 @@ what the selective part does with Linen layers inside a scope (``register_module
 Inline functions (``nn.relu``, ``nn.max_pool``, ...) are registered in
 :mod:`jaxmem.selective.patch`. Arguments of a call are never mutated.
 
-:func:`convert`, :func:`scope` and :func:`wrap` are the selective-only forms of
-:func:`jaxmem.linen.convert` / :func:`jaxmem.scope` (``selective=True, fewbit=None,
-attention=False``).
+Deprecated: ``convert``, ``scope`` and ``wrap`` here (the selective-only forms); use
+:func:`jaxmem.linen.convert` / :func:`jaxmem.scope` with ``fewbit=None, attention=False``.
 
 Everything is interception at trace time: wrap the *traced* function (``jax.jit`` it
 outside or inside the scope; a function already compiled outside the scope keeps its old
@@ -48,6 +47,7 @@ import flax.linen.linear as _flax_linear
 import jax.numpy as jnp
 from jax import lax as _lax
 
+from jaxmem import _deprecation
 from jaxmem._glue import options as _options
 from jaxmem._glue import patch as _gpatch
 from jaxmem._glue import report as _report
@@ -55,7 +55,7 @@ from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective.dropout import dropout as _dropout_fn
 
-__all__ = ["SelectiveFallbackWarning", "convert", "scope", "wrap"]
+__all__ = ["SelectiveFallbackWarning"]
 
 
 class SelectiveFallbackWarning(UserWarning):
@@ -414,8 +414,10 @@ def _selective_options(functions=True):
 
 
 @contextlib.contextmanager
-def scope(functions: bool = True) -> Iterator[None]:
-    """Within this context, Linen modules (and, with ``functions``, the inline
+def _scope(functions: bool = True) -> Iterator[None]:
+    """Deprecated: use ``jaxmem.scope(fewbit=None, attention=False)``.
+
+    Within this context, Linen modules (and, with ``functions``, the inline
     activations / pooling) trace to the selective primitives: ``jaxmem.scope(selective=True,
     fewbit=None, attention=False)`` restricted to the selective part (so it composes with
     enclosing scopes). Re-entrant and thread-safe."""
@@ -424,20 +426,24 @@ def scope(functions: bool = True) -> Iterator[None]:
         yield
 
 
-def wrap(fn: Callable) -> Callable:
-    """Decorator: run ``fn`` (e.g. a loss that calls ``model.apply``) inside :func:`scope`."""
+def _wrap(fn: Callable) -> Callable:
+    """Deprecated: call ``fn`` inside ``jaxmem.scope(fewbit=None, attention=False)``.
+
+    Decorator: run ``fn`` (e.g. a loss that calls ``model.apply``) inside ``scope()``."""
     import functools
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with scope():
+        with _scope():
             return fn(*args, **kwargs)
 
     return wrapped
 
 
-def convert(model: nn.Module) -> nn.Module:
-    """The selective part of :func:`jaxmem.linen.convert`: a real Linen Module (same fields,
+def _convert(model: nn.Module) -> nn.Module:
+    """Deprecated: use ``jaxmem.linen.convert(model, fewbit=None, attention=False)``.
+
+    The selective part of :func:`jaxmem.linen.convert`: a real Linen Module (same fields,
     same parameter tree) whose calls store only what requested gradients need; functions
     and layers of other parts are left to enclosing scopes.
 
@@ -446,8 +452,17 @@ def convert(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
-            "jaxmem.selective.linen.convert expects a flax.linen.Module, got "
+            "jaxmem.selective.linen.convert: model must be a flax.linen.Module, got "
             f"{type(model).__module__}.{type(model).__name__}; for flax.nnx modules use "
-            "jaxmem.selective.nnx.convert")
+            "jaxmem.nnx.convert")
     from jaxmem import linen as _jl
     return _jl._convert_with(model, _selective_options(True))
+
+
+__getattr__ = _deprecation.deprecated_attributes("jaxmem.selective.linen", {
+    "convert": ("jaxmem.selective.linen:_convert",
+                "jaxmem.linen.convert(model, fewbit=None, attention=False)"),
+    "scope": ("jaxmem.selective.linen:_scope", "jaxmem.scope(fewbit=None, attention=False)"),
+    "wrap": ("jaxmem.selective.linen:_wrap",
+             "a call inside jaxmem.scope(fewbit=None, attention=False)"),
+})

@@ -26,9 +26,10 @@ with a :class:`SelectiveFallbackWarning`. Every converted layer reports what it 
 time to ``jaxmem.report`` (``status`` ``'converted'``, ``'fallback'`` or
 ``'nothing-to-save'``, with the reason).
 
-Inline activations (``nnx.relu(x)``) are functions, not modules: trace the model inside
-:func:`scope` to get the 1-bit masks. ``convert`` returns the module (modified in place) and
-raises ``TypeError`` for anything that is not an ``nnx.Module``.
+Inline activations (``nnx.relu(x)``) are functions, not modules: they get the 1-bit masks
+through :func:`jaxmem.nnx.convert` (which uses this module) or :func:`jaxmem.scope`.
+Deprecated: ``convert`` and ``scope`` here; use :func:`jaxmem.nnx.convert` /
+:func:`jaxmem.scope`.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from jaxmem import _deprecation
 from jaxmem.selective import linear as _lin
 from jaxmem.selective import norm as _norm
 from jaxmem.selective.dropout import dropout as _dropout_fn
@@ -52,9 +54,8 @@ from jaxmem.selective.linen import (
     _warn_fallback,
     selective_lax,
 )
-from jaxmem.selective.patch import patch_functions as scope
 
-__all__ = ["SelectiveFallbackWarning", "convert", "einsum", "scope"]
+__all__ = ["SelectiveFallbackWarning", "einsum"]
 
 _PATH_ATTR = "_jaxmem_path"
 
@@ -70,9 +71,12 @@ def _recorder():
 
 
 def _base(m) -> type:
-    """The NNX class a converted module derives from."""
-    cls = type(m)
-    return _BASE.get(cls, cls)
+    """The NNX class a converted module derives from (also when ``jaxmem.nnx.convert``
+    subclassed the converted layer again, as the root of what it converts)."""
+    for cls in type(m).__mro__:
+        if cls in _BASE:
+            return _BASE[cls]
+    return type(m)
 
 
 def _record(m, status: str, reason: str = "") -> None:
@@ -360,8 +364,10 @@ def _path_str(path) -> str:
 
 def _supported_base(cls):
     """The NNX class of :data:`_RECLASS` that ``cls`` strictly subclasses (``None``: none,
-    or ``cls`` is one of jaxmem's own classes)."""
-    if cls in _RECLASS or cls in _BASE or getattr(cls, "_jaxmem_watched_base", None):
+    or ``cls`` is one of jaxmem's own classes or a subclass ``jaxmem.nnx.convert`` made of
+    one)."""
+    if (cls in _RECLASS or any(k in _BASE for k in cls.__mro__)
+            or getattr(cls, "_jaxmem_watched_base", None)):
         return None
     for base in cls.__mro__[1:]:
         if base in _RECLASS:
@@ -400,8 +406,12 @@ def _watched_class(cls):
     return sub
 
 
-def convert(module: nnx.Module) -> nnx.Module:
+def _convert(module: nnx.Module) -> nnx.Module:
     """Convert the supported layers of ``module`` in place (same Variables); returns it.
+
+    The layer pass of :func:`jaxmem.nnx.convert`. Deprecated under its public name
+    ``jaxmem.selective.nnx.convert``: use ``jaxmem.nnx.convert(module, fewbit=None,
+    attention=False, copy=False)``.
 
     Idempotent. Only layers whose class is exactly one of NNX's (``nnx.Linear``,
     ``nnx.LinearGeneral``, ``nnx.Conv``, ``nnx.ConvTranspose``, ``nnx.Einsum``, ``nnx.Embed``,
@@ -413,9 +423,9 @@ def convert(module: nnx.Module) -> nnx.Module:
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(
-            "jaxmem.selective.nnx.convert expects a flax.nnx.Module, got "
+            "jaxmem.selective.nnx.convert: module must be a flax.nnx.Module, got "
             f"{type(module).__module__}.{type(module).__name__}; for flax.linen modules use "
-            "jaxmem.selective.linen.convert")
+            "jaxmem.linen.convert")
     for path, m in nnx.iter_graph(module):
         if not isinstance(m, nnx.Module):
             continue
@@ -437,3 +447,11 @@ def convert(module: nnx.Module) -> nnx.Module:
         m.__class__ = _RECLASS[cls]
         setattr(m, _PATH_ATTR, _path_str(path))
     return module
+
+
+__getattr__ = _deprecation.deprecated_attributes("jaxmem.selective.nnx", {
+    "convert": ("jaxmem.selective.nnx:_convert",
+                "jaxmem.nnx.convert(module, fewbit=None, attention=False, copy=False)"),
+    "scope": ("jaxmem.selective.patch:_patch_functions",
+              "jaxmem.scope(fewbit=None, attention=False)"),
+})

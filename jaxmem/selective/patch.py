@@ -13,7 +13,8 @@ a scope:
 
 Only attribute look-ups made while tracing inside a scope are affected; a name imported into
 another module's namespace before (``from jax.nn import relu``) is not.
-:func:`patch_functions` is the selective-only functions scope, kept for compatibility.
+Deprecated: ``patch_functions`` (the selective-only functions scope); use
+:func:`jaxmem.scope` (``fewbit=None, attention=False``).
 """
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from jaxmem import _deprecation
 from jaxmem._glue import options as _options
 from jaxmem._glue import patch as _gpatch
 from jaxmem.selective import activation as _act
 from jaxmem.selective import pool as _pool
 
-__all__ = ["ACTIVATION_MODULES", "patch_functions", "patched_names"]
+__all__ = ["ACTIVATION_MODULES", "patched_names"]
 
 #: modules whose activation attributes are dispatched
 ACTIVATION_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
@@ -86,8 +88,10 @@ def patched_names() -> list[str]:
 
 
 @contextlib.contextmanager
-def patch_functions() -> Iterator[None]:
-    """Convert inline ``relu``/``relu6``/``hard_tanh``/``leaky_relu`` (flax.linen, jax.nn,
+def _patch_functions() -> Iterator[None]:
+    """Deprecated: use ``jaxmem.scope(fewbit=None, attention=False)``.
+
+    Convert inline ``relu``/``relu6``/``hard_tanh``/``leaky_relu`` (flax.linen, jax.nn,
     flax.nnx) and ``max_pool`` to the selective versions inside the block: the functions
     half of ``jaxmem.scope(selective=True, fewbit=None, attention=False)``."""
     opts = _options.Options(selective=True, fewbit=None, attention=False,
@@ -95,3 +99,8 @@ def patch_functions() -> Iterator[None]:
                                             "avg_pool"}))
     with _gpatch.scope_options(opts, label="jaxmem.selective.nnx.scope", linen=False):
         yield
+
+
+__getattr__ = _deprecation.deprecated_attributes("jaxmem.selective.patch", {
+    "patch_functions": ("jaxmem.selective.patch:_patch_functions",
+                        "jaxmem.scope(fewbit=None, attention=False)")})

@@ -44,19 +44,17 @@ __all__ = [
 ]
 
 
+_KEYED = (jax.tree_util.DictKey, jax.tree_util.GetAttrKey, jax.tree_util.SequenceKey)
+
+
 def path_str(path: Sequence[Any]) -> str:
     """``'params/block1/conv/kernel'`` for a ``jax.tree_util`` key path."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        else:
-            parts.append(str(k).strip(".[]'\""))
-    return "/".join(parts)
+    # jax.tree_util.keystr(path, simple=True, separator="/") for dict, attribute and sequence
+    # keys; any other key keeps its str() with quotes, dots and brackets stripped: a
+    # FlattenedIndexKey (children of nodes registered without keys, e.g.
+    # jax.tree_util.Partial) is "<flat index i>" here, where keystr writes "i".
+    return "/".join(jax.tree_util.keystr((k,), simple=True) if isinstance(k, _KEYED)
+                    else str(k).strip(".[]'\"") for k in path)
 
 
 def _layer_path(s: str) -> str:
@@ -265,15 +263,16 @@ def nnx_value_and_grad(fn: Callable, trainable: Any = None, *, argnums: int = 0,
 
     Only the selected Variables are differentiated (``nnx.DiffState``), so selective
     primitives inside the model see the other weights as not perturbed. ``argnums`` is
-    spelled as in ``jax.grad``; ``argnum`` is a deprecated alias (a DeprecationWarning; a
-    TypeError when both are given with different values).
+    spelled as in ``jax.grad``; ``argnum`` is a deprecated alias (a
+    :class:`jaxmem.JaxmemDeprecationWarning`; a TypeError when both are given with different
+    values).
     """
     from flax import nnx  # local: keeps `import jaxmem.selective` light
 
     if argnum is not None:
-        import warnings
-        warnings.warn("nnx_value_and_grad: argnum is deprecated, use argnums",
-                      DeprecationWarning, stacklevel=2)
+        from jaxmem import _deprecation
+        _deprecation.warn("jaxmem.selective.nnx_value_and_grad(argnum=...)",
+                          "nnx_value_and_grad(argnums=...)")
         if argnums != 0 and argnums != argnum:
             raise TypeError(f"nnx_value_and_grad: got argnums={argnums!r} and the deprecated "
                             f"argnum={argnum!r}; pass argnums only")

@@ -19,7 +19,7 @@ ENTRY_POINTS = [
     ("jaxmem.planner.batch", "max_batch"),
     ("jaxmem.rowconv", "apply"),
     ("jaxmem.rowconv", "spatial_apply"),
-    ("jaxmem.fewbit", "attention"),
+    ("jaxmem.selective", "attention"),
     ("jaxmem.fewbit", "make_activation"),
     ("jaxmem.schedule", "trace"),
     ("jaxmem.schedule", "optimize"),

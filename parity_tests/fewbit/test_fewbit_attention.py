@@ -1,8 +1,8 @@
-"""Exact companions of the few-bit activations: fewbit.softmax / fewbit.attention.
+"""Exact companions of the few-bit activations: selective.softmax / selective.attention.
 
 Both must be exact (forward and gradient equal JAX's own autodiff, checked in float64 and
 float32); only what autodiff stores changes (checked with the compiled-bytes slope).  In a
-GPT with patched GELU + attention, everything but the GELU derivative stays exact.
+GPT converted with few-bit GELU + attention, everything but the GELU derivative stays exact.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from _assert import assert_tree_close
 
-from jaxmem import fewbit
+import jaxmem
+from jaxmem import selective
+from jaxmem._glue import options, patch
 from jaxmem.measure import compiled_memory
 from jaxmem.models import GPT, GPTConfig
 
@@ -48,7 +50,7 @@ def test_softmax_forward_and_gradient_match_jax_float64(axis):
     with jax.enable_x64(True):
         x = _rand(0, (3, 5, 7), jnp.float64, 3.0)
         g = _rand(1, (3, 5, 7), jnp.float64)
-        y, (dx,) = _vjp_all(lambda x: fewbit.softmax(x, axis=axis), (x,), g)
+        y, (dx,) = _vjp_all(lambda x: selective.softmax(x, axis=axis), (x,), g)
         y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, axis=axis), (x,), g)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
         np.testing.assert_allclose(np.asarray(dx), np.asarray(dx0), rtol=1e-12, atol=1e-15)
@@ -58,7 +60,7 @@ def test_softmax_where_float32():
     x = _rand(2, (4, 9), scale=2.0)
     where = jnp.asarray(np.random.default_rng(3).random((4, 9)) > 0.3)
     g = _rand(4, (4, 9))
-    y, (dx,) = _vjp_all(lambda x: fewbit.softmax(x, where=where), (x,), g)
+    y, (dx,) = _vjp_all(lambda x: selective.softmax(x, where=where), (x,), g)
     y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, where=where), (x,), g)
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
@@ -68,12 +70,11 @@ def test_softmax_where_float32():
     assert np.all(np.asarray(dx)[~np.asarray(where)] == 0)
 
 
-def test_patch_softmax_scoped_and_restored():
+def test_scope_softmax_scoped_and_restored():
     import flax.linen as nn
     orig = jax.nn.softmax
-    with fewbit.patch_softmax() as patched:
-        assert "jax.nn.softmax" in patched and "flax.linen.softmax" in patched
-        assert nn.softmax is not orig
+    with jaxmem.scope(selective=False, attention=True):
+        assert jax.nn.softmax is not orig and nn.softmax is not orig
         x = _rand(5, (2, 6))
         np.testing.assert_array_equal(np.asarray(nn.softmax(x)), np.asarray(orig(x)))
     assert jax.nn.softmax is orig and nn.softmax is orig
@@ -89,7 +90,7 @@ def test_attention_matches_autodiff_float64(causal, t, s):
         k = _rand(1, (2, s, 3, 4), jnp.float64)
         v = _rand(2, (2, s, 3, 4), jnp.float64)
         ct = _rand(3, (2, t, 3, 4), jnp.float64)
-        o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=causal),
+        o, grads = _vjp_all(lambda q, k, v: selective.attention(q, k, v, causal=causal),
                             (q, k, v), ct)
         o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, causal), (q, k, v), ct)
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
@@ -99,7 +100,7 @@ def test_attention_matches_autodiff_float64(causal, t, s):
 def test_attention_float32_and_scale():
     q, k, v = (_rand(i, (3, 8, 2, 4)) for i in range(3))
     ct = _rand(9, (3, 8, 2, 4))
-    o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True, scale=0.3),
+    o, grads = _vjp_all(lambda q, k, v: selective.attention(q, k, v, causal=True, scale=0.3),
                         (q, k, v), ct)
     o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True, 0.3), (q, k, v), ct)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))  # same forward arithmetic
@@ -111,7 +112,7 @@ def test_attention_low_precision_close_to_float32(dtype):
     q, k, v = (_rand(i, (2, 6, 2, 8)) for i in range(3))
     ct = _rand(7, (2, 6, 2, 8))
     low = [a.astype(dtype) for a in (q, k, v)]
-    o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True), low,
+    o, grads = _vjp_all(lambda q, k, v: selective.attention(q, k, v, causal=True), low,
                         ct.astype(dtype))
     o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
@@ -124,7 +125,7 @@ def test_attention_under_jit_vmap_scan_checkpoint():
     q, k, v = (_rand(i, (4, 5, 2, 3)) for i in range(3))
 
     def fa(q, k, v):
-        return fewbit.attention(q, k, v, causal=True)
+        return selective.attention(q, k, v, causal=True)
 
     def ra(q, k, v):
         return _ref_attention(q, k, v, True)
@@ -159,7 +160,7 @@ def test_attention_nonfinite_cotangent_stays_local():
     """A NaN in the cotangent of batch 0 must not leak into batch 1's gradients."""
     q, k, v = (_rand(i, (2, 5, 2, 3)) for i in range(3))
     ct = _rand(4, (2, 5, 2, 3)).at[0, 0, 0, 0].set(jnp.nan)
-    _, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True), (q, k, v), ct)
+    _, grads = _vjp_all(lambda q, k, v: selective.attention(q, k, v, causal=True), (q, k, v), ct)
     _, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
     for a, b in zip(grads, grads0):
         assert np.all(np.isfinite(np.asarray(a[1])))
@@ -170,38 +171,38 @@ def test_attention_nonfinite_cotangent_stays_local():
 def test_attention_bad_input():
     q = _rand(0, (2, 4, 2, 3))
     with pytest.raises(TypeError, match="q must be float"):
-        fewbit.attention(q.astype(jnp.int32), q, q)
+        selective.attention(q.astype(jnp.int32), q, q)
     with pytest.raises(ValueError, match="must agree"):
-        fewbit.attention(q, q[:, :, :1], q[:, :, :1])
+        selective.attention(q, q[:, :, :1], q[:, :, :1])
     with pytest.raises(ValueError, match="rank"):
-        fewbit.attention(q[0, 0], q[0, 0], q[0, 0])
+        selective.attention(q[0, 0], q[0, 0], q[0, 0])
     with pytest.raises(TypeError, match="causal must be a bool"):
-        fewbit.attention(q, q, q, causal=1)
+        selective.attention(q, q, q, causal=1)
     with pytest.raises(TypeError, match="share a dtype"):
-        fewbit.attention(q, q.astype(jnp.bfloat16), q)
+        selective.attention(q, q.astype(jnp.bfloat16), q)
     with pytest.raises(TypeError, match="scale"):
-        fewbit.attention(q, q, q, scale="x")
+        selective.attention(q, q, q, scale="x")
     with pytest.raises(TypeError, match="x must be float"):
-        fewbit.softmax(jnp.arange(3))
+        selective.softmax(jnp.arange(3))
     with pytest.raises(ValueError, match="axis 4 out of range"):
-        fewbit.softmax(q, axis=4)
+        selective.softmax(q, axis=4)
     with pytest.raises(TypeError, match="axis must be"):
-        fewbit.softmax(q, axis=1.5)
+        selective.softmax(q, axis=1.5)
     with pytest.raises(TypeError, match="where must be a boolean"):
-        fewbit.softmax(q, where=jnp.ones(q.shape))
+        selective.softmax(q, where=jnp.ones(q.shape))
 
 
 # -------------------------------------------------------------- GPT: only GELU' approximate
 
 @functools.cache
-def _gpt(n_layer, selective=False):
-    """(model, loss, params, tokens); cached: every use wraps ``jax.grad(loss)`` anew, so
-    each patched configuration is traced afresh."""
+def _gpt(n_layer, **convert):
+    """(model, loss, params, tokens), the model ``jaxmem.linen.convert(GPT, **convert)`` when
+    ``convert`` is given; cached: every use wraps ``jax.grad(loss)`` anew, so each
+    configuration is traced afresh."""
     cfg = GPTConfig(vocab=64, ctx=32, d_model=32, n_head=4, n_layer=n_layer)
     model = GPT(cfg)
-    if selective:
-        from jaxmem.selective import linen as sel_linen
-        model = sel_linen.convert(model)
+    if convert:
+        model = jaxmem.linen.convert(model, **convert)
     tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, cfg.ctx)))
     params = model.init(jax.random.PRNGKey(1), tok)
 
@@ -212,21 +213,18 @@ def _gpt(n_layer, selective=False):
     return model, loss, params, tok
 
 
-@contextlib.contextmanager
 def _cfg(bits=None, attn=False):
-    with contextlib.ExitStack() as st:
-        if bits:
-            st.enter_context(fewbit.patch_activations(bits=bits, activations=["gelu"]))
-        if attn:
-            st.enter_context(fewbit.patch_attention())
-        yield
+    """Few-bit GELU (the GPT's one smooth activation) and / or exact attention."""
+    if bits is None and not attn:
+        return contextlib.nullcontext()
+    return jaxmem.scope(selective=False, fewbit=bits, attention=attn)
 
 
 def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
     # (the forward is checked bit-for-bit against the model zoo arithmetic in
     # test_attention_float32_and_scale; compiles are the cost here, so 4 gradients only)
     _, loss, params, tok = _gpt(2)
-    _, loss_sel, _, _ = _gpt(2, selective=True)
+    _, loss_conv, _, _ = _gpt(2, fewbit=3)
 
     def grad(fn, **cfg):
         with _cfg(**cfg):
@@ -235,7 +233,7 @@ def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
     g_exact = grad(loss)
     g_fb = grad(loss, bits=3)                       # few-bit GELU only
     checks = [(grad(loss, bits=3, attn=True), g_fb),
-              (grad(loss_sel, bits=3, attn=True), g_fb)]  # + jaxmem.selective
+              (grad(loss_conv), g_fb)]  # jaxmem.linen.convert: + selective
     for got, want in checks:
         assert jax.tree.structure(got) == jax.tree.structure(want)
         assert_tree_close(got, want, rtol=2e-5, atol=2e-6)
@@ -244,14 +242,14 @@ def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
     assert max(jax.tree_util.tree_leaves(diff)) > 1e-4
 
 
-def test_patch_attention_scoped_and_restored():
+def test_scope_attention_scoped_and_restored():
     model, _, params, tok = _gpt(1)
 
     def jaxpr():
         return str(jax.make_jaxpr(model.apply)(params, tok))
 
     before = jaxpr()
-    with fewbit.patch_attention():
+    with jaxmem.scope(selective=False, attention=True):
         inside = jaxpr()
     assert "custom_vjp" not in before and "custom_vjp" in inside
     assert jaxpr() == before
@@ -259,8 +257,8 @@ def test_patch_attention_scoped_and_restored():
 
 @pytest.mark.xla_cpu  # XLA:GPU plans differently: benchmarks/gpu, README
 def test_attention_compiled_bytes_slope():
-    """Per added layer, patch_attention / patch_softmax remove at least one (B, H, T, T)
-    float32 array (patch_attention two: measured 8E on the benchmark GPT)."""
+    """Per added layer, the exact attention / the exact softmax alone remove at least one
+    (B, H, T, T) float32 array (the attention two: measured 8E on the benchmark GPT)."""
     def slope(ctx):
         tot = {}
         for n in (1, 2):
@@ -276,8 +274,10 @@ def test_attention_compiled_bytes_slope():
     assert fb - fb_attn >= 0.95 * tt, (fb, fb_attn, tt)
 
     @contextlib.contextmanager
-    def fb_softmax():
-        with _cfg(bits=3), fewbit.patch_softmax():
+    def fb_softmax():  # the attention part restricted to softmax (inner options decide it)
+        only_softmax = options.Options(selective=False, attention=True,
+                                       only=frozenset({"softmax"}))
+        with _cfg(bits=3), patch.scope_options(only_softmax):
             yield
 
     # the softmax that stores its output once: one (B, H, T, T) array fewer per layer
@@ -294,7 +294,7 @@ def test_attention_causal_more_queries_than_keys_gradients():
         q = _rand(0, (2, 5, 2, 4), jnp.float64)
         k, v = _rand(1, (2, 3, 2, 4), jnp.float64), _rand(2, (2, 3, 2, 4), jnp.float64)
         ct = _rand(3, (2, 5, 2, 4), jnp.float64)
-        o, grads = _vjp_all(lambda q, k, v: fewbit.attention(q, k, v, causal=True),
+        o, grads = _vjp_all(lambda q, k, v: selective.attention(q, k, v, causal=True),
                             (q, k, v), ct)
         o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
@@ -311,7 +311,7 @@ def test_attention_zero_size(qs, ks):
     """Empty batch, T = 0 or S = 0 (zeros out, like plain JAX) forward and backward."""
     q, k = _rand(0, qs), _rand(1, ks)
     for causal in (False, True):
-        o, grads = _vjp_all(lambda q, k, v, c=causal: fewbit.attention(q, k, v, causal=c),
+        o, grads = _vjp_all(lambda q, k, v, c=causal: selective.attention(q, k, v, causal=c),
                             (q, k, k), jnp.ones(qs))
         o0, grads0 = _vjp_all(lambda q, k, v, c=causal: _ref_attention(q, k, v, c),
                               (q, k, k), jnp.ones(qs))
@@ -330,7 +330,7 @@ def test_attention_bias_and_mask_match_jax():
         mask = jnp.asarray(np.random.default_rng(4).random((2, 1, 4, 4)) > 0.5)
         mask = mask.at[1, 0, 2].set(False)
         ct = _rand(5, (2, 4, 3, 5), jnp.float64)
-        o, grads = _vjp_all(lambda q, k, v, b: fewbit.attention(q, k, v, bias=b, mask=mask),
+        o, grads = _vjp_all(lambda q, k, v, b: selective.attention(q, k, v, bias=b, mask=mask),
                             (q, k, v, bias), ct)
         o0, grads0 = _vjp_all(lambda q, k, v, b: jax.nn.dot_product_attention(
             q, k, v, bias=b, mask=mask), (q, k, v, bias), ct)
@@ -339,8 +339,8 @@ def test_attention_bias_and_mask_match_jax():
         assert_tree_close(grads, grads0, rtol=1e-5, atol=1e-6)
         assert np.all(np.asarray(grads[0][1, 2]) == 0)
     with pytest.raises(TypeError, match="mask must be a boolean"):
-        fewbit.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        selective.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                          mask=jnp.ones((4, 4)))
     with pytest.raises(ValueError, match="bias of shape"):
-        fewbit.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        selective.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                          bias=jnp.ones((5, 4)))

@@ -1,4 +1,5 @@
-"""Flax drop-in: patch_activations switches inline nn.gelu / jax.nn.silu / nnx.gelu calls."""
+"""Flax drop-in: ``jaxmem.scope(fewbit=bits)`` switches inline nn.gelu / jax.nn.silu /
+nnx.gelu calls to the few-bit ops while tracing, and restores them on exit."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxmem
 from jaxmem import fewbit
 from jaxmem.measure import residual_bytes
 
@@ -34,6 +36,11 @@ class HandWritten(nn.Module):
         return nn.Dense(1)(jnp.tanh(x))
 
 
+def _fewbit(bits):
+    """The few-bit part alone (no selective layers, no attention)."""
+    return jaxmem.scope(selective=False, fewbit=bits, attention=False)
+
+
 def _loss(model, params, x):
     return jnp.sum(model.apply(params, x) ** 2)
 
@@ -43,8 +50,8 @@ def test_local_linen_model_equals_hand_written_fewbit():
     p = LocalMLP().init(jax.random.PRNGKey(0), x)
     g_exact = jax.grad(_loss, 1)(LocalMLP(), p, x)
     g_hand = jax.jit(jax.grad(_loss, 1), static_argnums=0)(HandWritten(2), p, x)
-    with fewbit.patch_activations(bits=2) as patched:
-        assert "jax.nn.silu" in patched and "flax.linen.gelu" in patched
+    with _fewbit(2) as opts:
+        assert opts.fewbit == 2 and jax.nn.silu is not fewbit.linen._ORIG["silu"]
         g_patch = jax.jit(jax.grad(_loss, 1), static_argnums=0)(LocalMLP(), p, x)
         y_patch = LocalMLP().apply(p, x)
     jax.tree_util.tree_map(np.testing.assert_array_equal, g_patch, g_hand)
@@ -69,7 +76,7 @@ def test_gpt_patched_without_editing():
 
     r0 = residual_bytes(loss, p)
     g0 = jax.grad(loss)(p)
-    with fewbit.patch_activations(bits=3, activations=["gelu"]):
+    with _fewbit(3):  # GELU is the GPT's one smooth activation
         r3 = residual_bytes(loss, p)
         g3 = jax.jit(jax.grad(loss))(p)
         l3 = loss(p)
@@ -99,7 +106,7 @@ def test_nnx_inline_gelu():
         return jnp.sum(m(x) ** 2)
 
     g0 = nnx.grad(loss)(net)
-    with fewbit.patch_activations(bits=1, activations=["gelu"]):
+    with _fewbit(1):
         g1 = nnx.grad(loss)(net)
     h = net.l1(x)
     dh_ref = np.asarray(jax.vjp(lambda h: fewbit.gelu(h, bits=1, approximate=True), h)[1](
@@ -112,7 +119,7 @@ def test_nnx_inline_gelu():
 
 def test_restore_on_exception_nested_and_errors():
     orig = jax.nn.gelu
-    with pytest.raises(RuntimeError), fewbit.patch_activations(bits=3):
+    with pytest.raises(RuntimeError), _fewbit(3):
         assert jax.nn.gelu is not orig
         raise RuntimeError("boom")
     assert jax.nn.gelu is orig and nn.gelu is orig and nnx.gelu is orig
@@ -124,22 +131,20 @@ def test_restore_on_exception_nested_and_errors():
     def dgelu_bits(bits):
         return np.asarray(jax.grad(lambda x: jnp.sum(fewbit.gelu(x, bits=bits, approximate=True)))(x))
 
-    with fewbit.patch_activations(bits=3):
+    with _fewbit(3):
         np.testing.assert_array_equal(dgelu(), dgelu_bits(3))
-        with fewbit.patch_activations(bits=1):  # inner overrides outer
+        with _fewbit(1):  # inner overrides outer
             np.testing.assert_array_equal(dgelu(), dgelu_bits(1))
         np.testing.assert_array_equal(dgelu(), dgelu_bits(3))
     assert jax.nn.gelu is orig
-    with pytest.raises(ValueError, match="cannot patch"):
-        with fewbit.patch_activations(activations=["softmax"]):
-            pass
-    with pytest.raises(ValueError, match="bits"), fewbit.patch_activations(bits=9):
+    with pytest.raises(ValueError, match="fewbit must be None .* got 9"), _fewbit(9):
         pass
+    assert jax.nn.gelu is orig
 
 
 def test_patched_defaults_and_parameters():
     x = jnp.asarray(np.linspace(-4, 4, 16), jnp.float32)
-    with fewbit.patch_activations(bits=4):
+    with _fewbit(4):
         # jax.nn.gelu's default approximate=True is kept
         g_default = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x)))(x)
         g_elu2 = jax.grad(lambda x: jnp.sum(jax.nn.elu(x, alpha=2.0)))(x)

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax._src.ad_checkpoint import name_p
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 import jaxmem
+from jaxmem._compat import name_p
 from jaxmem._glue.patch import scan_policy
 from jaxmem.measure import compiled_memory
 

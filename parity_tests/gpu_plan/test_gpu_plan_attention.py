@@ -1,4 +1,4 @@
-"""Exact attention on the H100 plan: per added layer, what ``jaxmem.fewbit.attention`` keeps
+"""Exact attention on the H100 plan: per added layer, what ``jaxmem.selective.attention`` keeps
 grows linearly in the sequence length T (q, k, v and row statistics, no T x S array).
 
 What it relies on: ``jaxmem._prims.ties.tie``, the dependency of the backward's recomputation
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 from _gp_util import TARGET, plan, rand
 
-from jaxmem import fewbit
+from jaxmem import selective
 from jaxmem._prims.ties import tie
 from jaxmem.measure import compiled_hlo, slope
 
@@ -46,14 +46,14 @@ def _per_layer(attn, t):
 @pytest.fixture(scope="module")
 def per_layer():
     return {(name, t): _per_layer(fn, t) for name, fn in
-            (("jaxmem", fewbit.attention), ("plain", _plain)) for t in TS}
+            (("jaxmem", selective.attention), ("plain", _plain)) for t in TS}
 
 
 def _tts(t):
     return B * H * t * t * 4  # one float32 (B, H, T, S) array
 
 
-def test_fewbit_attention_keeps_a_score_array_fewer_than_plain(per_layer):
+def test_selective_attention_keeps_a_score_array_fewer_than_plain(per_layer):
     for t in TS:
         assert per_layer[("plain", t)] - per_layer[("jaxmem", t)] >= 0.95 * _tts(t), per_layer
 
@@ -65,7 +65,7 @@ def test_plain_attention_keeps_t_by_s_per_layer(per_layer):
     assert per_layer[("plain", TS[1])] >= _tts(TS[1]), per_layer
 
 
-def test_fewbit_attention_per_layer_bytes_linear_in_t(per_layer):
+def test_selective_attention_per_layer_bytes_linear_in_t(per_layer):
     t0, t1 = TS
     assert per_layer[("jaxmem", t1)] <= 2.2 * per_layer[("jaxmem", t0)], per_layer
     assert per_layer[("jaxmem", t1)] < _tts(t1), per_layer

@@ -19,10 +19,10 @@ import jax
 import pytest
 from _gp_util import GPU_RESULTS, TARGET
 
+import jaxmem
 from jaxmem._prims import ties
 from jaxmem.bench.selective import cnn_models, make_step
 from jaxmem.measure import compiled_memory
-from jaxmem.selective import linen as SL
 
 
 def _real_h100_row():
@@ -37,7 +37,7 @@ def _real_h100_row():
 def _measure(x, model, variables, impls):
     out = {}
     for impl in impls:
-        m = SL.convert(model) if impl == "jaxmem" else model
+        m = jaxmem.linen.convert(model, attention=False) if impl == "jaxmem" else model
         c = compiled_memory(make_step(m, variables, "input"), variables["params"], x,
                             target=TARGET)
         out[impl] = c.temp_bytes + c.output_bytes

@@ -272,7 +272,7 @@ def test_import_is_silent_and_does_not_load_the_plugin():
         import jaxmem
         import jaxmem.measure
         from jaxmem.measure import compiled_memory, target_mesh  # noqa: F401
-        from jax._src.lib import xla_client
+        from jaxmem._compat import xla_client
         import jax
         print("LOADED", xla_client.pjrt_plugin_loaded("cuda"))
         print("BACKEND", jax.default_backend())

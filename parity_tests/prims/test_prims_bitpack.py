@@ -229,3 +229,23 @@ def test_module_names_its_layout():
     for b in BITS:
         assert GROUP[b] * b == 8 * GROUP_BYTES[b]
     assert "reduction" in bitpack.__doc__
+
+
+@pytest.mark.parametrize("shape,blocks", [((4, 16), 1), ((3, 12), 1), ((2, 24), 3),
+                                          ((2, 20), 2), ((0, 8), 1), ((7,), 1)])
+def test_one_bit_pack_is_packbits_in_every_layout(shape, blocks):
+    """1-bit pack = np.packbits / jnp.packbits (little) of each group run: along the last
+    axis, per block, or over the flattened codes; out-of-range codes keep their low bit."""
+    c = np.random.default_rng(1).integers(0, 256, shape).astype(np.uint8)
+    low = c & 1
+    if blocks > 1:
+        runs = low.reshape(shape[:-1] + (blocks, -1))
+    else:
+        runs = low if shape[-1] % 8 == 0 else low.reshape(-1)
+    got = np.asarray(pack(jnp.asarray(c), 1, blocks))
+    assert got.shape == packed_shape(shape, 1, blocks)
+    ref = np.packbits(runs, axis=-1, bitorder="little")
+    np.testing.assert_array_equal(got.reshape(-1), ref.reshape(-1))
+    jref = jnp.packbits(jnp.asarray(runs), axis=-1, bitorder="little")
+    np.testing.assert_array_equal(got.reshape(-1), np.asarray(jref).reshape(-1))
+    np.testing.assert_array_equal(np.asarray(unpack(jnp.asarray(got), 1, shape, blocks)), low)

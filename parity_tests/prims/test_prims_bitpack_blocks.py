@@ -246,7 +246,7 @@ def _grads_both_layouts(op, x, how):
 @pytest.mark.parametrize("name,dtype", [(n, jnp.float32) for n in _ops()]
                          + [("relu", jnp.bfloat16), ("gelu3", jnp.float16)])
 def test_ops_under_a_mesh_pack_in_blocks_with_exact_gradients(name, dtype):
-    from jax._src.ad_checkpoint import saved_residuals
+    from jaxmem._compat import saved_residuals
 
     op = _ops()[name]
     x = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 8), jnp.float32).astype(dtype)

@@ -1,4 +1,4 @@
-"""Randomised robustness of the exact attention (fewbit.attention and the Flax drop-ins).
+"""Randomised robustness of the exact attention (selective.attention and the Flax drop-ins).
 
 Random batch / lengths / heads / head_dim including 0 and 1, causal or not, random masks
 with fully masked rows, bias, dtypes float32 / bfloat16 / float16 / float64: values and
@@ -18,7 +18,7 @@ from flax import nnx
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from jaxmem import fewbit
+from jaxmem import selective
 from jaxmem.fewbit import flax_attention as fa
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
@@ -94,7 +94,7 @@ def test_attention_random_problems(p):
         args = [jnp.asarray(a, dt) for a in (q, k, v)]
         b = None if bias is None else jnp.asarray(bias, dt)
         m = None if mask is None else jnp.asarray(mask)
-        f = jax.jit(lambda a, c: _vjp(lambda q, k, v: fewbit.attention(
+        f = jax.jit(lambda a, c: _vjp(lambda q, k, v: selective.attention(
             q, k, v, causal=p["causal"], scale=scale, bias=b, mask=m), a, c))
         o, grads = f(tuple(args), jnp.asarray(ct, dt))
         assert o.dtype == dt and all(g.dtype == dt for g in grads)
@@ -151,7 +151,7 @@ def test_fully_masked_rows_match_jax_dot_product_attention():
     rng = np.random.default_rng(0)
     q, k, v, ct = (jnp.asarray(rng.normal(size=(2, 4, 2, 3)), jnp.float32) for _ in range(4))
     mask = jnp.ones((2, 1, 4, 4), bool).at[:, :, 1].set(False)
-    o, grads = _vjp(lambda q, k, v: fewbit.attention(q, k, v, mask=mask), (q, k, v), ct)
+    o, grads = _vjp(lambda q, k, v: selective.attention(q, k, v, mask=mask), (q, k, v), ct)
     o0, grads0 = _vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
                       (q, k, v), ct)
     _close(o, o0, "float32")

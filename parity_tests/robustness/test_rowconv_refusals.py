@@ -44,8 +44,8 @@ def test_act_known_functions_skip_the_probe(monkeypatch):
         rc.Act(fn)
     from flax import linen as nn
 
-    from jaxmem import fewbit
-    rc.Act(nn.relu), rc.Act(fewbit.gelu), rc.Act(fewbit.relu)
+    from jaxmem import fewbit, selective
+    rc.Act(nn.relu), rc.Act(fewbit.gelu), rc.Act(selective.relu)
     rc.Act(_height_norm, elementwise=True)  # the caller's word
 
 

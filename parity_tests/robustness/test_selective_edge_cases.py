@@ -10,8 +10,8 @@ import pytest
 from _assert import assert_tree_close
 from jax import lax
 
+import jaxmem
 import jaxmem.selective as S
-from jaxmem.selective.patch import patch_functions
 
 
 def rnd(seed, shape, scale=1.0):
@@ -52,7 +52,7 @@ def test_max_pool_grad_of_grad_under_jit_matches_flax(cfg):
 
 def test_patched_flax_max_pool_grad_of_grad_under_jit():
     want = _second_order(lambda x: nn.max_pool(x, (2, 2), (2, 2)))
-    with patch_functions():
+    with jaxmem.scope(attention=False):
         got = _second_order(lambda x: nn.max_pool(x, (2, 2), (2, 2)))
         jaxpr = str(jax.make_jaxpr(lambda x: nn.max_pool(x, (2, 2)))(jnp.ones((1, 4, 4, 1))))
     assert "name=_max_pool" in jaxpr  # the selective pool did run
@@ -66,7 +66,7 @@ def test_max_pool_default_strides_are_one_like_flax():
         _close(fn(x), nn.max_pool(x, (2, 2)))
         _close(jax.grad(lambda x, fn=fn: jnp.sum(fn(x) ** 2))(x),
                jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2))(x))
-    with patch_functions():  # the patched nn.max_pool keeps Flax's default
+    with jaxmem.scope(attention=False):  # the patched nn.max_pool keeps Flax's default
         got = jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2))(x)
     _close(got, jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2))(x))
 

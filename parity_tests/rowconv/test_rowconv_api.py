@@ -164,8 +164,8 @@ def test_public_surface_names_and_annotations():
     from jaxmem.rowconv import halo
 
     assert all(hasattr(rc, n) for n in rc.__all__)
-    assert not hasattr(rc, "Plan") and "TilePlan" in rc.__all__
-    assert isinstance(rc.plan(STACK, (1, 16, 8, 2), 2**40, verify=False), rc.TilePlan)
+    assert not hasattr(rc, "Plan") and "Tiling" in rc.__all__
+    assert isinstance(rc.plan(STACK, (1, 16, 8, 2), 2**40, verify=False), rc.Tiling)
     assert halo.__all__ == ["HaloReport", "halos"]
     assert not {"Geom", "Iv", "OvNode", "ShNode"} & set(dir(halo))
     layers = [rc.Conv(4, 3), rc.Pool("max", 2), rc.Act(jax.nn.relu), rc.Affine(4),

@@ -2,6 +2,7 @@
 inputs, Linen ConvTranspose, visible norm fallbacks, NNX GroupNorm, jvp / second order."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,10 +19,14 @@ from _lazy import Lazy
 from flax import nnx
 from jax import lax
 
+import jaxmem
 import jaxmem.selective as S
 from jaxmem.measure import compiled_memory, residual_bytes, slope
 from jaxmem.selective import linen as SL
-from jaxmem.selective import nnx as SN
+
+#: the selective part alone (no attention; few-bit is off by default)
+_convert = functools.partial(jaxmem.linen.convert, attention=False)
+_nnx_convert = functools.partial(jaxmem.nnx.convert, attention=False, copy=False)
 
 K = Lazy(lambda: jax.random.split(jax.random.key(3), 8))
 
@@ -85,7 +90,7 @@ def test_late_weight_gradients_exact_and_nonfinite_local():
 _SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jaxmem.selective import linen as SL
+    import jaxmem
     import jaxmem.selective as S
     assert len(jax.devices()) == 2, jax.devices()
 
@@ -114,7 +119,7 @@ _SHARDED = textwrap.dedent("""
         return jax.jit(jax.grad(loss, (0, 1)))
 
     g_ref = make(model)(vs["params"], xs)
-    g_sel = make(SL.convert(model))(vs["params"], xs)
+    g_sel = make(jaxmem.linen.convert(model, attention=False))(vs["params"], xs)
     assert g_sel[1].sharding.is_equivalent_to(xs.sharding, 4), g_sel[1].sharding
     for a, b in zip(jax.tree.leaves(g_sel), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
@@ -155,7 +160,7 @@ def test_linen_conv_transpose_converted_and_exact():
     model = _Up()
     x = jax.random.normal(K[5], (2, 5, 5, 3))
     p = model.init(K[6], x)["params"]
-    conv_model = SL.convert(model)
+    conv_model = _convert(model)
     loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply({"params": p}, x)))
     np.testing.assert_allclose(conv_model.apply({"params": p}, x), model.apply({"params": p}, x),
                                rtol=1e-5, atol=1e-5)
@@ -222,8 +227,9 @@ def test_norm_with_mask_falls_back_visibly_and_exactly():
     p = model.init(K[0], x, mask)["params"]
     loss = lambda m: lambda p, x: jnp.sum(jnp.where(mask, m.apply({"params": p}, x, mask), 0)
                                           ** 3)
-    with pytest.warns(SL.SelectiveFallbackWarning, match="mask="):
-        g_sel = jax.grad(loss(SL.convert(model)), (0, 1))(p, x)
+    with pytest.warns(SL.SelectiveFallbackWarning, match="mask="), \
+            pytest.warns(jaxmem.NothingConvertedWarning):
+        g_sel = jax.grad(loss(_convert(model)), (0, 1))(p, x)
     _close(g_sel, jax.grad(loss(model), (0, 1))(p, x))
 
 
@@ -241,7 +247,7 @@ def test_batch_norm_axis_name_is_converted_and_exact():
         return f
     with warnings.catch_warnings():
         warnings.simplefilter("error", SL.SelectiveFallbackWarning)
-        g_sel = jax.grad(loss(SL.convert(model)), (0, 1))(v["params"], x)
+        g_sel = jax.grad(loss(_convert(model)), (0, 1))(v["params"], x)
     _close(g_sel, jax.grad(loss(model), (0, 1))(v["params"], x))
 
 
@@ -251,7 +257,7 @@ def test_supported_norms_do_not_warn():
     p = model.init(K[4], x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SL.SelectiveFallbackWarning)
-        jax.grad(lambda x: jnp.sum(SL.convert(model).apply(p, x) ** 2))(x)
+        jax.grad(lambda x: jnp.sum(_convert(model).apply(p, x) ** 2))(x)
 
 
 # ------------------------------------------------------------------------ NNX GroupNorm
@@ -267,7 +273,7 @@ class _NNXNet(nnx.Module):
 
 def test_nnx_group_norm_converted_exact_and_smaller():
     ref = _NNXNet(nnx.Rngs(0))
-    sel = SN.convert(nnx.clone(ref))
+    sel = _nnx_convert(nnx.clone(ref))
     assert type(sel.gn).__name__ == "_SelectiveGroupNorm"
     x = jax.random.normal(K[5], (2, 6, 6, 3))
     np.testing.assert_allclose(sel(x), ref(x), rtol=1e-5, atol=1e-5)
@@ -286,11 +292,12 @@ def test_nnx_group_norm_converted_exact_and_smaller():
 
 def test_nnx_group_norm_mask_falls_back_visibly():
     SL._warned.clear()
-    gn = SN.convert(nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)))
+    gn = _nnx_convert(nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)))
     x = jax.random.normal(K[6], (2, 3, 4))
     mask = jnp.ones((2, 3, 4), bool).at[:, 0].set(False)
     ref = nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0))
-    with pytest.warns(SL.SelectiveFallbackWarning, match="mask="):
+    with pytest.warns(SL.SelectiveFallbackWarning, match="mask="), \
+            pytest.warns(jaxmem.NothingConvertedWarning):
         y = gn(x, mask=mask)
     np.testing.assert_allclose(y, ref(x, mask=mask), rtol=1e-6, atol=1e-6)
 
@@ -302,11 +309,11 @@ def test_jvp_through_converted_model_raises_clear_error_second_order_works():
     p = model.init(K[0], x)
     f = lambda m: lambda x: jnp.sum(jnp.sin(m.apply(p, x)))
     with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(f(SL.convert(model)), (x,), (x,))
+        jax.jvp(f(_convert(model)), (x,), (x,))
     jax.jvp(f(model), (x,), (x,))  # the unconverted model (same params) supports it
     # reverse-over-reverse (Hessian-vector product as grad of grad) is supported
     hvp = lambda m: jax.grad(lambda x: jnp.vdot(jax.grad(f(m))(x), x))(x)
-    np.testing.assert_allclose(hvp(SL.convert(model)), hvp(model), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(hvp(_convert(model)), hvp(model), rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------- strided conv: input gradient by phases

@@ -1,6 +1,8 @@
 """Flax glue (Linen convert/scope, NNX convert) on the zoo models and trainable subsets."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,10 +13,13 @@ from _assert import assert_tree_close, assert_tree_norm_close
 from _lazy import once
 from flax import nnx
 
+import jaxmem
 import jaxmem.selective as S
 from jaxmem import models
-from jaxmem.selective import linen as SL
-from jaxmem.selective import nnx as SN
+
+#: the selective part alone (no attention; few-bit is off by default)
+_convert = functools.partial(jaxmem.linen.convert, attention=False)
+_nnx_convert = functools.partial(jaxmem.nnx.convert, attention=False, copy=False)
 
 X = once(lambda: jax.random.normal(jax.random.key(0), (2, 16, 16, 3)))
 # BatchNorm needs several values per channel in the last stage (n=2 makes the normalised
@@ -41,7 +46,7 @@ def test_linen_convert_zoo_same_outputs_and_grads(name):
         has_bn = name in ("resnet18", "vgg11_bn")
         v = model.init(jax.random.key(1), x, **({"train": False} if has_bn else {}))
         v = jax.tree.map(lambda a: a.astype(jnp.float64), v)
-        sm = SL.convert(model)
+        sm = _convert(model)
 
         def loss(m, params, x):
             rest = {k: t for k, t in v.items() if k != "params"}
@@ -89,7 +94,7 @@ def test_linen_convert_flax_builtin_norms_and_dropout():
                          mutable=["batch_stats"], rngs=rngs)
         return jnp.sum(y ** 2), upd
     g0 = jax.jit(jax.grad(lambda p: loss(net, p), has_aux=True))(v["params"])
-    g1 = jax.jit(jax.grad(lambda p: loss(SL.convert(net), p), has_aux=True))(v["params"])
+    g1 = jax.jit(jax.grad(lambda p: loss(_convert(net), p), has_aux=True))(v["params"])
     assert_tree_close(g0, g1, rtol=1e-4, atol=1e-5)
 
 
@@ -101,8 +106,8 @@ def test_scope_is_restored_and_reentrant():
         return str(jax.make_jaxpr(fn)(x))
 
     plain = traced(jax.nn.relu)
-    with SL.scope():
-        with SL.scope():
+    with jaxmem.scope(attention=False):
+        with jaxmem.scope(attention=False):
             assert traced(jax.nn.relu) == traced(S.relu)
         assert traced(nn.relu) == traced(S.relu)
     assert (jax.nn.relu, nn.relu, nn.max_pool) == before
@@ -111,9 +116,9 @@ def test_scope_is_restored_and_reentrant():
 
 def test_converters_reject_wrong_models():
     with pytest.raises(TypeError, match="flax.linen.Module"):
-        SL.convert(object())
+        _convert(object())
     with pytest.raises(TypeError, match="nnx.Module"):
-        SN.convert(models.ConvChain(depth=1, channels=3))
+        _nnx_convert(models.ConvChain(depth=1, channels=3))
 
 
 def test_nnx_convert_shares_variables_and_matches():
@@ -131,18 +136,18 @@ def test_nnx_convert_shares_variables_and_matches():
     a = Net(nnx.Rngs(0))
     b = nnx.clone(a)
     kernel = b.c.kernel
-    SN.convert(b)
+    _nnx_convert(b)
     assert b.c.kernel is kernel
     f = lambda m: jnp.sum(jnp.sin(m(X())))
     ga = nnx.grad(f)(a)
-    with SN.scope():
+    with jaxmem.scope(attention=False):
         gb = nnx.grad(f)(b)
     # the conv bias feeds a train-mode batch norm: its gradient is 0 in exact math and
     # f32 rounding noise of a few 1e-5 in both implementations
     assert_tree_norm_close(nnx.state(ga), nnx.state(gb), tol=1e-4, atol=1e-4)
     np.testing.assert_allclose(a.bn.mean[...], b.bn.mean[...], rtol=1e-6)
     vg = S.nnx_value_and_grad(f, nnx.All(nnx.Param, nnx.PathContains("l")))
-    with SN.scope():
+    with jaxmem.scope(attention=False):
         _, g = vg(b)
     assert set(nnx.to_pure_dict(nnx.state(g))) == {"l"}
 

@@ -20,16 +20,15 @@ from _assert import assert_tree_close, scaled_atol
 from jax import lax
 
 import jaxmem.selective as S
+from jaxmem.linen import convert as _linen_convert
 from jaxmem.measure import compiled_memory, residual_bytes
 from jaxmem.models.transformer import SelfAttention
 
-try:  # the one way in (selective only here; the selective Linen glue behaves the same)
-    from jaxmem.linen import convert as _linen_convert
 
-    def _convert(model):
-        return _linen_convert(model, selective=True, fewbit=None, attention=False)
-except ImportError:  # pragma: no cover
-    from jaxmem.selective.linen import convert as _convert
+def _convert(model):
+    """The one way in, selective part only."""
+    return _linen_convert(model, selective=True, fewbit=None, attention=False)
+
 
 B, T, D = 4, 16, 32
 F32 = 4

@@ -1,10 +1,12 @@
-"""jaxmem.selective.nnx.convert on NNX models written the way NNX users write them: a CNN with
-Conv/BatchNorm/Dropout/max_pool/Linear trained with ``nnx.Optimizer``, a ViT-like block with
-``nnx.MultiHeadAttention`` and LinearGeneral/Einsum projections, a stack of layers created
-with ``nnx.vmap`` and applied with ``nnx.scan`` (optionally ``nnx.remat``), cross-device
-BatchNorm (``axis_name``), Dropout's rng handling, Embed, and what each layer reports."""
+"""jaxmem.nnx.convert (the selective part) on NNX models written the way NNX users write
+them: a CNN with Conv/BatchNorm/Dropout/max_pool/Linear trained with ``nnx.Optimizer``, a
+ViT-like block with ``nnx.MultiHeadAttention`` and LinearGeneral/Einsum projections, a stack
+of layers created with ``nnx.vmap`` and applied with ``nnx.scan`` (optionally
+``nnx.remat``), cross-device BatchNorm (``axis_name``), Dropout's rng handling, Embed, and
+what each layer reports."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -16,9 +18,12 @@ from _assert import assert_tree_close, max_abs
 from _lazy import Lazy
 from flax import nnx
 
+import jaxmem
 from jaxmem.measure import residual_bytes
 from jaxmem.selective import linen as SL
-from jaxmem.selective import nnx as SN
+
+#: the selective part alone (no attention; few-bit is off by default)
+_nnx_convert = functools.partial(jaxmem.nnx.convert, attention=False, copy=False)
 
 K = Lazy(lambda: jax.random.split(jax.random.key(11), 8))
 
@@ -36,7 +41,7 @@ def _close(a, b, rtol=1e-5):
 def _pair(make):
     """An untouched model and a converted clone of it (same parameters and rng state)."""
     ref = make()
-    return ref, SN.convert(nnx.clone(ref))
+    return ref, _nnx_convert(nnx.clone(ref))
 
 
 def _records(fn, *args):
@@ -128,7 +133,7 @@ def test_cnn_converted_is_a_working_nnx_module_and_stores_less():
     loss_r, p_r, r_r = _param_loss(ref, x)
     loss_s, p_s, r_s = _param_loss(sel, x)
     res_r = residual_bytes(loss_r, p_r, r_r, argnums=0)
-    with SN.scope():
+    with jaxmem.scope(attention=False):
         res_s = residual_bytes(loss_s, p_s, r_s, argnums=0)
         res_r_scoped = residual_bytes(loss_r, p_r, r_r, argnums=0)
     # relu / max_pool keep 1-bit masks / packed argmax positions under the scope; on top of
@@ -218,8 +223,8 @@ def test_vit_block_stores_less_and_reports_projections():
 def test_einsum_and_linear_general_keep_only_what_requested_grads_need():
     """Weights frozen, input differentiated: nothing input-sized is kept (the weights are
     arguments, not activations); weights trained, input constant: only the inputs."""
-    m = SN.convert(nnx.Einsum("bnd,df->bnf", (16, 32), (32,), rngs=nnx.Rngs(0)))
-    lg = SN.convert(nnx.LinearGeneral(16, (4, 8), rngs=nnx.Rngs(1)))
+    m = _nnx_convert(nnx.Einsum("bnd,df->bnf", (16, 32), (32,), rngs=nnx.Rngs(0)))
+    lg = _nnx_convert(nnx.LinearGeneral(16, (4, 8), rngs=nnx.Rngs(1)))
     x = jax.random.normal(K[6], (4, 8, 16))
     for layer in (m, lg):
         gdef, p = nnx.split(layer)
@@ -286,7 +291,7 @@ def test_scan_over_vmapped_layers_matches(remat):
         for m in (ref, sel):
             m.train()
         (loss_r, p_r, r_r), (loss_s, p_s, r_s) = _param_loss(ref, x), _param_loss(sel, x)
-        with SN.scope():
+        with jaxmem.scope(attention=False):
             res_s = residual_bytes(loss_s, p_s, r_s, argnums=0)
         res_r = residual_bytes(loss_r, p_r, r_r, argnums=0)
         assert res_s.activation_bytes < res_r.activation_bytes, (str(res_s), str(res_r))
@@ -390,13 +395,15 @@ def test_dropout_call_time_rngs_and_deterministic_keep_nnx_semantics():
     # gradient: the same mask, regenerated from the key
     g = lambda m: jax.grad(lambda x: jnp.sum(m(x, deterministic=False, rngs=K[7]) * x))(x)
     np.testing.assert_array_equal(g(sel), g(ref))
-    # a module without rngs raises NNX's own error
-    with pytest.raises(ValueError, match="rngs"):
-        SN.convert(nnx.Dropout(0.5))(x, deterministic=False)
+    # a module without rngs raises NNX's own error (after saying it runs NNX's own code)
+    with pytest.raises(ValueError, match="rngs"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", SL.SelectiveFallbackWarning)
+        warnings.simplefilter("ignore", jaxmem.NothingConvertedWarning)
+        _nnx_convert(nnx.Dropout(0.5))(x, deterministic=False)
 
 
 def test_dropout_keeps_only_the_key():
-    sel = SN.convert(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
+    sel = _nnx_convert(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
     ref = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
     x = jax.random.normal(K[0], (64, 64))
     w = jax.random.normal(K[2], x.shape)
@@ -428,18 +435,20 @@ def test_embed_call_and_attend_match_and_attend_is_selective():
 # --------------------------------------------------------------------------- fallbacks
 def test_custom_dot_general_and_mask_fall_back_visibly():
     SL._warned.clear()
-    lin = SN.convert(nnx.Linear(4, 3, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
+    lin = _nnx_convert(nnx.Linear(4, 3, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
                                 rngs=nnx.Rngs(0)))
     x = jax.random.normal(K[4], (2, 4))
-    with pytest.warns(SL.SelectiveFallbackWarning, match="dot_general"):
+    with pytest.warns(SL.SelectiveFallbackWarning, match="dot_general"), \
+            pytest.warns(jaxmem.NothingConvertedWarning):
         lin(x)
     gdef, p = nnx.split(lin)
     (e,) = _records(lambda p: nnx.merge(gdef, p)(x), p)
     assert (e.target, e.status, e.reason) == ("flax.nnx.Linear", "fallback",
                                               "custom dot_general")
-    ln = SN.convert(nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+    ln = _nnx_convert(nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SL.SelectiveFallbackWarning)
+        warnings.simplefilter("ignore", jaxmem.NothingConvertedWarning)
         y = ln(x, mask=x > 0)
     np.testing.assert_allclose(y, nnx.LayerNorm(4, rngs=nnx.Rngs(0))(x, mask=x > 0),
                                rtol=1e-6, atol=1e-6)
@@ -457,7 +466,7 @@ def test_convert_is_in_place_idempotent_and_leaves_subclasses():
     kernel, b_kernel = net.a.kernel, net.b.kernel
     x = jax.random.normal(jax.random.key(3), (2, 3))
     b_out = net.b(x)
-    assert SN.convert(net) is net and SN.convert(net) is net
+    assert _nnx_convert(net) is net and _nnx_convert(net) is net
     assert net.a.kernel is kernel and type(net.a).__mro__[1] is nnx.Linear
     # the subclass is not converted: it stays a MyLinear (wrapped only so that the report
     # lists it as left as is), with the same parameters and outputs

@@ -20,12 +20,10 @@ change what is stored:
 * :func:`attention_core` / :class:`AttentionSpec` -- the one core behind :func:`attention`
   and :mod:`jaxmem.fewbit.flax_attention` (Flax's arithmetic, attention dropout whose mask
   is regenerated from its key in the backward pass).
-* :func:`patch_attention` -- runs :class:`jaxmem.models.SelfAttention` (GPT, ViT of the
-  model zoo) with :func:`attention` while tracing inside the context.
-* :func:`patch_softmax` -- scoped, restorable switch of ``jax.nn.softmax`` /
-  ``flax.linen.softmax`` / ``flax.nnx.softmax`` to :func:`softmax` (models that call the
-  softmax inline, like :class:`jaxmem.models.GPT`), in the style of
-  :func:`jaxmem.fewbit.patch_activations`.
+
+Models use them without edits through ``jaxmem.scope(attention=True)`` /
+``jaxmem.linen.convert`` (the default), which also covers Flax's attention and the model
+zoo's :class:`jaxmem.models.SelfAttention`.
 
 Recomputations in a backward pass carry a data dependency on the incoming cotangent
 (``jaxmem._prims.ties.tie``: exact, local to each shard, so no added communication under
@@ -35,23 +33,18 @@ checked with the compiled-bytes slope in ``parity_tests/fewbit/test_fewbit_atten
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxmem._prims.ties import tie
 
-__all__ = ["SOFTMAX_MODULES", "AttentionSpec", "attention", "attention_core", "patch_attention",
-           "patch_softmax", "softmax"]
-
-#: modules whose ``softmax`` attribute :func:`patch_softmax` replaces
-SOFTMAX_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
-                   "flax.nnx.nn.activations")
+__all__ = ["AttentionSpec", "attention", "attention_core", "softmax"]
 
 _ORIG_SOFTMAX = jax.nn.softmax
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
@@ -128,7 +121,8 @@ def _softmax_where_bwd(axes, y, g):
 _softmax_where.defvjp(_softmax_where_fwd, _softmax_where_bwd)
 
 
-def softmax(x, axis: int | Sequence[int] | None = -1, where=None):
+def softmax(x: ArrayLike, axis: int | Sequence[int] | None = -1,
+            where: ArrayLike | None = None) -> jax.Array:
     """``jax.nn.softmax(x, axis, where)`` (same forward) whose backward stores only the output.
 
     Gradient ``dx = y * (g - sum(g * y, axis))`` -- exact, the derivative of softmax; equal
@@ -307,8 +301,9 @@ def _core_bwd(spec, res, do):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def attention_core(q, k, v, *, bias=None, mask=None, rng=None,
-                   spec: AttentionSpec = AttentionSpec()):
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: jax.Array | None = None,
+                   mask: jax.Array | None = None, rng: jax.Array | None = None,
+                   spec: AttentionSpec = AttentionSpec()) -> jax.Array:
     """The one exact attention core behind :func:`attention` and
     :mod:`jaxmem.fewbit.flax_attention` (no argument checks: callers check).
 
@@ -327,8 +322,9 @@ def attention_core(q, k, v, *, bias=None, mask=None, rng=None,
     return _core(q, k, v, bias, mask, rng, spec)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-              bias=None, mask=None):
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+              scale: float | None = None, bias: ArrayLike | None = None,
+              mask: ArrayLike | None = None) -> jax.Array:
     """Exact dot-product attention ``softmax(q k^T * scale + bias [masked]) v``.
 
     Shapes ``q: (..., T, H, D)``, ``k, v: (..., S, H, D)`` (the ``"bthd"`` layout of
@@ -361,7 +357,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxmem.fewbit import attention
+      >>> from jaxmem.selective import attention
       >>> q = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 2, 4))
       >>> o = attention(q, q, q, causal=True)
       >>> o.shape
@@ -410,85 +406,3 @@ def _check_broadcast(a, shape, who: str, arg: str):
     if out != tuple(shape):
         raise ValueError(f"{who}: {arg} of shape {a.shape} must broadcast to the scores' "
                          f"shape (..., H, T, S) = {tuple(shape)}")
-
-
-# ------------------------------------------------------------------------------ patch
-
-def _patched_softmax(x, axis=-1, where=None, **kw):
-    if kw or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        return _ORIG_SOFTMAX(x, axis=axis, where=where, **kw)
-    return softmax(x, axis=axis, where=where)
-
-
-_patched_softmax.__wrapped__ = _ORIG_SOFTMAX
-
-
-@contextlib.contextmanager
-def patch_softmax(modules: Sequence[str] = SOFTMAX_MODULES) -> Iterator[dict]:
-    """Use :func:`softmax` (exact; backward stores only the output) for ``softmax`` looked
-    up in ``jax.nn`` / ``flax.linen`` / ``flax.nnx`` inside the block: the softmax part of
-    ``jaxmem.scope(attention=True)``, restricted to it (so it composes with enclosing
-    scopes).
-
-    Same rules as :func:`jaxmem.fewbit.patch_activations`: wrap the *tracing*; only look-ups
-    through the module (``nn.softmax(x)``) are redirected; everything is restored on exit.
-    Yields ``{"module.softmax": function}``.
-    """
-    from jaxmem._glue import options as _options
-    from jaxmem._glue import patch as _gpatch
-
-    from .linen import _module_attributes
-
-    modules = tuple(modules)
-    only = (frozenset({"softmax"}) if set(modules) == set(SOFTMAX_MODULES)
-            else frozenset(f"{m}.softmax" for m in modules))
-    opts = _options.Options(selective=False, fewbit=None, attention=True, only=only)
-    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_softmax", linen=False):
-        yield _module_attributes(modules, ("softmax",))
-
-
-# --------------------------------------------------------------- Linen model-zoo switch
-
-def _dense(x, params, dtype):
-    """``flax.linen.Dense`` arithmetic (promote, dot over the last axis, + bias)."""
-    from flax.linen.dtypes import promote_dtype
-    kernel, bias = params["kernel"], params.get("bias")
-    x, kernel, bias = promote_dtype(x, kernel, bias, dtype=dtype)
-    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-    if bias is not None:
-        y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return y
-
-
-def _zoo_attention(m, x):
-    b, t, d = x.shape
-    if d % m.n_head:
-        raise ValueError(f"SelfAttention: d_model={d} is not divisible by n_head={m.n_head}")
-    p = m.variables["params"]
-    hd = d // m.n_head
-    qkv = _dense(x, p["c_attn"], m.dtype)
-    q, k, v = (a.reshape(b, t, m.n_head, hd) for a in jnp.split(qkv, 3, axis=-1))
-    y = attention(q, k, v, causal=bool(m.causal), scale=1.0 / math.sqrt(hd))
-    return _dense(y.reshape(b, t, d), p["c_proj"], m.dtype)
-
-
-@contextlib.contextmanager
-def patch_attention() -> Iterator[None]:
-    """Run :class:`jaxmem.models.SelfAttention` (GPT, ViT of the model zoo) with
-    :func:`attention` while tracing inside the context: the zoo part of
-    ``jaxmem.scope(attention=True)``, restricted to it (so it composes with enclosing
-    scopes).
-
-    Each ``SelfAttention.__call__`` (outside ``init``) is computed from the module's own
-    ``c_attn`` / ``c_proj`` parameters with the same arithmetic (``flax.linen.Dense``'s
-    promote-dot-bias, the same split, scale and causal mask), so the forward is the model's
-    and the gradient is exact; only the attention matrix is not stored. Parameters and their
-    tree are untouched. Wrap the tracing, like :func:`jaxmem.fewbit.patch_activations`.
-    """
-    from jaxmem._glue import options as _options
-    from jaxmem._glue import patch as _gpatch
-
-    opts = _options.Options(selective=False, fewbit=None, attention=True,
-                            only=frozenset({"SelfAttention"}))
-    with _gpatch.scope_options(opts, label="jaxmem.fewbit.patch_attention"):
-        yield
