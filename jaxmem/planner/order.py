@@ -276,9 +276,6 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
     from jaxmem.measure import compiled_memory
     from jaxmem.measure.target import check_target
     target = check_target(target, 1, "ordered")
-    from jaxmem.schedule.jaxpr_graph import UnsupportedPrimitiveError, trace
-    from jaxmem.schedule.simulate import simulate
-
     t0 = time.perf_counter()
     args = tuple(example_args)
     try:
@@ -286,19 +283,66 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
     except Exception:
         compiled_memory(fn, *args, target=target)   # raises TraceError naming fn
         raise
-
-    def keep(why, **kw):
+    try:
+        found = _find_order(fn, args, time_limit, search)
+        step, exe, total, k = _best_fenced(found, ks, getattr(fn, "__name__", "step"), args,
+                                           target)
+        _check_gain(total, base, k, min_reduction, found)
+        if verify:
+            _verify(fn, step, base_exe, exe, args, found)
+    except _Kept as kept:
         return OrderResult(fn=fn, compiled_bytes=base, baseline_bytes=base, applied=False,
-                           why=why, seconds=time.perf_counter() - t0, **kw)
+                           why=kept.why, seconds=time.perf_counter() - t0, **kept.info)
+    return OrderResult(
+        fn=step, compiled_bytes=total, baseline_bytes=base, applied=True,
+        why=(f"order lowered compiled bytes {base / _MIB:.2f} -> {total / _MIB:.2f} MiB "
+             f"({k} fenced chunks){found.note}"),
+        chunks=k, seconds=time.perf_counter() - t0, **found.info)
+
+
+class _Kept(Exception):
+    """The input function is kept: ``why``, and the :class:`OrderResult` fields known."""
+
+    def __init__(self, why: str, **info):
+        super().__init__(why)
+        self.why, self.info = why, info
+
+
+@dataclasses.dataclass
+class _Found:
+    """A traced step and the order found for it."""
+
+    ts: Any
+    order: list
+    peak: int
+    program_peak: int | None
+    order_seconds: float
+    finished: bool
+
+    @property
+    def note(self) -> str:
+        return "" if self.finished else " (order search stopped at its time limit)"
+
+    @property
+    def info(self) -> dict:
+        return {"order_peak": self.peak, "program_peak": self.program_peak,
+                "order_seconds": self.order_seconds}
+
+
+def _find_order(fn, args, time_limit: float, search: str) -> _Found:
+    """Trace ``fn`` to its dataflow graph and search a low-peak order (``_Kept`` when the
+    graph cannot be built or the search fails)."""
+    from jaxmem.schedule.jaxpr_graph import UnsupportedPrimitiveError, trace
+    from jaxmem.schedule.simulate import simulate
 
     t_order = time.perf_counter()
     try:
         ts = trace(fn, *args)
     except UnsupportedPrimitiveError as e:
-        return keep(_unsupported_why(e), order_seconds=time.perf_counter() - t_order)
+        raise _Kept(_unsupported_why(e), order_seconds=time.perf_counter() - t_order) from None
     except Exception as e:  # noqa: BLE001 - a step whose graph cannot be built is kept
-        return keep(f"its dataflow graph could not be built ({type(e).__name__}: {e}): kept "
-                    "XLA's order", order_seconds=time.perf_counter() - t_order)
+        raise _Kept(f"its dataflow graph could not be built ({type(e).__name__}: {e}): kept "
+                    "XLA's order", order_seconds=time.perf_counter() - t_order) from None
     g = ts.graph
     try:
         program_peak = int(simulate(g, g.program_order))
@@ -307,16 +351,19 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
     try:
         order, peak, finished = _search_order(g, time_limit, search)
     except Exception as e:  # noqa: BLE001 - a failed search keeps XLA's order
-        return keep(f"order search failed ({type(e).__name__}: {e}): kept XLA's order",
-                    program_peak=program_peak, order_seconds=time.perf_counter() - t_order)
-    order_s = time.perf_counter() - t_order
-    note = "" if finished else " (order search stopped at its time limit)"
-    name = getattr(fn, "__name__", "step")
-    best = None
-    errors = []
+        raise _Kept(f"order search failed ({type(e).__name__}: {e}): kept XLA's order",
+                    program_peak=program_peak,
+                    order_seconds=time.perf_counter() - t_order) from None
+    return _Found(ts, order, peak, program_peak, time.perf_counter() - t_order, finished)
+
+
+def _best_fenced(found: _Found, ks, name: str, args, target: str):
+    """``(step, executable, compiled bytes, k)`` of the fenced step of fewest bytes over
+    ``k`` in ``ks`` (``_Kept`` when none compiles)."""
+    best, errors = None, []
     for k in ks:
         try:
-            step = _fenced_step(ts, order, k, name)
+            step = _fenced_step(found.ts, found.order, k, name)
             exe, total = _compile(step, args, target)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
             errors.append(f"{k} chunks: {type(e).__name__}: {e}")
@@ -324,35 +371,35 @@ def ordered(fn: Callable[..., Any], *example_args: Any, time_limit: float = 10.0
         if best is None or total < best[2]:
             best = (step, exe, total, k)
     if best is None:
-        return keep(f"the ordered step did not compile ({'; '.join(errors)}): kept XLA's "
-                    "order", order_peak=peak, program_peak=program_peak,
-                    order_seconds=order_s)
-    step, exe, total, k = best
-    info = {"order_peak": peak, "program_peak": program_peak, "order_seconds": order_s}
+        raise _Kept(f"the ordered step did not compile ({'; '.join(errors)}): kept XLA's "
+                    "order", **found.info)
+    return best
+
+
+def _check_gain(total: int, base: int, k: int, min_reduction: float, found: _Found) -> None:
+    """``_Kept`` unless the fenced step saves more than ``min_reduction`` of ``base``."""
     if total >= base:
-        return keep(f"XLA's own order is already as low: ordered {total / _MIB:.2f} MiB "
-                    f"({k} fenced chunks) >= {base / _MIB:.2f} MiB{note}", **info)
+        raise _Kept(f"XLA's own order is already as low: ordered {total / _MIB:.2f} MiB "
+                    f"({k} fenced chunks) >= {base / _MIB:.2f} MiB{found.note}", **found.info)
     if min_reduction and not total < (1.0 - min_reduction) * base:
-        return keep(f"the order saves {1 - total / base:.2%} of the compiled bytes "
+        raise _Kept(f"the order saves {1 - total / base:.2%} of the compiled bytes "
                     f"({base / _MIB:.2f} -> {total / _MIB:.2f} MiB, {k} fenced chunks), not "
-                    f"more than min_reduction {min_reduction:.2%}: kept XLA's order{note}",
-                    **info)
-    concrete = not any(isinstance(a, jax.ShapeDtypeStruct)
-                       for a in jax.tree_util.tree_leaves(args))
-    if verify and concrete:
-        try:
-            want = (base_exe or _compile(fn, args)[0])(*args)
-            got = (exe or _compile(step, args)[0])(*args)
-            err = _max_rel_err(got, want)
-            tol = _tolerance(want)
-        except Exception as e:  # noqa: BLE001 - an ordered step that cannot run is dropped
-            return keep(f"the ordered step failed on the example arguments "
-                        f"({type(e).__name__}: {e}): kept XLA's order", **info)
-        if not err <= tol:
-            return keep(f"the ordered step differs from fn on the example arguments (max "
-                        f"relative error {err:.3g} > {tol:g}): kept XLA's order", **info)
-    return OrderResult(
-        fn=step, compiled_bytes=total, baseline_bytes=base, applied=True,
-        why=(f"order lowered compiled bytes {base / _MIB:.2f} -> {total / _MIB:.2f} MiB "
-             f"({k} fenced chunks){note}"),
-        chunks=k, seconds=time.perf_counter() - t0, **info)
+                    f"more than min_reduction {min_reduction:.2%}: kept XLA's "
+                    f"order{found.note}", **found.info)
+
+
+def _verify(fn, step, base_exe, exe, args, found: _Found) -> None:
+    """Run both steps on concrete example arguments; ``_Kept`` unless they agree."""
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(args)):
+        return
+    try:
+        want = (base_exe or _compile(fn, args)[0])(*args)
+        got = (exe or _compile(step, args)[0])(*args)
+        err = _max_rel_err(got, want)
+        tol = _tolerance(want)
+    except Exception as e:  # noqa: BLE001 - an ordered step that cannot run is dropped
+        raise _Kept(f"the ordered step failed on the example arguments "
+                    f"({type(e).__name__}: {e}): kept XLA's order", **found.info) from None
+    if not err <= tol:
+        raise _Kept(f"the ordered step differs from fn on the example arguments (max "
+                    f"relative error {err:.3g} > {tol:g}): kept XLA's order", **found.info)

@@ -17,7 +17,7 @@ time), ``base`` the bytes that do not depend on the choice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 __all__ = ["Item", "Solution", "solve", "solve_items"]
 
@@ -26,10 +26,12 @@ _KIB = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """Units ``cover`` (consecutive indices) run with ``option``; bytes, work and cost as above."""
+    """Units ``cover`` (consecutive indices) run with ``option`` (the caller's label, e.g. a
+    :class:`jaxmem.planner.options.Option`; the solver does not read it); bytes, work and
+    cost as above."""
 
     cover: tuple[int, ...]
-    option: str
+    option: Hashable
     bytes: int
     work: int
     cost: float
@@ -115,8 +117,7 @@ def solve(keep: Sequence[Sequence[int]], work: Sequence[Sequence[int]],
     for u in range(len(keep)):
         for o in range(len(keep[u])):
             index[(u, o)] = len(items)
-            items.append(Item((u,), str(o), int(keep[u][o]), int(work[u][o]),
-                              float(cost[u][o])))
+            items.append(Item((u,), o, int(keep[u][o]), int(work[u][o]), float(cost[u][o])))
     forb = [[index[(u, o)] for u, o in enumerate(c)] for c in forbidden]
     sol = solve_items(len(keep), items, base, budget, "time", time_limit, forb)
     if sol.choice is None:

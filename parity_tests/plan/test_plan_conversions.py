@@ -61,14 +61,10 @@ def test_plan_fewbit_units_meet_budget_and_stay_close(mlp_plans):
     assert all(c.rows is None for c in p.choices)
     # the forward pass is untouched; the gradient is the few-bit approximation of GELU's
     np.testing.assert_allclose(p.step(params, x), loss(params, x), rtol=1e-6)
-    g, g0 = jax.grad(p.step)(params, x), jax.grad(loss)(params, x)
+    g, g0 = jax.jit(jax.grad(p.step))(params, x), jax.jit(jax.grad(loss))(params, x)
     err = _rel(g, g0)
     assert 0 < err < 0.1
     assert p.to_dict()["approximate"] is True
-    # same inputs, same plan
-    again = plan(loss, params, x, budget=0.7, allow_approximate=True)
-    assert [(c.label, c.option, c.bits) for c in again.choices] == \
-        [(c.label, c.option, c.bits) for c in p.choices]
 
 
 def test_plan_exact_never_uses_fewbit(mlp_plans):
@@ -76,7 +72,8 @@ def test_plan_exact_never_uses_fewbit(mlp_plans):
     exact = plan(loss, params, x, budget=p.budget_bytes)
     assert not exact.approximate and all(c.option != "fewbit" for c in exact.choices)
     assert exact.compiled_bytes <= exact.budget_bytes
-    assert _rel(jax.grad(exact.step)(params, x), jax.grad(loss)(params, x)) < 1e-5
+    g = jax.jit(jax.grad(exact.step))(params, x)
+    assert _rel(g, jax.jit(jax.grad(loss))(params, x)) < 1e-5
 
 
 def test_plan_allow_approximate_type_checked():
@@ -87,11 +84,20 @@ def test_plan_allow_approximate_type_checked():
         plan(loss, params, x, budget=0.5, approx_cost=-1.0)
 
 
+def _compiled(fn, *args):
+    """``(executable, temp + output + argument - alias)`` of ``jax.jit(fn)`` on ``args``
+    (what :func:`jaxmem.measure.compiled_memory` reports as ``total_bytes`` on CPU)."""
+    c = jax.jit(fn).lower(*args).compile()
+    m = c.memory_analysis()
+    return c, (m.temp_size_in_bytes + m.output_size_in_bytes + m.argument_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+@pytest.mark.xla_cpu
 def test_row_tiled_trunk_exact_and_smaller():
     """A VGG trunk traced with ``Conversion('rows', r)`` runs row-tiled: same loss and
     gradients as the untouched model (float32, fresh random input), fewer compiled bytes."""
-    from jaxmem.measure import compiled_memory
-    from jaxmem.planner.api import _make_step
+    from jaxmem.planner.steps import make_step
 
     m = models.VGG((8, "M", 8, 8, "M"), 1.0, False, 10, (16,))
     x = jax.random.normal(jax.random.key(4), (2, 32, 32, 3))
@@ -102,15 +108,17 @@ def test_row_tiled_trunk_exact_and_smaller():
 
     tr = T.trace(loss, (params, x))
     cuts = [u.label for u in T.choose_units(tr) if u.label != "(rest)"]
-    tiled = _make_step(loss, None, cuts, (), {"features": T.Conversion("rows", 4)})
+    tiled = make_step(loss, None, cuts, (), {"features": T.Conversion("rows", 4)})
     traced = T.trace(loss, (params, x), conversions={"features": T.Conversion("rows", 4)})
     assert traced.converted == {"features"}
     assert not any(lbl.startswith("features/") for lbl in traced.ends)
-    np.testing.assert_allclose(tiled(params, x), loss(params, x), rtol=1e-5)
-    assert _rel(jax.grad(tiled)(params, x), jax.grad(loss)(params, x)) < 1e-5
-    plain = compiled_memory(jax.value_and_grad(loss), params, x).total_bytes
-    rows = compiled_memory(jax.value_and_grad(tiled), params, x).total_bytes
-    assert rows < plain
+    plain, plain_bytes = _compiled(jax.value_and_grad(loss), params, x)
+    rows, rows_bytes = _compiled(jax.value_and_grad(tiled), params, x)
+    assert rows_bytes < plain_bytes
+    x2 = jax.random.normal(jax.random.key(6), x.shape)
+    (v0, g0), (v1, g1) = plain(params, x2), rows(params, x2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    assert _rel(g1, g0) < 1e-5
 
 
 def test_row_twin_only_for_exactly_tileable_trunks():
@@ -155,36 +163,38 @@ def test_plan_order_alone_when_it_fits(order_plan):
     assert p.compiled_bytes >= p.order.compiled_bytes
     assert all(c.option == "store" for c in p.choices) and p.predicted_time == 1.0
     v, g = p.value_and_grad()(params, tok)
-    v0, g0 = jax.value_and_grad(loss)(params, tok)
+    v0, g0 = jax.jit(jax.value_and_grad(loss))(params, tok)
     np.testing.assert_allclose(v, v0, rtol=1e-5)
     assert _rel(g, g0) < 1e-4
     with pytest.raises(TypeError, match="order"):
         plan(loss, params, tok, budget=0.95, order="yes")
 
 
+@pytest.mark.xla_cpu
 def test_order_plan_every_documented_use_within_budget(order_plan):
     """``jax.value_and_grad(plan.step)`` and ``jax.grad(plan.step)`` run the order too (the
     step is a custom_vjp whose backward is the ordered step's gradient)."""
-    from jaxmem.measure import compiled_memory
-
     loss, params, tok, p = order_plan
+    run = {}
     for name, fn in (("value_and_grad(step)", jax.value_and_grad(p.step)),
                      ("grad(step)", jax.grad(p.step)),
                      ("plan.value_and_grad()", p.value_and_grad())):
-        assert compiled_memory(fn, params, tok).total_bytes <= p.budget_bytes, name
+        run[name], total = _compiled(fn, params, tok)
+        assert total <= p.budget_bytes, name
     tok2 = jax.random.randint(jax.random.key(11), tok.shape, 0, 256)   # fresh input
-    v0, g0 = jax.value_and_grad(loss)(params, tok2)
-    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, tok2)
+    v0, g0 = jax.jit(jax.value_and_grad(loss))(params, tok2)
+    v1, g1 = run["value_and_grad(step)"](params, tok2)
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
     assert _rel(g1, g0) < 1e-4
-    assert _rel(jax.jit(jax.grad(p.step))(params, tok2), g0) < 1e-4
-    np.testing.assert_allclose(p.step(params, tok2), loss(params, tok2), rtol=1e-5)
+    assert _rel(run["grad(step)"](params, tok2), g0) < 1e-4
+    np.testing.assert_allclose(jax.jit(p.step)(params, tok2), v0, rtol=1e-5)
     # another batch size than planned for: same values (the untouched step runs)
     tok3 = tok2[:4]
-    assert _rel(jax.grad(p.step)(params, tok3), jax.grad(loss)(params, tok3)) < 1e-4
+    g3 = jax.jit(jax.grad(p.step))(params, tok3)
+    assert _rel(g3, jax.jit(jax.grad(loss))(params, tok3)) < 1e-4
 
 
 def test_order_plan_step_takes_keywords(order_plan):
     loss, params, tok, p = order_plan
     np.testing.assert_allclose(p.step(params, t=tok), loss(params, tok), rtol=1e-5)
-    assert _rel(jax.grad(p.step)(params, t=tok), jax.grad(loss)(params, tok)) < 1e-4
+    assert _rel(jax.grad(p.step)(params, t=tok), jax.jit(jax.grad(loss))(params, tok)) < 1e-4

@@ -1,0 +1,202 @@
+"""Unit profile and candidates: what each unit keeps for the backward pass under each option,
+read from its own VJP jaxpr, and the :class:`~jaxmem.planner.options.Candidate` of every
+option kind (``store``/``dots``/``recompute`` per unit, ``segment`` over several units,
+``fewbit``, ``rows``, ``offload``)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxmem._compat import core
+from jaxmem.planner import trace as _trace
+from jaxmem.planner.options import EXACT, Candidate, Option
+
+__all__ = ["FEWBIT_BITS", "ROW_COUNTS", "UnitProfile", "exact_candidates",
+           "fewbit_candidates", "offload_candidates", "profile_units", "row_candidates"]
+
+FEWBIT_BITS = (1, 2, 3, 4)
+ROW_COUNTS = (2, 4, 8)
+
+
+def nbytes(aval) -> int:
+    """Bytes of an abstract value (extended dtypes such as typed PRNG keys included)."""
+    return int(np.prod(aval.shape)) * _trace.itemsize(aval.dtype) if hasattr(aval, "shape") \
+        else 0
+
+
+def _residual_split(f, ins_avals, policy):
+    """(internal residual bytes, set of input positions kept) of ``vjp(f)``."""
+    g = f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=True)
+
+    def res(*a):
+        _, vjp = jax.vjp(g, *a)
+        return jax.tree_util.tree_leaves(vjp)
+
+    jx = jax.make_jaxpr(res)(*ins_avals).jaxpr
+    pos = {v: i for i, v in enumerate(jx.invars)}
+    internal, kept, seen = 0, set(), set()
+    for v in jx.outvars:
+        if isinstance(v, core.Literal) or v in seen:
+            continue
+        seen.add(v)
+        if v in pos:
+            kept.add(pos[v])
+        elif v not in jx.constvars:
+            internal += nbytes(v.aval)
+    return internal, kept
+
+
+def keep_bytes(jaxpr, u, outer, policy=None) -> tuple[int, int]:
+    """(bytes kept for the backward pass, internal residual bytes) of unit ``u`` of
+    ``jaxpr`` under ``policy`` (``None``: store); inputs in ``outer`` are not counted."""
+    ins, outs = _trace.chunk_io(jaxpr, u.start, u.stop)
+    f = _trace.chunk_fn(jaxpr, u.start, u.stop, ins, outs)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
+    internal, kept = _residual_split(f, avals, policy)
+    return internal + sum(nbytes(ins[i].aval) for i in kept if ins[i] not in outer), internal
+
+
+def _outer(tr) -> set:
+    jx = tr.closed.jaxpr
+    return set(jx.invars) | set(jx.constvars)
+
+
+@dataclasses.dataclass
+class UnitProfile:
+    """The loss cut into ``units``: per unit, ``keep[u][o]`` bytes kept and ``work[u][o]``
+    bytes recomputed during its backward under option ``EXACT[o]``, and ``flops[u]`` =
+    (all, non-matmul) FLOPs."""
+
+    traced: _trace.Traced
+    units: list[_trace.Unit]
+    keep: list[list[int]]
+    work: list[list[int]]
+    flops: list[tuple[float, float]]
+
+    @property
+    def labels(self) -> list[str]:
+        return [u.label for u in self.units]
+
+    @property
+    def cut_labels(self) -> list[str]:
+        return [lbl for lbl in self.labels if lbl != "(rest)"]
+
+    @property
+    def stored(self) -> list[int]:
+        return [k[0] for k in self.keep]
+
+    @property
+    def total_flops(self) -> float:
+        return sum(f[0] for f in self.flops)
+
+
+def profile_units(tr: _trace.Traced, finer: int = 0) -> UnitProfile:
+    """Cut ``tr`` into units (:func:`jaxmem.planner.trace.choose_units`) and measure each."""
+    units = _trace.choose_units(tr, finer=finer)
+    jaxpr = tr.closed.jaxpr
+    outer = _outer(tr)
+    keep, work, flops = [], [], []
+    for u in units:
+        ins, outs = _trace.chunk_io(jaxpr, u.start, u.stop)
+        sub = core.Jaxpr([], list(ins), list(outs), list(jaxpr.eqns[u.start:u.stop]))
+        fl, dots = _trace.flops_of(sub)
+        measured = [keep_bytes(jaxpr, u, outer, _trace.POLICIES[o]) for o in EXACT]
+        full = measured[0][1]
+        keep.append([kb for kb, _ in measured])
+        work.append([0] + [max(0, full - internal) for _, internal in measured[1:]])
+        flops.append((fl, fl - dots))
+    return UnitProfile(tr, units, keep, work, flops)
+
+
+def exact_candidates(prof: UnitProfile, fence: float) -> list[Candidate]:
+    """``store``, ``dots``, ``recompute`` per unit and a ``segment`` over every run of two or
+    more consecutive units (keeps the segment's inputs only); ``fence`` is added to the cost
+    of every checkpointed candidate."""
+    n, keep, work, flops = len(prof.units), prof.keep, prof.work, prof.flops
+    out = []
+    for u in range(n):
+        out.append(Candidate((u,), Option("store"), keep[u][0], 0, 0.0))
+        out.append(Candidate((u,), Option("dots"), keep[u][1], work[u][1], flops[u][1] + fence))
+        out.append(Candidate((u,), Option("recompute"), keep[u][2], work[u][2],
+                             flops[u][0] + fence))
+    jaxpr, outer = prof.traced.closed.jaxpr, _outer(prof.traced)
+    for i in range(n):
+        for j in range(i + 2, n + 1):
+            ins, _ = _trace.chunk_io(jaxpr, prof.units[i].start, prof.units[j - 1].stop)
+            kb = sum(nbytes(v.aval) for v in ins if v not in outer)
+            wb = sum(keep[u][0] for u in range(i, j))
+            out.append(Candidate(tuple(range(i, j)), Option("segment"), kb, wb,
+                                 sum(flops[u][0] for u in range(i, j)) + fence))
+    return out
+
+
+def _aligned(units_c, labels, dropped=()) -> bool:
+    """Whether the converted trace's units are the base units (minus ``dropped`` labels)."""
+    return [u.label for u in units_c] == [lbl for lbl in labels if lbl not in dropped]
+
+
+def fewbit_candidates(step, args, factory, prof: UnitProfile,
+                      approx_cost: float) -> list[Candidate]:
+    """``fewbit`` b: each unit stored with b-bit codes for its smooth activations, where that
+    keeps fewer bytes than exact storage (measured on a trace with every unit at b bits);
+    cost ``approx_cost * (5 - b) / 4`` of a step."""
+    labels, out = prof.labels, []
+    for b in FEWBIT_BITS:
+        convs = {lbl: _trace.Conversion("fewbit", b) for lbl in prof.cut_labels}
+        tr = _trace.trace(step, args, factory() if factory else None, convs)
+        units_c = _trace.units_at(tr, prof.cut_labels)
+        if not _aligned(units_c, labels):
+            continue
+        for u, uc in enumerate(units_c):
+            if uc.label not in tr.converted:
+                continue
+            kb, _ = keep_bytes(tr.closed.jaxpr, uc, _outer(tr))
+            if kb < prof.keep[u][0]:
+                cost = approx_cost * 3.0 * max(prof.total_flops, 1.0) * (5 - b) / 4
+                out.append(Candidate((u,), Option("fewbit", b), kb, 0, cost))
+    return out
+
+
+def row_candidates(step, args, factory, prof: UnitProfile) -> list[Candidate]:
+    """``rows`` r: a conv trunk (see :func:`jaxmem.planner.trace.row_twin`) that is a unit
+    boundary, row-tiled into r tiles; covers the trunk's own units (its layers' units merge
+    into it); work = stored bytes / r, cost = the trunk's FLOPs."""
+    labels, out = prof.labels, []
+    for r in ROW_COUNTS:
+        convs = {lbl: _trace.Conversion("rows", r) for lbl in prof.traced.ends}
+        tr = _trace.trace(step, args, factory() if factory else None, convs)
+        trunks = sorted(tr.converted & set(prof.cut_labels))
+        if not trunks:
+            break   # whether a layer has a row twin does not depend on r
+        units_c = _trace.units_at(tr, prof.cut_labels)
+        for trunk in trunks:
+            inside = {lbl for lbl in labels if lbl.startswith(trunk + "/")}
+            cover = tuple(u for u, lbl in enumerate(labels) if lbl in inside or lbl == trunk)
+            if not cover or cover != tuple(range(cover[0], cover[-1] + 1)):
+                continue
+            if not _aligned(units_c, labels, inside):
+                continue
+            uc = next(x for x in units_c if x.label == trunk)
+            kb, _ = keep_bytes(tr.closed.jaxpr, uc, _outer(tr))
+            held = sum(prof.keep[u][0] for u in cover)
+            if kb < held:
+                out.append(Candidate(cover, Option("rows", r), kb, held // r,
+                                     sum(prof.flops[u][0] for u in cover)))
+    return out
+
+
+def offload_candidates(prof: UnitProfile, bandwidth: float, flops: float) -> list[Candidate]:
+    """``offload``: a unit's residuals in host memory (device keeps its inputs); cost = the
+    round trip over a step of ``3 * FLOPs / flops`` seconds, in step FLOPs."""
+    from jaxmem.planner import offload as _offload
+
+    total = 3.0 * max(prof.total_flops, 1.0)
+    step_seconds = total / flops
+    out = []
+    for u, k in enumerate(prof.keep):
+        if k[0] > k[2]:
+            t = _offload.transfer_seconds(k[0] - k[2], bandwidth)
+            out.append(Candidate((u,), Option("offload"), k[2], 0, t / step_seconds * total))
+    return out

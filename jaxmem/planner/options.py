@@ -1,0 +1,87 @@
+"""What the planner may do with a unit: an :class:`Option`, and a :class:`Candidate` (an
+option over one or more consecutive units with its bytes and cost)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxmem.planner import trace as _trace
+
+__all__ = ["EXACT", "KINDS", "Candidate", "Option"]
+
+#: option kinds; ``fewbit`` and ``rows`` carry a parameter (bits, row tiles)
+KINDS = ("store", "dots", "recompute", "segment", "fewbit", "rows", "offload")
+#: kinds that change how a layer is traced (:class:`jaxmem.planner.trace.Conversion`)
+_CONVERSIONS = ("fewbit", "rows")
+#: kinds run under ``jax.checkpoint`` (recompute before their backward, fenced on CPU)
+_CHECKPOINTED = ("dots", "recompute", "segment")
+#: per-unit options whose bytes come from the unit's own VJP under a checkpoint policy
+EXACT = ("store", "dots", "recompute")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Option:
+    """One option: ``kind`` in :data:`KINDS`, ``param`` the bit count of ``fewbit`` or the
+    tile count of ``rows`` (``None`` for every other kind). ``str`` gives its text
+    (``"store"``, ``"fewbit3"``, ``"rows8"``), :meth:`parse` reads it back."""
+
+    kind: str
+    param: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Option: kind must be one of {KINDS}, got {self.kind!r}")
+        wants = self.kind in _CONVERSIONS
+        ok = (isinstance(self.param, int) and not isinstance(self.param, bool)
+              and self.param >= 1) if wants else self.param is None
+        if not ok:
+            need = "an int >= 1" if wants else "None"
+            raise ValueError(f"Option: param of kind {self.kind!r} must be {need}, got "
+                             f"{self.param!r}")
+
+    def __str__(self) -> str:
+        return self.kind if self.param is None else f"{self.kind}{self.param}"
+
+    @classmethod
+    def parse(cls, text: str) -> Option:
+        """The option whose ``str`` is ``text`` (``"recompute"``, ``"fewbit2"``, ``"rows4"``)."""
+        mt = re.fullmatch(r"([a-z]+)([0-9]*)", text) if isinstance(text, str) else None
+        if mt is None:
+            raise ValueError(f"Option.parse: text must be an option name such as 'store' or "
+                             f"'fewbit2', got {text!r}")
+        return cls(mt.group(1), int(mt.group(2)) if mt.group(2) else None)
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether the unit runs under ``jax.checkpoint`` (its cost carries the fence)."""
+        return self.kind in _CHECKPOINTED
+
+    @property
+    def run_as(self) -> str:
+        """How :func:`jaxmem.planner.trace.run_chunks` runs the unit: a converted unit is run
+        stored (the conversion is in its trace), a segment recomputed as one chunk."""
+        return "store" if self.kind in _CONVERSIONS else self.kind
+
+    def conversion(self) -> _trace.Conversion | None:
+        """The tracing conversion of a ``fewbit`` / ``rows`` option, else ``None``."""
+        return _trace.Conversion(self.kind, self.param) if self.kind in _CONVERSIONS else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """``option`` over the consecutive units ``cover``: ``keep_bytes`` held for the backward
+    pass (jaxpr level), ``work_bytes`` recomputed while its own backward runs, ``cost`` the
+    predicted extra FLOPs (fence included)."""
+
+    cover: tuple[int, ...]
+    option: Option
+    keep_bytes: int
+    work_bytes: int
+    cost: float
+
+    def __post_init__(self):
+        c = self.cover
+        if not c or tuple(c) != tuple(range(c[0], c[0] + len(c))):
+            raise ValueError(f"Candidate: cover must be consecutive unit indices, got {c!r}")
+        if not isinstance(self.option, Option):
+            raise TypeError(f"Candidate: option must be an Option, got {self.option!r}")

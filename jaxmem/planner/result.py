@@ -1,0 +1,137 @@
+"""What :func:`jaxmem.planner.plan` returns (:class:`MemoryPlan`, one :class:`UnitChoice`
+per unit) or raises (:class:`BudgetError`)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxmem.planner.options import Option
+
+__all__ = ["BudgetError", "MemoryPlan", "UnitChoice"]
+
+
+class BudgetError(ValueError):
+    """The budget cannot be met; ``smallest_bytes`` is the least compiled total reached."""
+
+    def __init__(self, msg: str, smallest_bytes: int, dominant: dict[str, int],
+                 finer_units: bool = False):
+        super().__init__(msg)
+        self.smallest_bytes = smallest_bytes
+        self.dominant = dominant
+        self.finer_units = finer_units   # a finer cut into units exists (plan tries it)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitChoice:
+    """One unit's option: ``store`` (keep its residuals), ``dots`` (keep matmul/conv outputs,
+    recompute the rest), ``recompute`` (keep its inputs only), ``segment`` (several units
+    recomputed as one chunk), ``fewbit`` (stored with ``bits``-bit activation codes:
+    approximate) or ``rows`` (a conv trunk row-tiled into ``rows`` tiles: exact)."""
+
+    label: str
+    option: str
+    keep_bytes: int
+    work_bytes: int
+    recompute_flops: float
+    why: str
+    bits: int | None = None
+    rows: int | None = None
+
+    @property
+    def as_option(self) -> Option:
+        """The typed :class:`~jaxmem.planner.options.Option` (``str`` gives ``fewbit2``)."""
+        return Option(self.option, self.bits if self.bits is not None else self.rows)
+
+
+def _option_text(c: UnitChoice) -> str:
+    """``fewbit 2b`` / ``rows 8`` / the option name."""
+    if c.bits is not None:
+        return f"{c.option} {c.bits}b"
+    if c.rows is not None:
+        return f"{c.option} {c.rows}"
+    return c.option
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """What :func:`plan` chose. ``step`` takes the loss's arguments (positional and keyword)
+    and returns its values; its gradients are the untouched loss's (exact options only), and
+    ``jax.value_and_grad(step)``, ``jax.grad(step)`` and :meth:`value_and_grad` compile to
+    at most ``budget_bytes`` on ``target``'s plan for arguments of the example's shapes
+    (``compiled_bytes`` is ``value_and_grad(step)``'s compiled total; for an OLLA-order plan
+    the largest of the three; ``jax.grad(step)`` is compiled and checked too)."""
+
+    step: Callable[..., Any]
+    choices: tuple[UnitChoice, ...]
+    budget_bytes: int
+    default_bytes: int
+    predicted_bytes: int
+    compiled_bytes: int
+    predicted_time: float
+    selective: bool
+    solver_status: str
+    solver_gap: float
+    iterations: int
+    approximate: bool = False
+    notes: tuple[str, ...] = ()
+    order: Any = None
+    target: str = "cpu"
+
+    def value_and_grad(self) -> Callable[..., Any]:
+        """``jax.value_and_grad(self.step)``, or, when an OLLA order was applied
+        (``self.order.applied``), the ordered value-and-grad step itself (same values, for
+        arguments of the example's shapes; ``jax.value_and_grad(self.step)`` runs it too)."""
+        if self.order is not None and self.order.applied:
+            return self.order.fn
+        return jax.value_and_grad(self.step)
+
+    @property
+    def prediction_error(self) -> float:
+        """``predicted / compiled - 1``."""
+        return self.predicted_bytes / max(self.compiled_bytes, 1) - 1.0
+
+    @property
+    def why(self) -> dict[str, str]:
+        return {c.label: c.why for c in self.choices}
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("budget_bytes", "default_bytes", "predicted_bytes", "compiled_bytes",
+                "predicted_time", "selective", "solver_status", "solver_gap", "iterations",
+                "approximate", "target")
+        d = {k: getattr(self, k) for k in keys}
+        d["order"] = None if self.order is None else {
+            "applied": self.order.applied, "why": self.order.why,
+            "compiled_bytes": self.order.compiled_bytes, "chunks": self.order.chunks}
+        d["prediction_error"] = self.prediction_error
+        d["notes"] = list(self.notes)
+        d["choices"] = [dataclasses.asdict(c) for c in self.choices]
+        return d
+
+    def __rich__(self):
+        from rich.table import Table
+        mib = 2.0**20
+        t = Table(title=(f"jaxmem plan: compiled {self.compiled_bytes / mib:.2f} MiB "
+                         f"(budget {self.budget_bytes / mib:.2f}, default "
+                         f"{self.default_bytes / mib:.2f}, predicted "
+                         f"{self.predicted_bytes / mib:.2f}); time x{self.predicted_time:.2f}; "
+                         f"{self.solver_status}"))
+        for col in ("unit", "option", "kept MiB", "recompute MFLOP", "why"):
+            t.add_column(col)
+        for c in self.choices:
+            t.add_row(c.label, _option_text(c), f"{c.keep_bytes / mib:.3f}",
+                      f"{c.recompute_flops / 1e6:.1f}", c.why)
+        return t
+
+    def __str__(self) -> str:
+        mib = 2.0**20
+        head = (f"MemoryPlan: compiled {self.compiled_bytes / mib:.2f} MiB <= budget "
+                f"{self.budget_bytes / mib:.2f} MiB (default {self.default_bytes / mib:.2f}, "
+                f"predicted {self.predicted_bytes / mib:.2f}), time x{self.predicted_time:.2f}")
+        lines = [head]
+        lines += [f"  {c.label:<24} {_option_text(c):<10} {c.why}" for c in self.choices]
+        return "\n".join(lines)
+
+

@@ -1,0 +1,195 @@
+"""The planner's search: solve for the cheapest choice the byte model puts within the budget,
+compile it, refit, repeat; nothing is returned that was not compiled within the budget.
+
+The compiler is injected: any object with ``value_and_grad(choice) -> int`` and
+``grad(choice) -> int`` (compiled bytes of ``jax.value_and_grad`` / ``jax.grad`` of the step
+a choice runs; :class:`jaxmem.planner.steps.StepCompiler` is the real one). A choice fits
+when both are within the budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Protocol
+
+from jaxmem.planner import solve as _solve
+from jaxmem.planner.model import ByteModel, Choice
+
+__all__ = ["Compiler", "Search", "SearchResult"]
+
+_DEBUG = bool(os.environ.get("JAXMEM_PLAN_DEBUG"))
+#: a plan whose compiled bytes the model predicted within this fraction ends the search
+_CLOSE = 0.1
+
+
+class Compiler(Protocol):
+    def value_and_grad(self, choice: Choice) -> int: ...
+
+    def grad(self, choice: Choice) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """``choice``: the compiled choice of least cost that fits (``None``: none fits; then
+    ``smallest`` is the least compiled total, ``value_and_grad`` and ``grad`` alike, of the
+    plans every search compiles whatever its budget: a budget the search meets)."""
+
+    choice: Choice | None
+    status: str
+    gap: float
+    iterations: int
+    smallest: int | None = None
+
+
+class Search:
+    """State of one search: the compiled plans (``tried``), what the model predicted for each
+    before it was compiled (``predicted``), and the ``jax.grad`` totals (``grad_bytes``)."""
+
+    def __init__(self, model: ByteModel, compiler: Compiler, time_limit: float = 10.0):
+        self.model = model
+        self.compiler = compiler
+        self.time_limit = time_limit
+        store = model.uniform("store")
+        self.tried: dict[Choice, int] = {store: model.store_bytes}
+        self.predicted: dict[Choice, int] = {store: model.store_bytes}
+        self.grad_bytes: dict[Choice, int] = {}
+        self.calibration: set[Choice] = {store}
+
+    def compile(self, choice: Choice) -> int:
+        """Compiled ``value_and_grad`` bytes of ``choice`` (predicted first, compiled once)."""
+        if choice not in self.tried:
+            self.predicted[choice] = self.model.predict(choice, self.model.fit(self.tried))
+            self.tried[choice] = int(self.compiler.value_and_grad(choice))
+        return self.tried[choice]
+
+    def grad_total(self, choice: Choice) -> int:
+        """Compiled ``jax.grad`` bytes of ``choice`` (XLA may plan it apart)."""
+        if choice not in self.grad_bytes:
+            self.grad_bytes[choice] = int(self.compiler.grad(choice))
+        return self.grad_bytes[choice]
+
+    def fits(self, choice: Choice, budget: int) -> bool:
+        """Compiled ``value_and_grad`` and ``grad`` within ``budget`` (``grad`` compiled only
+        when ``value_and_grad`` fits)."""
+        return self.tried[choice] <= budget and self.grad_total(choice) <= budget
+
+    def fitting(self, budget: int) -> list[Choice]:
+        return [c for c in self.tried if self.fits(c, budget)]
+
+    def solve(self, theta, budget: int | None, objective: str, forbidden=()) -> _solve.Solution:
+        """The solver on the model's items under ``theta``."""
+        return _solve.solve_items(self.model.n_units, self.model.items(theta), self.model.base,
+                                  budget, objective, self.time_limit, forbidden)
+
+    def calibrate(self) -> None:
+        """Compile the plans every search starts from (independent of the budget): every unit
+        recomputed, with dots kept (when that keeps less), the least of each of ``fewbit`` and
+        ``offload``, and each ``rows`` candidate alone (its saving is measured)."""
+        m = self.model
+        plans = [m.uniform("recompute")]
+        if any(c.option.kind == "dots" and c.keep_bytes < m.stored[c.cover[0]]
+               for c in m.candidates):
+            plans.append(m.uniform("dots"))
+        plans += [c for c in (m.least_of("fewbit"), m.least_of("offload")) if c is not None]
+        for c in plans:
+            self.calibration.add(c)
+            self.compile(c)
+        for i, c in enumerate(m.candidates):
+            if c.option.kind == "rows" and i not in m.measured:
+                alone = m.alone(i)
+                self.calibration.add(alone)
+                m.measured[i] = m.store_bytes - self.compile(alone)
+
+    def least_bytes(self, budget: int, forbid_over: bool) -> None:
+        """Compile the plan of least predicted bytes (after calibrating); with
+        ``forbid_over`` the plans compiled over ``budget`` are excluded."""
+        if not self.model.n_units:
+            return
+        self.calibrate()
+        over = [c for c in self.tried if not self.fits(c, budget)] if forbid_over else ()
+        sol = self.solve(self.model.fit(self.tried), None, "bytes", over)
+        if sol.choice is not None:
+            self.compile(sol.choice)
+
+    def reachable(self) -> set[Choice]:
+        """Compile the plan of least predicted bytes under a model fitted on the calibration
+        plans alone: every refused search compiles it and those plans whatever its budget,
+        so the least of their bytes is a budget the search meets. Returns those plans."""
+        if not self.model.n_units:
+            return set(self.calibration)
+        self.calibrate()
+        sol = self.solve(self.model.fit(self.tried, self.calibration), None, "bytes")
+        if sol.choice is None:
+            return set(self.calibration)
+        self.compile(sol.choice)
+        return set(self.calibration) | {sol.choice}
+
+    def refine(self, budget: int, max_iterations: int) -> tuple[_solve.Solution | None, str, int]:
+        """Solve, compile, refit up to ``max_iterations`` times: ``(last solution, status of
+        the last fitting plan, iterations)``. A plan over budget tightens the model's budget
+        by its miss and is forbidden; when the model finds no plan within the budget (or
+        none cheaper than one that fits) the plan of least predicted bytes is compiled."""
+        self.calibrate()
+        slack, least_tried, status, sol = 0, False, "OPTIMAL", None
+        for it in range(1, max_iterations + 1):
+            fits = self.fitting(budget)
+            theta = self.model.fit(self.tried)
+            over = [c for c in self.tried if c not in fits]
+            sol = self.solve(theta, budget - slack, "time", over)
+            if _DEBUG:
+                print("plan: theta", theta, "slack", slack, sol)
+            mode_bytes = sol.choice is None or bool(
+                fits and self.model.cost(sol.choice) >= min(map(self.model.cost, fits)))
+            if mode_bytes:
+                if fits:
+                    return sol, status, it
+                sol = self.solve(theta, None, "bytes", over)
+                if sol.choice is None or sol.choice in self.tried or (
+                        least_tried and self.model.predict(sol.choice, theta) > 1.1 * budget):
+                    return sol, status, it   # the model sees no smaller plan than compiled
+                least_tried = True
+            compiled = self.compile(sol.choice)
+            if _DEBUG:
+                print("plan:", sol.choice, "predicted", self.predicted[sol.choice],
+                      "compiled", compiled)
+            if self.fits(sol.choice, budget):
+                status = sol.status
+                if abs(self.predicted[sol.choice] / max(compiled, 1) - 1.0) <= _CLOSE:
+                    return sol, status, it
+                # missed by more than _CLOSE: refit on it; a cheaper plan within the budget
+                # under the refit model replaces it
+            elif not mode_bytes:
+                slack += compiled - budget
+        return sol, status, max_iterations
+
+    def run(self, budget: int, floor: int, max_iterations: int) -> SearchResult:
+        """The search for ``budget``; ``floor`` is the untouched step's arguments + outputs
+        (below it no plan fits: only the least-bytes plan is compiled)."""
+        sol, status, it = None, "OPTIMAL", 0
+        if budget < floor:
+            self.least_bytes(budget, forbid_over=False)
+        elif budget < self.model.store_bytes and self.model.n_units:
+            sol, status, it = self.refine(budget, max_iterations)
+        fits = self.fitting(budget)
+        canonical: set[Choice] = set()
+        if not fits:
+            if budget >= floor:
+                self.least_bytes(budget, forbid_over=True)
+            canonical = self.reachable()
+            fits = self.fitting(budget)
+        gap = sol.gap if sol is not None and sol.choice is not None else 0.0
+        status = status if sol is not None else "OPTIMAL"
+        if fits:
+            best = min(fits, key=lambda c: (self.model.cost(c), self.tried[c], c))
+            return SearchResult(best, status, gap, max(it, 1))
+        return SearchResult(None, status, gap, max(it, 1), self.smallest(canonical))
+
+    def smallest(self, plans: set[Choice]) -> int:
+        """Least ``max(value_and_grad, grad)`` compiled total over ``plans``."""
+        smallest = None
+        for c in sorted(plans, key=lambda c: self.tried[c]):
+            if smallest is not None and self.tried[c] >= smallest:
+                break
+            both = max(self.tried[c], self.grad_total(c))
+            smallest = both if smallest is None else min(smallest, both)
+        return smallest
