@@ -61,7 +61,11 @@ from jaxmem.models import gpt, resnet50
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "distributed"
-MODES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "tp": {"data": 4, "model": 2}}
+MODES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "tp": {"data": 4, "model": 2},
+         "dp-ar": {"data": 8}}
+#: each layout's ``train_step`` mode and ``shard_update``: "dp-ar" is data parallel with the
+#: gradient all-reduced and the update replicated (``shard_update=False``), for comparison
+STEP = {"dp": ("dp", True), "fsdp": ("fsdp", True), "tp": ("tp", True), "dp-ar": ("dp", False)}
 GLOBAL_BATCH = 16
 #: the one-device batch each mode is compared with: the batch a device holds under it
 LOCAL = {m: GLOBAL_BATCH // shape["data"] for m, shape in MODES.items()}
@@ -151,13 +155,22 @@ def run_case(case, quick, targets, variants=tuple(VARIANTS)):
     opt = optax.sgd(0.1)
     ostate = jax.eval_shape(opt.init, params)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
-    # bytes of one device's parameter shard (= its gradient buffer) under each layout
-    shard_bytes = {}
-    for mode, shape in MODES.items():
-        sh = jd.param_shardings(params, jd.mesh(**shape), mode)
-        shard_bytes[mode] = int(sum(
-            np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-            for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(sh))))
+    # per layout: bytes of the gradient a device computes (its parameters as the loss reads
+    # them: all of them under DP and FSDP, its 'model' shard under TP), of the gradient it
+    # keeps after the reduction (its update shard), and of the parameters FSDP gathers
+    def _bytes(sh):
+        return int(sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+                       for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(sh))))
+
+    shard_bytes, floor_bytes = {}, {}
+    for layout, shape in MODES.items():
+        mode, su = STEP[layout]
+        step = jd.train_step(lambda p, b: 0.0, optax.sgd(0.1), jd.mesh(**shape), mode,
+                             shard_update=su)
+        shard_bytes[layout] = _bytes(step.param_shardings(params))
+        local = param_bytes if mode == "fsdp" else shard_bytes[layout]
+        gathered = param_bytes if mode == "fsdp" else 0
+        floor_bytes[layout] = local + _bytes(step.update_shardings(params)) + gathered
     zparams = _zeros(params)
     rows = []
     for variant in variants:
@@ -171,7 +184,8 @@ def run_case(case, quick, targets, variants=tuple(VARIANTS)):
             return optax.apply_updates(p, u), s
 
         row = {"model": name, "variant": variant, "param_bytes": param_bytes,
-               "param_shard_bytes": shard_bytes, "residual_local": {}, "targets": {},
+               "param_shard_bytes": shard_bytes, "floor_bytes": floor_bytes,
+               "residual_local": {}, "targets": {},
                "compile_s": {}}
         for b in sorted(set(LOCAL.values())):
             rep = residual_bytes(loss, zparams, _zeros(_local(batch, b)))
@@ -189,11 +203,13 @@ def run_case(case, quick, targets, variants=tuple(VARIANTS)):
             for b in sorted(set(LOCAL.values())):
                 res["single_local"][str(b)] = single(_local(batch, b))
             devs = target_devices(target)
-            for mode, shape in MODES.items():
-                step = jd.train_step(loss, opt, jd.mesh(**shape, devices=devs), mode)
+            for layout, shape in MODES.items():
+                mode, su = STEP[layout]
+                step = jd.train_step(loss, opt, jd.mesh(**shape, devices=devs), mode,
+                                     shard_update=su)
                 lowered = step.lower(params, ostate, batch)
                 compiled, gemm = compile_lowered(lowered, target, "auto")
-                res[mode] = measure(compiled, gemm)
+                res[layout] = measure(compiled, gemm)
             row["targets"][target] = res
             row["compile_s"][target] = round(time.time() - t0, 1)
             print(f"{name} {variant} on {target}: done in {row['compile_s'][target]} s",
@@ -240,10 +256,11 @@ def table(rows, target):
                "the batch a device holds (points = sharded minus one-device), the same in MiB "
                "saved, and the activation-only saving (residual bytes autodiff keeps at that "
                "batch; with the batch split over 'data' these are a device's residuals). "
-               "`floor` = 2 x the parameter bytes a device holds (DP: the gradient and its "
-               "all-reduced copy; FSDP: the full gradient before its reduce-scatter and the "
-               "gathered parameters; TP: 2 x the device's parameter shard): a `temp` no model "
-               "change can go under, since both buffers live at the end of the backward.")
+               "`floor` = the gradient a device computes (all parameters under DP and FSDP, "
+               "its 'model' shard under TP) + the gradient it keeps after the reduction (its "
+               "1/8 update shard; all of it under DP-AR, the all-reduce) + under FSDP the "
+               "gathered parameters: buffers that are live together at the end of the "
+               "backward when XLA combines the reductions into one.")
     out.append("")
     out.append("| model | variant | layout | saving per device | 1 device same batch | points "
                "| within 5 | MiB saved per device / 1 device | residual MiB default -> jaxmem "
@@ -261,8 +278,7 @@ def table(rows, target):
                 d_sh = base[m]["temp"] - r[m]["temp"]
                 d_one = base["single_local"][b]["temp"] - r["single_local"][b]["temp"]
                 res_d, res_j = base["residual_local"][b], r["residual_local"][b]
-                shard = base["param_shard_bytes"][m]
-                floor = 2 * (base["param_bytes"] if m == "fsdp" else shard)
+                floor = base["floor_bytes"][m]
                 out.append(f"| {model} | {v} | {m.upper()} (batch {b}/device) | {sh:.1f}% | "
                            f"{one:.1f}% | {sh - one:+.1f} | "
                            f"{'yes' if abs(sh - one) <= 5 else 'NO'} | "
@@ -307,28 +323,39 @@ def gemm_used(rows, target):
 
 
 READING = """\
-Reading the CPU tables. A device's `temp` is the larger of two peaks: the activation peak of
-the backward and the gradient peak at its end (`floor`: the gradient and its all-reduced
-copy under DP; the full gradient before its reduce-scatter and the gathered parameters
-under FSDP). Where jaxmem's activation peak falls under the floor (DP for both models,
-FSDP for ResNet-50 and for GPT with few-bit, TP for ResNet-50) the step stops at the floor,
-the same for jaxmem and jaxmem+fewbit3, so the percentage shrinks while the activations
-shrink exactly as on one device (residual column: the batch split over 'data' splits the
-residuals, so a device keeps the one-device residuals of its batch). Where the activation
-peak stays above the floor (GPT FSDP, exact jaxmem) the MiB saved per device equal the MiB
-saved on one device at that batch. Under TP a device holds half of the Megatron-split
-activations and all of the replicated ones (layer norms, residual stream, embeddings), so
-its mix differs from one device at batch 4. Per-buffer listings of the compiled steps
-(`benchmarks/distributed/peak_buffers.py`) show parameters and gradients, not residuals,
-at the peak of the jaxmem steps that sit on the floor. One jaxmem residual is replicated
-where its activation is sharded: ResNet-50 under TP has one all-gather more than the
-default (`u8[4,16,16,8] -> u8[4,16,16,16]` over 'model', 16 KiB, HLO op_name
-`jvp(ResNet)/reshape`): the stem's max-pool argmax codes (`jaxmem.selective.max_pool`),
-whose channels follow the channel-split conv, are flattened by `pack_codes`
-(`codes.reshape(-1)`) before packing, and a flat layout cannot keep a channel split. Packing
-along the last axis would keep it. Under DP and FSDP the flat order is batch-major and the
-batch split survives (no extra collective). The TP step still has fewer all-reduces
-(201 vs 254) and fewer collective bytes in total than the default."""
+DP, FSDP and TP reduce-scatter the gradient onto each device's update
+shard (`shard_update=True`); DP-AR is the all-reduce step they replace. On the H100 plan
+that is what XLA:GPU compiles: one combined reduce-scatter whose result is a device's eighth
+of the gradient; the all-reduces left are the scalar loss, the embedding tables' gradients
+(scatter-adds; GPT: 0.63 MiB) and ResNet-50's BatchNorm statistics. Against DP-AR, DP's
+`temp` goes 30.03 -> 30.76 MiB (default) and 28.48 -> 26.29 MiB (jaxmem) for GPT, 12.31 ->
+8.85 and 11.91 -> 9.57 MiB for ResNet-50; a stateful optimizer adds its sharded state to
+this (Adam: 2/8 instead of 2 x the parameters a device;
+`parity_tests/distributed/test_distributed_gpu_plan.py`). XLA:CPU has no reduce-scatter rewrite: it all-reduces the
+gradient and slices it (CPU collectives table), so DP and DP-AR compile to the same `temp`
+there, and the CPU `floor` of DP is what the step asks for, not what XLA:CPU does; on CPU
+DP sits near the all-reduce floor (GPT 26.48 vs 25.36 MiB, ResNet-50 11.69 vs 11.69), so its
+percentage shrinks while the activations shrink as on one device (residual column).
+
+Why the H100 plan's per-device saving stays below one device's (XLA's live-range dump of
+each compiled step: the bytes live at its peak, arguments excluded). GPT DP: 29.50 MiB
+(default) and 22.16 MiB (jaxmem) live at the peak, 7.34 MiB less, close to the 7.94 MiB
+jaxmem saves on one device at batch 2; but XLA:GPU's heap packing leaves 4.13 MiB of
+jaxmem's allocation unused at the peak (1.25 MiB of the default's), so `temp` falls by
+4.47 MiB only. GPT FSDP: 28.79 / 25.53 MiB live at the peak for a `temp` of 40.53 / 34.36
+MiB: the all-gather of every parameter (12.7 MiB, one combined collective at the start) is
+freed layer by layer during the backward and the heap keeps its holes; the gathered
+parameters are not what is live at the peak. GPT TP: 33.50 -> 28.53 MiB live (4.97 MiB
+saved); a device holds half of the Megatron-split activations and all of the replicated
+ones (layer norms, residual stream, embeddings), so its mix differs from one device at batch
+4. ResNet-50 DP: 7.11 MiB (default) and 8.69 MiB (jaxmem) live at the peak, so jaxmem's
+step holds more there, not less; its peak sits in the last stage's backward and holds
+weight-shaped buffers (the 3x3 kernels transposed for cuDNN, 3 x 0.56 MiB of
+f32[128,3,3,128], and weight gradients of cuDNN's backward-filter convolutions,
+f32[512,1,1,256] and f32[512,1,1,128]) where the default's holds one 2.25 MiB transpose
+fusion; jaxmem's smaller residuals (3.59 vs 6.95 MiB) do not set that peak. ResNet-50 TP:
+5.94 -> 6.84 MiB live at the peak, the same kind of peak. The collectives of every jaxmem
+step are, kind by kind, no more than the default's on both plans."""
 
 
 def summary(rows, targets):
@@ -369,10 +396,7 @@ PLAN_LIMITS = ("GPU plan limits: XLA:GPU's memory plan compiled without a GPU (c
                "autotuning, so cuBLAS/cuDNN workspaces are not counted and `temp` is a lower "
                "bound; no timing; the plan belongs to XLA of jax {jax}. Collective counts on "
                "the GPU plan are after XLA:GPU's collective combiners, so fewer and larger "
-               "than XLA:CPU's; their result bytes come from "
-               "`jaxmem.distributed.collectives`, which reads one result shape per async "
-               "`*-start`, so a combined (tuple) collective's bytes are undercounted there "
-               "(e.g. FSDP's single all-gather); read the GPU plan's counts, not its bytes. "
+               "than XLA:CPU's (a combined collective counts once, with all its results' bytes). "
                "Sharded steps that hold `custom_partitioning` ops (jaxmem's bit-packed "
                "residuals) compile for the GPU plan only once JAX's custom-partitioning "
                "callbacks are registered with the directly loaded CUDA plugin "
@@ -447,7 +471,10 @@ def main():
           ("Saving = 1 - jaxmem temp / default temp under the same layout. DP and FSDP: "
            f"8x1 mesh, {LOCAL['dp']} examples per device; TP: 4x2 ('data', 'model'), "
            f"{LOCAL['tp']} examples per device and the Megatron-split layers halved. SGD "
-           "(no optimizer state), parameters donated."), "",
+           "(no optimizer state), parameters donated. DP, FSDP and TP reduce-scatter the "
+           "gradient onto each device's update shard (`shard_update=True`, the default); "
+           "DP-AR is data parallel with the gradient all-reduced and the update replicated "
+           "(`shard_update=False`), for comparison."), "",
           PLAN_LIMITS.format(jax=meta["jax"]), ""]
     for t in shown:
         missing = sorted({f"{r['model']} {r['variant']}" for r in rows
@@ -463,8 +490,8 @@ def main():
         if t != "cpu":
             md += [f"GEMM backend: {gemm_used(rows, t)}.", ""]
         md += [table(rows, t), ""]
-        if t == "cpu":
-            md += [READING, ""]
+    if shown:
+        md += ["## Reading the tables", "", READING, ""]
     (OUT / "distributed.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -18,9 +18,10 @@ from jaxmem.distributed.sharding import (
     param_shardings,
     path_str,
     replicated,
+    update_shardings,
 )
 from jaxmem.distributed.steps import TrainStep, train_step
 
 __all__ = ["KINDS", "MODES", "TP_RULES", "Collectives", "TrainStep", "batch_sharding",
            "collectives", "compiled_collectives", "mesh", "param_shardings", "path_str",
-           "replicated", "train_step"]
+           "replicated", "train_step", "update_shardings"]

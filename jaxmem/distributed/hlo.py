@@ -34,7 +34,7 @@ class Collectives:
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
-    def __le__(self, other: "Collectives") -> bool:
+    def __le__(self, other: Collectives) -> bool:
         """Kind by kind: no more collectives than ``other``."""
         return all(self.counts.get(k, 0) <= other.counts.get(k, 0) for k in KINDS)
 
@@ -49,6 +49,37 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+def _top_level(type_text: str) -> list[str]:
+    """The elements of a tuple type ``(a, b, ...)`` (``[type_text]`` when not a tuple)."""
+    t = re.sub(r"/\*.*?\*/", "", type_text).strip()
+    if not t.startswith("("):
+        return [t]
+    parts, depth, cur = [], 0, ""
+    for ch in t[1:-1]:
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
+
+
+def _result_bytes(result_type: str, kind: str, start: bool) -> int:
+    """Bytes of a collective's results. An async ``*-start`` of all-gather, reduce-scatter,
+    collective-permute or all-to-all has the type ``(operands, results, ...)``: only the
+    second element counts (all of it when XLA combined several collectives into one tuple);
+    an ``all-reduce-start`` has its results' type."""
+    if start and kind != "all-reduce":
+        parts = _top_level(result_type)
+        if len(parts) >= 2:
+            return _shape_bytes(parts[1])
+    return _shape_bytes(result_type)
+
+
 def collectives(hlo_text: str) -> Collectives:
     """Count the collectives in compiled HLO text.
 
@@ -57,7 +88,9 @@ def collectives(hlo_text: str) -> Collectives:
 
     Returns:
       A :class:`Collectives` with, for each kind in :data:`KINDS`, the number of
-      instructions and the bytes of their results (the per-device buffer each produces).
+      instructions and the bytes of their results (the per-device buffers each produces;
+      a combined collective, one instruction over a tuple, counts once with all its
+      results' bytes).
     """
     if not isinstance(hlo_text, str):
         raise TypeError(f"collectives: hlo_text must be the compiled HLO text (str), got "
@@ -70,13 +103,7 @@ def collectives(hlo_text: str) -> Collectives:
             continue
         kind = m.group(2)
         counts[kind] += 1
-        result_type = m.group(1)
-        if m.group(3):  # async start: the result tuple holds (operand, result); count the last
-            shapes = _SHAPE.findall(result_type)
-            if shapes:
-                dtype, dims = shapes[-1]
-                result_type = f"{dtype}[{dims}]"
-        nbytes[kind] += _shape_bytes(result_type)
+        nbytes[kind] += _result_bytes(m.group(1), kind, bool(m.group(3)))
     return Collectives(counts, nbytes)
 
 

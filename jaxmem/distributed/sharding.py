@@ -3,8 +3,9 @@
 Three layouts of a parameter tree over a mesh with axes ``('data', 'model')``:
 
 * ``"dp"`` (data parallel): every parameter replicated; the batch is split over ``'data'``.
-  The gradient of the mean loss is the mean of per-shard gradients: one all-reduce per
-  parameter (XLA may combine them).
+  The gradient of the mean loss is the sum of per-device partial gradients ``sum_d g_d``:
+  reduce-scattered onto :func:`update_shardings` by a train step (one all-reduce per
+  parameter, XLA may combine them, when the update is replicated).
 * ``"fsdp"`` (fully sharded data parallel, ZeRO-3): each parameter is split over ``'data'``
   along its largest axis divisible by the ``'data'`` size (replicated when none is); XLA
   all-gathers a parameter where it is used and reduce-scatters its gradient.
@@ -36,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["MODES", "TP_RULES", "batch_sharding", "mesh", "param_shardings", "path_str",
-           "replicated"]
+           "replicated", "update_shardings"]
 
 MODES = ("dp", "fsdp", "tp")
 
@@ -97,15 +98,7 @@ def batch_sharding(mesh: Mesh, axis: str = "data") -> NamedSharding:
 
 def path_str(path) -> str:
     """``'h_0/attn/c_attn/kernel'`` for a ``jax.tree_util`` key path."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _check_mesh(mesh, who):
@@ -141,6 +134,40 @@ def _fsdp_spec(shape, n: int) -> P:
     if best is None or n == 1:
         return P()
     return P(*([None] * best + ["data"]))
+
+
+def _with_data(spec: P, shape, n: int) -> P:
+    """``spec`` with ``'data'`` added on the largest axis it leaves unsplit whose size ``n``
+    divides (ties: the last such axis); unchanged when ``'data'`` is already used or no
+    axis fits."""
+    used = {a for ax in spec for a in (ax if isinstance(ax, tuple) else (ax,)) if a}
+    if "data" in used or n == 1:
+        return spec
+    full = tuple(spec) + (None,) * (len(shape) - len(spec))
+    best = None
+    for i, d in enumerate(shape):
+        if full[i] is None and d % n == 0 and d >= n and (best is None or d >= shape[best]):
+            best = i
+    if best is None:
+        return spec
+    return P(*(full[:best] + ("data",) + full[best + 1:]))
+
+
+def update_shardings(params, mesh: Mesh, mode: str = "fsdp", *,
+                     rules: Sequence[tuple[str, P]] | None = None):
+    """Where the optimizer update runs: each parameter's layout (:func:`param_shardings`)
+    with ``'data'`` added on its largest unsplit axis that the ``'data'`` size divides.
+
+    A data-parallel step reduce-scatters the gradient ``g = sum_d g_d`` onto this layout
+    (device ``d`` keeps ``g[shard_d]``, never the whole of ``g``), updates its shard with
+    the optimizer state of the same layout, and all-gathers the new parameters back to
+    their own layout (``"dp"``, ``"tp"``) or keeps them sharded (``"fsdp"``, where it is
+    the parameters' layout already). A parameter no axis of which fits stays as it is.
+    """
+    psh = param_shardings(params, mesh, mode, rules=rules)
+    n = _axis_size(mesh, "data")
+    return jax.tree.map(
+        lambda leaf, s: NamedSharding(mesh, _with_data(s.spec, np.shape(leaf), n)), params, psh)
 
 
 def param_shardings(params, mesh: Mesh, mode: str = "fsdp", *,

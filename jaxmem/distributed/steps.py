@@ -7,6 +7,12 @@ program (the loss is the mean over the *global* batch, BatchNorm statistics are 
 gradients equal the one-device step; only the layout differs. jaxmem models (from
 ``jaxmem.linen.convert``) go in unchanged.
 
+With ``shard_update=True`` (default) the gradient ``sum_d g_d`` is reduce-scattered onto
+:func:`~jaxmem.distributed.update_shardings` (device ``d`` keeps its shard of the sum, never
+a full copy), the optimizer update runs there with its state laid out alike, and the new
+parameters go back to their own layout (all-gathered under ``"dp"``/``"tp"``; already
+sharded under ``"fsdp"``).
+
 The step is traced under ``jax.set_mesh(mesh)`` and a :func:`jaxmem._prims.bitpack.shard_axes`
 that names the mesh axes a feature axis may be split over: none for ``"dp"``/``"fsdp"``
 (activations are split by batch only) and ``"model"`` for ``"tp"``.  Packed residuals (1-bit
@@ -32,7 +38,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._prims.bitpack import shard_axes
-from jaxmem.distributed.sharding import MODES, _check_mesh, batch_sharding, param_shardings
+from jaxmem.distributed.sharding import (
+    MODES,
+    _check_mesh,
+    batch_sharding,
+    param_shardings,
+    update_shardings,
+)
 
 __all__ = ["TrainStep", "train_step"]
 
@@ -45,11 +57,33 @@ def _key(tree):
     return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 
-def _gathered(params, mesh):
-    """``params`` replicated over ``'data'`` (FSDP's per-use all-gather); the gradient of this
-    constraint is the matching reduce-scatter."""
-    rep = NamedSharding(mesh, P())
-    return jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, rep), params)
+def _placed(params, use, grad):
+    """``params`` laid out as ``use`` where the loss reads them; their cotangent laid out as
+    ``grad``.
+
+    Forward: ``p -> p`` constrained to ``use`` (FSDP: replicated, XLA's all-gather of the
+    shard). Backward: ``ct = sum_d ct_d`` (the devices' partial cotangents) constrained to
+    ``use`` and then to ``grad``, where the transpose of a plain sharding constraint stops at
+    ``use``: the sum and the slice to ``grad`` become one reduce-scatter (XLA:GPU), device
+    ``d`` keeping ``(sum_d ct_d)[shard_d]`` and no full copy of the sum. The ``use``
+    constraint first keeps the ``grad`` layout from spreading into the backward of the
+    model's own ops."""
+    def one(p, u, g):
+        @jax.custom_vjp
+        def place(x):
+            return jax.lax.with_sharding_constraint(x, u)
+
+        def fwd(x):
+            return place(x), None
+
+        def bwd(_, ct):
+            ct = jax.lax.with_sharding_constraint(ct, u)
+            return (jax.lax.with_sharding_constraint(ct, g),)
+
+        place.defvjp(fwd, bwd)
+        return place(p)
+
+    return jax.tree.map(one, params, use, grad)
 
 
 class TrainStep:
@@ -61,7 +95,8 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
-                 rules: Sequence | None = None, batch_axis: str = "data", donate: bool = True):
+                 rules: Sequence | None = None, batch_axis: str = "data", donate: bool = True,
+                 shard_update: bool = True):
         if not callable(loss_fn):
             raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -74,6 +109,7 @@ class TrainStep:
         self.rules = tuple(rules or ())
         self.batch_sharding = batch_sharding(mesh, batch_axis)
         self.donate = bool(donate)
+        self.shard_update = bool(shard_update)
         self._cache: dict = {}
 
     # -- layouts -------------------------------------------------------------------------
@@ -81,10 +117,18 @@ class TrainStep:
         """The parameters' shardings (see :func:`jaxmem.distributed.param_shardings`)."""
         return param_shardings(params, self.mesh, self.mode, rules=self.rules)
 
+    def update_shardings(self, params):
+        """Where the gradient lands and the update runs: :func:`update_shardings`
+        (``shard_update=True``) or the parameters' own layout."""
+        if not self.shard_update:
+            return self.param_shardings(params)
+        return update_shardings(params, self.mesh, self.mode, rules=self.rules)
+
     def opt_shardings(self, params):
-        """The optimizer state's shardings: each leaf by its own path and shape."""
+        """The optimizer state's shardings: each leaf by its own path and shape, laid out
+        like the update (:meth:`update_shardings`)."""
         shapes = jax.eval_shape(self.optimizer.init, params)
-        return param_shardings(shapes, self.mesh, self.mode, rules=self.rules)
+        return self.update_shardings(shapes)
 
     def init(self, params):
         """``(params, optimizer.init(params))`` placed with their shardings (no host copy of
@@ -107,35 +151,37 @@ class TrainStep:
         with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]):
             yield
 
-    def _loss_and_grads(self, params, batch, psh):
-        if self.mode == "fsdp":
-            # ZeRO-3: gather each parameter where the forward uses it (one all-gather per
-            # parameter), so activations keep their batch layout whatever the model's ops
-            loss_fn = lambda p, b: self.loss_fn(_gathered(p, self.mesh), b)
-        else:
-            loss_fn = self.loss_fn
+    def _loss_and_grads(self, params, batch, use, ush):
+        # FSDP (ZeRO-3) gathers each parameter where the forward uses it (``use``
+        # replicated), so activations keep their batch layout whatever the model's ops; the
+        # gradient lands on ``ush``: a reduce-scatter of the per-device partial sums
+        loss_fn = lambda p, b: self.loss_fn(_placed(p, use, ush), b)
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        # gradients take the parameters' layout: FSDP reduce-scatters, DP all-reduces
-        return loss, jax.lax.with_sharding_constraint(grads, psh)
+        return loss, jax.lax.with_sharding_constraint(grads, ush)
 
     def _compiled_fns(self, params):
         # the packed layout depends on (mesh, mode): both are part of the key, so one
         # TrainStep never reuses a program traced for another layout
-        key = (self.mesh, self.mode, _key(params))
+        key = (self.mesh, self.mode, self.shard_update, _key(params))
         if key not in self._cache:
             import optax
 
             psh = self.param_shardings(params)
+            ush = self.update_shardings(params)
             osh = self.opt_shardings(params)
             rep = NamedSharding(self.mesh, P())
+            use = jax.tree.map(lambda _: rep, psh) if self.mode == "fsdp" else psh
 
             def step(p, s, batch):
-                loss, grads = self._loss_and_grads(p, batch, psh)
+                loss, grads = self._loss_and_grads(p, batch, use, ush)
+                # the update runs on each device's shard (a slice of a replicated parameter:
+                # no communication); out_shardings all-gather it back to ``psh``
+                p = jax.lax.with_sharding_constraint(p, ush)
                 updates, s = self.optimizer.update(grads, s, p)
                 return optax.apply_updates(p, updates), s, loss
 
             def grads_fn(p, batch):
-                return self._loss_and_grads(p, batch, psh)
+                return self._loss_and_grads(p, batch, use, ush)
 
             jstep = jax.jit(step, in_shardings=(psh, osh, self.batch_sharding),
                             out_shardings=(psh, osh, rep),
@@ -168,7 +214,7 @@ class TrainStep:
 
 def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
                rules: Sequence | None = None, batch_axis: str = "data",
-               donate: bool = True) -> TrainStep:
+               donate: bool = True, shard_update: bool = True) -> TrainStep:
     """A sharded training step: ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
     ``mode``: ``"dp"``, ``"fsdp"`` or ``"tp"`` (see :mod:`jaxmem.distributed.sharding`);
@@ -183,6 +229,10 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
       rules: per-path layout overrides (see :mod:`jaxmem.distributed.sharding`).
       batch_axis: the mesh axis the batch's leading axis is split over.
       donate: donate parameters and optimizer state to the step.
+      shard_update: reduce-scatter the gradient onto
+        :func:`~jaxmem.distributed.update_shardings` and update there, with the optimizer
+        state laid out alike (default); ``False``: the gradient laid out like the
+        parameters (an all-reduce under ``"dp"``) and the update with them.
 
     Returns:
       A :class:`TrainStep`: ``step.init(params) -> (params, opt_state)`` places both with
@@ -211,4 +261,4 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         params, opt_state, loss = step(params, opt_state, batch)
     """
     return TrainStep(loss_fn, optimizer, mesh, mode, rules=rules, batch_axis=batch_axis,
-                     donate=donate)
+                     donate=donate, shard_update=shard_update)

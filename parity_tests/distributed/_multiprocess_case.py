@@ -11,8 +11,9 @@ BATCH = 16
 
 def case():
     """A tiny GPT converted with jaxmem (selective + 3-bit few-bit GELU), a fixed batch of
-    ``BATCH`` sequences, its mean next-token loss and SGD with momentum (its trace state is sharded like the parameters)."""
-    base = gpt(vocab=64, ctx=8, d_model=32, n_head=4, n_layer=2)
+    ``BATCH`` sequences, its mean next-token loss and SGD with momentum (its trace state is
+    sharded like the parameters; after one step from zero it is the gradient)."""
+    base = gpt(vocab=64, ctx=8, d_model=32, n_head=4, n_layer=1)
     model = jaxmem.linen.convert(base, fewbit=3)
     rng = np.random.default_rng(0)
     tok = rng.integers(0, 64, (BATCH, 8)).astype(np.int32)

@@ -34,9 +34,9 @@ local = (tok[pid * rows:(pid + 1) * rows], tgt[pid * rows:(pid + 1) * rows])
 batch = jax.tree.map(lambda a: jax.make_array_from_process_local_data(step.batch_sharding, a),
                      local)
 p, s = step.init(jax.tree.map(np.asarray, params))
-loss, grads = step.grads(p, batch)
-p, s, _ = step(p, s, batch)
-grads = multihost_utils.process_allgather(grads, tiled=True)
+p, s, loss = step(p, s, batch)
+# after one step from a zero trace, SGD's momentum trace is the gradient itself
+grads = multihost_utils.process_allgather(s[0].trace, tiled=True)
 p = multihost_utils.process_allgather(p, tiled=True)
 flat = {f"grad/{jd.path_str(k)}": np.asarray(v)
         for k, v in jax.tree_util.tree_leaves_with_path(grads)}

@@ -18,6 +18,8 @@ HERE = Path(__file__).resolve().parent
 NPROC, LOCAL_DEVICES = 2, 4
 TIMEOUT_S = 240
 SKIP = 77
+#: each worker compiles a few small programs and runs them once: LLVM's cheap pipeline
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _free_port():
@@ -26,17 +28,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_workers(out):
+def _start_workers(out):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FAST_COMPILE +
                         f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
     env.pop("JAX_PLATFORMS", None)
     env["JAX_PLATFORMS"] = "cpu"
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_multiprocess_worker.py"), str(port),
-                               str(i), str(NPROC), str(out)], env=env, cwd=HERE.parents[1],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(NPROC)]
+    return [subprocess.Popen([sys.executable, str(HERE / "_multiprocess_worker.py"), str(port),
+                              str(i), str(NPROC), str(out)], env=env, cwd=HERE.parents[1],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(NPROC)]
+
+
+def _wait(procs):
     results = []
     try:
         for p in procs:
@@ -55,7 +60,18 @@ def test_two_process_fsdp_step_equals_single_process(tmp_path):
     from _multiprocess_case import case
 
     out = tmp_path / "result.npz"
-    results = _run_workers(out)
+    procs = _start_workers(out)
+    try:  # the one-process, one-device reference, computed while the workers run
+        params, batch, loss_fn, opt = case()
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+        upd, _ = opt.update(grads, opt.init(params), params)
+        new = optax.apply_updates(params, upd)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        raise
+    results = _wait(procs)
     if all(rc == SKIP for rc, _ in results):
         pytest.skip("this platform lacks jax.distributed with gloo CPU collectives: "
                     + results[0][1].strip().splitlines()[-1])
@@ -64,10 +80,6 @@ def test_two_process_fsdp_step_equals_single_process(tmp_path):
     got = dict(np.load(out))
     assert list(got["devices"]) == [NPROC * LOCAL_DEVICES, LOCAL_DEVICES, NPROC]
 
-    params, batch, loss_fn, opt = case()
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
-    upd, _ = opt.update(grads, opt.init(params), params)
-    new = optax.apply_updates(params, upd)
     from jaxmem.distributed import path_str
     for prefix, tree in (("grad", grads), ("param", new)):
         for k, want in jax.tree_util.tree_leaves_with_path(tree):

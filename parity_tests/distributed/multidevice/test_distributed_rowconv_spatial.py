@@ -1,4 +1,6 @@
 """Spatial rowconv: the height split over 2/4/8 devices equals the single-device stack."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,25 +43,36 @@ def _mesh(n, name="rows"):
     return Mesh(np.array(jax.devices()[:n]), (name,))
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_outputs_and_grads_equal_untiled(n):
+_KEY = jax.random.PRNGKey(5)
+
+
+@functools.cache
+def _untiled():
+    """The stack, its parameters, the input and the untiled stack's (loss, y) and gradients
+    on one device (the reference of every device count)."""
     layers = _stack()
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 128, 8, 3))
     params = _params(layers, x.shape)
-    key = jax.random.PRNGKey(5)
+
+    def loss_ref(p, x):
+        y = rc.apply(layers, p, x, rng=_KEY)
+        return _weighted(y), y
+
+    return layers, params, x, jax.jit(jax.value_and_grad(loss_ref, (0, 1), has_aux=True))(
+        params, x)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_outputs_and_grads_equal_untiled(n):
+    layers, params, x, ((v0, y0), (gp0, gx0)) = _untiled()
     mesh = _mesh(n)
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "rows")))
 
     def loss(p, x):
-        y = spatial_apply(layers, p, x, mesh=mesh, axis_name="rows", rows=2, rng=key)
-        return _weighted(y), y
-
-    def loss_ref(p, x):
-        y = rc.apply(layers, p, x, rng=key)
+        y = spatial_apply(layers, p, x, mesh=mesh, axis_name="rows", rows=2, rng=_KEY)
         return _weighted(y), y
 
     (v, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, xs)
-    (v0, y0), (gp0, gx0) = jax.jit(jax.value_and_grad(loss_ref, (0, 1), has_aux=True))(params, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(v), float(v0), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(gx0), rtol=1e-5, atol=1e-6)

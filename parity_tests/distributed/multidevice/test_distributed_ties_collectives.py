@@ -21,7 +21,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmem.selective as S
-from jaxmem import fewbit
 from jaxmem.distributed import compiled_collectives
 
 MODES = ("dp", "fsdp", "tp")
@@ -122,7 +121,7 @@ def _case(name, mode):
     if name == "attention":
         args = tuple(_rand(20 + i, (8, 8, 4, 8)) for i in range(3))
         spec = ("data", None, "model") if mode == "tp" else ("data",)
-        ours = _attn(lambda q, k, v: fewbit.attention(q, k, v, causal=True))
+        ours = _attn(lambda q, k, v: S.attention(q, k, v, causal=True))
         return ours, _attn(_plain_attn), args, tuple(_put(a, spec) for a in args)
     raise AssertionError(name)
 

@@ -1,0 +1,98 @@
+"""Sharded steps on XLA:GPU's plan for 8 x H100 (compiled here without a GPU): the gradient
+is reduce-scattered, never all-reduced to a full copy.
+
+A jaxmem MLP block (selective + 3-bit few-bit GELU, every parameter axis divisible by 8)
+with Adam. Under FSDP and under DP with ``shard_update`` (the default) each device receives
+``(sum_d g_d)[shard]``: reduce-scatters whose results are one eighth of the parameters, and
+no all-reduce beyond the scalar loss. The all-reduce DP step (``shard_update=False``) is the
+control: it all-reduces every gradient and keeps a replicated Adam state, and its per-device
+bytes are above both. Skipped where the CUDA PJRT plugin is not installed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmem.linen
+from jaxmem import distributed as jd
+from jaxmem.models.transformer import MLPBlock
+
+D, HIDDEN, BATCH, T = 128, 512, 16, 8
+NDEV = 8
+SCALAR = 4  # bytes of the f32 loss, the only value the steps may all-reduce
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu_plan():
+    from jaxmem.measure import gpu_plan_available
+
+    if not gpu_plan_available():
+        pytest.skip("XLA:GPU plan tests need the CUDA PJRT plugin (docs/measuring.md, "
+                    "'XLA:GPU's plan without a GPU')")
+
+
+@functools.cache
+def _case():
+    base = MLPBlock(HIDDEN, gelu_approximate=True)
+    model = jaxmem.linen.convert(base, fewbit=3)
+    x = jax.ShapeDtypeStruct((BATCH, T, D), jnp.float32)
+    params = jax.eval_shape(base.init, jax.random.key(0), x)["params"]
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+    return loss, params, (x, x)
+
+
+def _param_bytes():
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(_case()[1]))
+
+
+@functools.cache
+def _compiled(mode, shard_update=True):
+    """(memory_analysis, collectives) of the step compiled for 8 x H100."""
+    from jaxmem.measure import target_mesh
+    from jaxmem.measure.target import compile_lowered
+
+    loss, params, batch = _case()
+    opt = optax.adam(1e-3)
+    devs = list(target_mesh("h100", (NDEV,), ("data",)).devices.flat)
+    step = jd.train_step(loss, opt, jd.mesh(data=NDEV, devices=devs), mode,
+                         shard_update=shard_update)
+    compiled, _ = compile_lowered(step.lower(params, jax.eval_shape(opt.init, params), batch),
+                                  "h100", "auto")
+    return compiled.memory_analysis(), jd.collectives(compiled.as_text())
+
+
+def _total(m):
+    return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_gradient_is_reduce_scattered_not_all_reduced(mode):
+    _, c = _compiled(mode)
+    assert c.counts["reduce-scatter"] >= 1, c.counts
+    assert c.bytes["reduce-scatter"] == _param_bytes() // NDEV, c.bytes
+    assert c.bytes["all-reduce"] <= SCALAR, c.bytes
+
+
+def test_all_reduce_dp_control_all_reduces_the_whole_gradient():
+    _, c = _compiled("dp", shard_update=False)
+    assert c.counts["reduce-scatter"] == 0, c.counts
+    assert c.bytes["all-reduce"] >= _param_bytes(), c.bytes
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_per_device_bytes_below_the_all_reduce_dp_step(mode):
+    """Adam's state is sharded with the update (1/8 of it a device), and the gradient a
+    device keeps is its eighth: both the temporaries and the total are below the all-reduce
+    step's."""
+    m, _ = _compiled(mode)
+    ar, _ = _compiled("dp", shard_update=False)
+    assert m.temp_size_in_bytes < ar.temp_size_in_bytes, (m, ar)
+    assert _total(m) < _total(ar), (_total(m), _total(ar))
