@@ -10,6 +10,10 @@
   :mod:`~jaxmem.transform.match_elementwise`;
 * attention subgraphs -> the exact memory-lean attention --
   :mod:`~jaxmem.transform.match_attention`;
+* normalisations (layer / RMS / batch / group norm, any spelling, checked to compute one)
+  -> :func:`jaxmem.selective.normalize` -- :mod:`~jaxmem.transform.match_norm`;
+* dropout (``where(bernoulli(key, keep), x / keep, 0)``) -> :func:`jaxmem.selective.dropout`
+  (the mask regenerated from the key) -- :mod:`~jaxmem.transform.match_dropout`;
 
 through ``scan``, ``cond``, ``while``, ``remat`` and ``jit`` bodies
 (:mod:`~jaxmem.transform.interpret`).  :func:`report` lists every decision with the user's

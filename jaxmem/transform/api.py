@@ -1,6 +1,7 @@
 """``jaxmem.transform(f, ...)``: convert what a program computes, not what it calls.
 
-``transform(f, *, fewbit=None, attention=True, products=True, activations=True)`` returns
+``transform(f, *, fewbit=None, attention=True, products=True, activations=True, norms=True,
+dropout=True)`` returns
 a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
 outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
 ``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
@@ -34,7 +35,8 @@ def _is_array(x) -> bool:
 
 
 def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
-              products: bool = True, activations: bool = True) -> Callable:
+              products: bool = True, activations: bool = True, norms: bool = True,
+              dropout: bool = True) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -45,10 +47,15 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         ``dy * q(x)``).  Piecewise-linear two-slope activations (the ReLU family) always
         get the exact 1-bit mask.
       attention: re-emit ``softmax(q k^T [* scale] [+ bias] [masked]) v`` subgraphs with
-        :func:`jaxmem.fewbit.attention_core` (exact, keeps no ``T x S`` array).
+        :func:`jaxmem.selective.attention_core` (exact, keeps no ``T x S`` array).
       products: re-emit ``dot_general`` / ``conv_general_dilated`` with
         :mod:`jaxmem.selective` (the input is kept only if the weight is differentiated).
       activations: re-emit elementwise activation subgraphs.
+      norms: re-emit normalisation subgraphs (layer / RMS / batch (train) / group norm,
+        any spelling) with :func:`jaxmem.selective.normalize` (keeps ``x`` and its
+        statistics; exact).
+      dropout: re-emit ``where(bernoulli(key, keep), x / keep, 0)`` with
+        :func:`jaxmem.selective.dropout` (keeps the key, regenerates the mask; exact).
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -66,7 +73,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     if not callable(f):
         raise TypeError(f"transform: f must be a callable, got {type(f).__name__}")
     options = Options(fewbit=fewbit, attention=attention, products=products,
-                      activations=activations)
+                      activations=activations, norms=norms, dropout=dropout)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -15,13 +15,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._compat import core
 from jaxmem._compat import source_info_util as siu
 
-__all__ = ["CALL_PRIMS", "Graph", "bind_eqn", "inline_calls", "is_literal", "location",
-           "name_stack"]
+__all__ = ["CALL_PRIMS", "Graph", "bind_eqn", "first_location", "inline_calls", "is_literal",
+           "location", "name_stack"]
 
 #: call primitives whose body is inlined before matching
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call")
@@ -126,6 +127,16 @@ def location(eqn) -> str:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
+def first_location(eqns) -> str:
+    """The first known :func:`location` among ``eqns`` (an equation inlined from a library's
+    ``jit``, e.g. ``jnp.where``'s select, may have none of its own)."""
+    for e in eqns:
+        where = location(e)
+        if where:
+            return where
+    return ""
+
+
 def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
 
@@ -187,7 +198,7 @@ class Graph:
         out = None
         if v in self.consts:
             val = np.asarray(self.consts[v])
-            if val.size >= 1 and np.issubdtype(val.dtype, np.number):
+            if val.size >= 1 and jnp.issubdtype(val.dtype, jnp.number):
                 flat = val.reshape(-1)
                 if np.all(flat == flat[0]):
                     out = float(flat[0])
@@ -201,7 +212,7 @@ class Graph:
         return out
 
 
-_UNIFORM_PRIMS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+_UNIFORM_PRIMS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "stop_gradient",
                   "convert_element_type", "neg", "sqrt", "rsqrt", "mul", "div", "add", "sub",
                   "exp", "log", "copy", "max", "min", "integer_pow"}
 
@@ -210,7 +221,8 @@ def _fold(eqn, vals) -> float | None:
     """Evaluate a scalar version of a uniform-constant equation in float64."""
     name = eqn.primitive.name
     with np.errstate(all="ignore"):
-        if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy"):
+        if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
+                    "stop_gradient"):
             return vals[0]
         if name == "convert_element_type":
             dt = np.dtype(eqn.params["new_dtype"])

@@ -5,17 +5,19 @@
 level it
 
 1. inlines plain ``jit`` / ``closed_call`` bodies (:func:`~jaxmem.transform.graph.inline_calls`),
-2. runs the matchers on the flat jaxpr (attention first, then products, then activation
-   subgraphs, each on the equations the earlier ones left),
+2. runs the matchers on the flat jaxpr (attention first, then normalisations, dropout,
+   products, then activation subgraphs, each on the equations the earlier ones left),
 3. walks the equations in order: a matched set is re-emitted as its op at its last
-   equation; higher-order primitives are entered (their bodies go through 1-3 again and
+   equation (a reader of a statistic it also produces waits for it); higher-order
+   primitives are entered (their bodies go through 1-3 again and
    are re-built with ``lax.scan`` / ``lax.switch`` / ``lax.while_loop`` /
    ``jax.checkpoint`` / ``jax.jit``); every other equation is bound unchanged
    (``primitive.bind(*invals, **params)``) under its own source location.
 
-Not entered yet (re-emitted unchanged, reported): ``custom_jvp_call`` / ``custom_vjp_call``
-bodies (their rules must stay theirs), ``shard_map``, ``jit`` calls with their own
-shardings or donation.
+Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
+``custom_vjp_call`` bodies (their derivative rules must stay theirs; a ``custom_jvp`` with
+an elementwise body is still part of an activation subgraph), ``shard_map`` and ``jit``
+calls with their own shardings or donation (not yet).
 """
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ class Interpreter:
     def plan(self, graph: Graph, path: str) -> dict[int, Match]:
         from jaxmem.transform.match_attention import match_attention
         from jaxmem.transform.match_dot import match_product
+        from jaxmem.transform.match_dropout import match_dropout
         from jaxmem.transform.match_elementwise import match_activations
+        from jaxmem.transform.match_norm import match_norms
 
         opts = self.options
         found: list = []
@@ -67,6 +71,12 @@ class Interpreter:
 
         if opts.attention:
             for item in match_attention(graph, path):
+                add(item)
+        if opts.norms:
+            for item in match_norms(graph, taken, path):
+                add(item)
+        if opts.dropout:
+            for item in match_dropout(graph, taken, path):
                 add(item)
         if opts.products:
             for i in range(len(graph.jaxpr.eqns)):
@@ -104,16 +114,46 @@ class Interpreter:
 
         write(jaxpr.constvars, consts)
         write(jaxpr.invars, args)
-        for i, eqn in enumerate(jaxpr.eqns):
-            if i in skip:
-                continue
+
+        def ready(vs) -> bool:
+            return all(isinstance(v, core.Literal) or v in env for v in vs)
+
+        def run_item(i):
+            eqn = jaxpr.eqns[i]
             m = plan.get(i)
             if m is not None:
                 with context(eqn):
                     outs = m.emit(*[read(v) for v in m.inputs])
                 write(m.outputs, outs)
+            else:
+                write(eqn.outvars, self.eqn(eqn, [read(v) for v in eqn.invars], path))
+
+        def inputs(i):
+            m = plan.get(i)
+            return m.inputs if m is not None else jaxpr.eqns[i].invars
+
+        # A match runs where its last equation was; a statistic it also produces (a batch
+        # norm's mean, read by the running average) may be read earlier in the original
+        # order: such readers wait until the match has run.
+        pending: list[int] = []
+        for i in range(len(jaxpr.eqns)):
+            if i in skip:
                 continue
-            write(eqn.outvars, self.eqn(eqn, [read(v) for v in eqn.invars], path))
+            if not ready(inputs(i)):
+                pending.append(i)
+                continue
+            run_item(i)
+            progress = bool(pending)
+            while progress:
+                progress = False
+                for j in list(pending):
+                    if ready(inputs(j)):
+                        pending.remove(j)
+                        run_item(j)
+                        progress = True
+        if pending:  # pragma: no cover - a matcher produced a cyclic plan
+            raise RuntimeError("jaxmem.transform: equations left unscheduled: "
+                               f"{[jaxpr.eqns[i].primitive.name for i in pending]}")
         return [read(v) for v in jaxpr.outvars]
 
     # --------------------------------------------------------- higher-order primitives
@@ -123,7 +163,8 @@ class Interpreter:
         if method is None:
             if name in _NOT_ENTERED or any(True for _ in core.jaxprs_in_params(eqn.params)):
                 record(Row("higher-order", name + _named(eqn), "", False,
-                           "not entered yet: its body is re-emitted unchanged", location(eqn),
+                           _WHY_NOT.get(name, "not entered yet: its body is re-emitted "
+                                              "unchanged"), location(eqn),
                            name_stack(eqn), path))
             return bind_eqn(eqn, invals)
         record(Row("higher-order", name + _named(eqn), "entered", True, "", location(eqn),
@@ -181,6 +222,18 @@ class Interpreter:
 
 
 _ENTERED = {"closed_call", "remat2", "checkpoint", "scan", "cond", "while"}
+
+_CUSTOM = ("its derivative rule is the program's own: re-emitting the body would replace "
+           "that rule with the body's autodiff (not sound in general); bound unchanged")
+#: why a higher-order primitive is left as it is
+_WHY_NOT = {
+    "custom_jvp_call": _CUSTOM, "custom_vjp_call": _CUSTOM, "custom_vjp_call_jaxpr": _CUSTOM,
+    "custom_lin": _CUSTOM, "custom_transpose_call": _CUSTOM,
+    "shard_map": "not entered yet (its body would be re-emitted inside a shard_map of the "
+                 "same mesh and specs); bound unchanged",
+    "jit": "a jit with its own shardings or donation: not inlined; bound unchanged",
+    "pjit": "a jit with its own shardings or donation: not inlined; bound unchanged",
+}
 
 
 def _named(eqn) -> str:

@@ -5,9 +5,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxmem.transform.report import Row
 
-__all__ = ["Match", "aval_str"]
+__all__ = ["Match", "aval_str", "is_float"]
 
 
 @dataclasses.dataclass
@@ -31,3 +33,9 @@ def aval_str(v) -> str:
     a = v.aval
     shape = ",".join(str(d) for d in getattr(a, "shape", ()))
     return f"{getattr(a, 'dtype', '?')}[{shape}]".replace("float", "f").replace("bfloat", "bf")
+
+
+def is_float(v) -> bool:
+    """``v`` is a floating-point (or complex) array: f16, bf16, f32, f64 (``np.inexact``
+    alone misses bfloat16)."""
+    return bool(jnp.issubdtype(v.aval.dtype, jnp.inexact))

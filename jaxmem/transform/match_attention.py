@@ -1,4 +1,4 @@
-"""Attention subgraphs -> the exact memory-lean attention of :mod:`jaxmem.fewbit`.
+"""Attention subgraphs -> the exact memory-lean attention of :mod:`jaxmem.selective`.
 
 Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
 ``dot_product_attention``, a hand-written softmax)::
@@ -21,7 +21,7 @@ Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
     o = dot_general(p, v) | (v, p)   contracting S
 
 with every interior value used inside the pattern only.  It is re-emitted as
-:func:`jaxmem.fewbit.attention_core` on ``q, k, v`` transposed to ``(..., T, 1, D)``,
+:func:`jaxmem.selective.attention_core` on ``q, k, v`` transposed to ``(..., T, 1, D)``,
 ``(..., S, 1, D)``, ``(..., S, 1, Dv)`` (the batch axes of the scores, one head), the bias /
 mask un-broadcast to their source (so nothing ``T x S`` is stored when they are smaller),
 and the result transposed back: forward the same arithmetic, backward flash-style from
@@ -411,7 +411,7 @@ def _match_one(graph: Graph, d2_index: int):
 
 def _emit_fn(spec_kw: dict, layout: dict, bias_shape, mask_shape):
     """``emit(q, k, v, [bias], [mask])`` for one matched layout."""
-    from jaxmem.fewbit.attention import AttentionSpec, attention_core
+    from jaxmem.selective.attention import AttentionSpec, attention_core
 
     spec = AttentionSpec(**spec_kw)
     nb = layout["nb"]
@@ -482,7 +482,7 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
                                 ("dropout", layout["dropout_key"])) if x is not None]
         what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
                 + (f" [{', '.join(parts)}]" if parts else ""))
-        row = Row("attention", what, "jaxmem.fewbit.attention_core (exact)", True,
+        row = Row("attention", what, "jaxmem.selective.attention_core (exact)", True,
                   "keeps q, k, v and row statistics, no T x S array", location(eqn),
                   name_stack(eqn), path)
         out.append(Match(frozenset(used), i, inputs, list(eqn.outvars), emit, row))

@@ -11,10 +11,8 @@ input gradient is summed per output phase, equal up to float rounding).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from jaxmem.transform.graph import Graph, location, name_stack
-from jaxmem.transform.match import Match, aval_str
+from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.report import Row
 
 __all__ = ["match_product"]
@@ -22,9 +20,6 @@ __all__ = ["match_product"]
 _PRIMS = {"dot_general": ("dot", "jaxmem.selective.dot_general"),
           "conv_general_dilated": ("conv", "jaxmem.selective.conv_general_dilated")}
 
-
-def _floating(v) -> bool:
-    return np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
 
 
 def match_product(graph: Graph, i: int, path: str) -> Match | Row | None:
@@ -38,7 +33,7 @@ def match_product(graph: Graph, i: int, path: str) -> Match | Row | None:
     lhs, rhs = eqn.invars
     what = f"{name} {aval_str(lhs)} x {aval_str(rhs)} -> {aval_str(eqn.outvars[0])}"
     where, ns = location(eqn), name_stack(eqn)
-    if not (_floating(lhs) and _floating(rhs)):
+    if not (is_float(lhs) and is_float(rhs)):
         return Row(kind, what, "", False, "integer operands: not differentiated", where, ns,
                    path)
     params = dict(eqn.params)

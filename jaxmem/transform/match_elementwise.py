@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxmem._compat import core
 from jaxmem.transform.graph import Graph, bind_eqn, is_literal, location, name_stack
-from jaxmem.transform.match import Match, aval_str
+from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.report import Row
 
 __all__ = ["ELEMENTWISE", "Subgraph", "match_activations"]
@@ -103,9 +103,6 @@ def _elementwise_eqn(graph: Graph, eqn) -> bool:
             return False
     return True
 
-
-def _floating(v) -> bool:
-    return np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
 
 
 # ------------------------------------------------------------------------- subgraph
@@ -376,14 +373,14 @@ def match_activations(graph: Graph, taken: set[int], path: str,
 
     out: list[Match | Row] = []
     for r, group in members.items():
-        if not _floating(r):
+        if not is_float(r):
             continue
         gset = set(group)
         # candidate outputs: float values of x's shape; largest subgraph first
         cands = []
         for i in group:
             o = eqns[i].outvars[0]
-            if _floating(o) and _shape(o) == _shape(r):
+            if is_float(o) and _shape(o) == _shape(r):
                 anc = _ancestors(graph, i, gset)
                 cands.append((len(anc), i, o, anc))
         cands.sort(key=lambda c: (-c[0], c[1]))
@@ -434,13 +431,16 @@ def _reduced(graph: Graph, v, depth: int = 0) -> bool:
     return bool(varying) and all(_reduced(graph, u, depth + 1) for u in varying)
 
 
-def _statistic_or_reduced(graph: Graph, r, o) -> str:
+def _statistic_or_reduced(graph: Graph, r, o, taken: set[int] = frozenset()) -> str:
     """Why a smooth subgraph is no activation to approximate ('' when it is one): a
     function of normalisation statistics (``rsqrt(var + eps)``), or one whose output is
-    summed away (``x ** 2`` inside a variance, a loss) -- its gradient must stay exact."""
+    summed away (``x ** 2`` inside a variance, a loss) -- its gradient must stay exact.
+    Reductions inside an op another matcher re-emits (``taken``: a normalisation whose
+    input this is) do not count."""
     if _reduced(graph, r):
         return "a function of reduced statistics (a normalisation's), not an activation"
-    if any(graph.jaxpr.eqns[j].primitive.name in _REDUCTIONS for j in graph.uses(o)):
+    if any(graph.jaxpr.eqns[j].primitive.name in _REDUCTIONS for j in graph.uses(o)
+           if j not in taken):
         return "its output is reduced (a variance's square, a loss), not an activation"
     return ""
 
@@ -486,7 +486,7 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit) -> Match | Row:
                       f"slopes {slopes[0]:g} / {slopes[1]:g}", where, ns, path)
             return Match(frozenset(anc), anchor, [r], [o],
                          lambda x, _op=op: [_op(x)], row)
-    statistic = _statistic_or_reduced(graph, r, o)
+    statistic = _statistic_or_reduced(graph, r, o, taken)
     if statistic:
         return Row("activation", what, "", False, statistic, where, ns,
                    path)

@@ -14,19 +14,25 @@ class Options:
     attention: re-emit attention subgraphs with the exact memory-lean attention.
     products: re-emit ``dot_general`` / convolutions with the selective bilinear ops.
     activations: re-emit elementwise activation subgraphs (masks; codes with ``fewbit``).
+    norms: re-emit normalisation subgraphs (layer / RMS / batch / group norm) with the
+      selective normalisation.
+    dropout: re-emit dropout (``where(bernoulli(key), x / keep, 0)``) with the selective
+      dropout (the mask regenerated from the key).
     """
 
     fewbit: int | None = None
     attention: bool = True
     products: bool = True
     activations: bool = True
+    norms: bool = True
+    dropout: bool = True
 
     def __post_init__(self):
         fb = self.fewbit
         if fb is not None and (isinstance(fb, bool) or not isinstance(fb, int)
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
-        for name in ("attention", "products", "activations"):
+        for name in ("attention", "products", "activations", "norms", "dropout"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")

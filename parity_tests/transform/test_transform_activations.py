@@ -82,7 +82,9 @@ def test_norm_statistics_and_losses_are_no_activations():
         y = x * jax.lax.rsqrt(jnp.mean(x ** 2, -1, keepdims=True) + 1e-6)
         return jnp.mean(y ** 2)
 
-    g = transform(f, fewbit=2)
+    # norms=False: the RMSNorm's insides reach the activation matcher (with norms on they
+    # are one normalisation, parity_tests/transform/test_transform_norms.py)
+    g = transform(f, fewbit=2, norms=False)
     rows = g.report(x).by_kind("activation")
     assert rows and not any(r.converted for r in rows)
     assert any("reduced statistics" in r.reason for r in rows)

@@ -1,0 +1,614 @@
+"""Normalisation subgraphs -> :mod:`jaxmem.selective`'s normalisation primitive.
+
+A normalisation computes statistics of its input ``x`` over some axes and rescales ``x``
+with them::
+
+    mu   = mean(x, A)                      (0 for an RMS norm)
+    var  = mean(x^2, A) - mu^2   |  mean((x - mu)^2, A)
+    y    = (x - mu) * rsqrt(var + eps) [* scale] [+ bias]   (or ``/ sqrt(var + eps)``)
+
+however it is spelled: Flax's ``LayerNorm`` / ``BatchNorm`` (train) / ``GroupNorm`` /
+``RMSNorm``, Hugging Face's ``FlaxT5LayerNorm`` (``w * (h / sqrt(mean(h**2) + eps))``),
+Equinox's ``LayerNorm``, a hand-written one.  JAX's autodiff keeps two or three
+input-sized arrays for it; :func:`jaxmem.selective.normalize` keeps ``x`` and two
+statistics (and a following bilinear layer shares them instead of keeping ``y``).
+
+The matcher does not rely on one spelling.  From each ``reduce_sum`` it walks back to
+candidate inputs ``x``; from ``x`` it follows the *forward cone* of elementwise,
+broadcasting, reshaping and summing equations; each ``x``-shaped value ``y`` of that cone
+whose ancestors (within the cone) contain a reduction and whose interior values are used
+nowhere else (statistics of reduced size may be, e.g. Flax's running averages) is a
+candidate.  A candidate is accepted when it computes the same function as a normalisation
+``N(x; A, eps, mean or not, scale, bias)``: the subgraph and ``N`` are both evaluated in
+float64 on two random inputs (one of normal scale, one whose variance is comparable to
+``eps``, so ``eps`` matters) with random ``scale`` / ``bias`` for its other inputs, and must
+agree to ``1e-9``.  Reduction axes, ``eps`` and which input is the scale come from the
+subgraph (its ``reduce_sum`` axes, the constants it adds, its inputs broadcast along
+the normalised axes); what is checked is the function.  Since the subgraph contains no
+``stop_gradient`` or custom rule, equal functions have equal derivatives: the re-emitted
+op is exact (up to float rounding: the statistics are computed in its own order).
+An accepted candidate is extended through following ``+ bias`` / ``* scale`` equations
+while the function still matches.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem.transform.graph import Graph, first_location, is_literal, name_stack
+from jaxmem.transform.match import Match, aval_str, is_float
+from jaxmem.transform.match_attention import _signature
+from jaxmem.transform.match_elementwise import ELEMENTWISE, _generic
+from jaxmem.transform.report import Row
+
+__all__ = ["match_norms"]
+
+#: primitives a normalisation subgraph may consist of (no ``stop_gradient``: a statistic
+#: held constant has another derivative than the normalisation)
+_CONE = (ELEMENTWISE - {"rem", "floor", "ceil", "round", "sign", "nextafter"}) | {
+    "reduce_sum", "broadcast_in_dim", "reshape", "squeeze", "expand_dims"}
+#: most equations followed forward from one candidate input
+_CONE_LIMIT = 160
+#: most candidate outputs checked per candidate input
+_TRIES = 6
+_TOL = 1e-9
+
+
+def _shape(v) -> tuple:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+
+def _size(v) -> int:
+    return math.prod(_shape(v))
+
+
+def _root_candidates(graph: Graph, u) -> list:
+    """``u`` and what it is computed from elementwise (``x * x``, ``x ** 2``, ``x - mu``,
+    casts) or by a reshape (a group norm's grouping): candidate inputs ``x``."""
+    out = [u]
+    v = u
+    for _ in range(4):
+        eqn = graph.eqn(v)
+        if eqn is None:
+            break
+        name = eqn.primitive.name
+        varying = [w for w in eqn.invars if not graph.is_const(w)]
+        if name == "reshape" or (name in ELEMENTWISE and len(varying) == 1):
+            v = varying[0] if varying else None
+        elif len(varying) == 2 and (
+                (name == "mul" and varying[0] is varying[1])              # x * x
+                or (name == "sub" and _shape(varying[0]) == _shape(v))):  # x - mu
+            v = varying[0]
+        else:
+            break
+        if v is None or is_literal(v) or not is_float(v):
+            break
+        out.append(v)
+    return out
+
+
+def _cone(graph: Graph, r, taken: set[int]) -> list[int]:
+    """Equations reachable from ``r`` through :data:`_CONE` primitives (in order)."""
+    eqns = graph.jaxpr.eqns
+    heap = list(graph.uses(r))
+    heapq.heapify(heap)
+    seen: set[int] = set()
+    inside = {r}
+    out: list[int] = []
+    while heap and len(out) < _CONE_LIMIT:
+        i = heapq.heappop(heap)
+        if i in seen:
+            continue
+        seen.add(i)
+        eqn = eqns[i]
+        if i in taken or eqn.primitive.name not in _CONE:
+            continue
+        if not any(not is_literal(v) and v in inside for v in eqn.invars):
+            continue
+        out.append(i)
+        for v in eqn.outvars:
+            inside.add(v)
+            for j in graph.uses(v):
+                heapq.heappush(heap, j)
+    return sorted(out)
+
+
+def _ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
+    seen = {i}
+    stack = [i]
+    while stack:
+        for v in graph.jaxpr.eqns[stack.pop()].invars:
+            j = graph.producer.get(v) if not is_literal(v) else None
+            if j is not None and j in group and j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return seen
+
+
+_EFFECTS = {"random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+            "random_split", "iota"}
+
+
+def _static(graph: Graph, v, memo: dict, depth: int = 0) -> bool:
+    """``v`` is computed from literals and concrete constants only (``jnp.var``'s
+    ``where(n - ddof > 0, var, nan)``)."""
+    if is_literal(v) or graph.is_const(v):
+        return True
+    if v in memo:
+        return memo[v]
+    eqn = graph.eqn(v)
+    ok = (eqn is not None and depth < 16 and eqn.primitive.name not in _EFFECTS
+          and not any(True for _ in _subjaxprs(eqn))
+          and all(_static(graph, u, memo, depth + 1) for u in eqn.invars))
+    memo[v] = ok
+    return ok
+
+
+def _subjaxprs(eqn):
+    from jaxmem._compat import core
+    return core.jaxprs_in_params(eqn.params)
+
+
+def _static_eqns(graph: Graph, vs, memo: dict) -> tuple[set[int], dict]:
+    """Equations (and concrete constvars) computing the static values ``vs``."""
+    eqns: set[int] = set()
+    consts: dict = {}
+    stack = list(vs)
+    while stack:
+        v = stack.pop()
+        if is_literal(v):
+            continue
+        if v in graph.consts:
+            consts[v] = graph.consts[v]
+            continue
+        i = graph.producer.get(v)
+        if i is None or i in eqns:
+            continue
+        eqns.add(i)
+        stack.extend(graph.jaxpr.eqns[i].invars)
+    return eqns, consts
+
+
+class _Region:
+    """Equations ``anc`` from ``root`` (and side inputs) to ``out`` (+ ``extras``)."""
+
+    def __init__(self, graph, root, out, anc, taken):
+        self.graph, self.root, self.out, self.anc = graph, root, out, set(anc)
+        eqns = graph.jaxpr.eqns
+        self.ok = True
+        self.extras: list = []
+        self.sides: list = []
+        statics: list = []
+        memo: dict = {}
+        for j in sorted(self.anc):
+            for v in eqns[j].outvars:
+                if v is out or graph.only_used_by(v, self.anc):
+                    continue
+                if _size(v) < _size(root) and is_float(v):
+                    self.extras.append(v)     # a statistic used elsewhere (running stats)
+                else:
+                    self.ok = False
+            for v in eqns[j].invars:
+                if is_literal(v) or v is root or graph.producer.get(v) in self.anc:
+                    continue
+                if _static(graph, v, memo):
+                    statics.append(v)
+                    continue
+                if v not in self.sides:
+                    self.sides.append(v)
+        self.const_eqns, self.consts = _static_eqns(graph, statics, memo)
+
+    def evaluate(self, x, sides: list) -> list:
+        """The region's ``[out, *extras]`` for these values (any float dtype)."""
+        g = self.graph
+        env: dict = {self.root: x}
+        env.update(self.consts)
+        env.update(zip(self.sides, sides))
+        for j in sorted(self.anc | self.const_eqns):
+            eqn = g.jaxpr.eqns[j]
+            invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]
+            for v, o in zip(eqn.outvars, _generic(eqn, invals, x, _shape(self.root))):
+                env[v] = o
+        return [env[self.out]] + [env[v] for v in self.extras]
+
+
+def _side_source(graph: Graph, v, root):
+    """``(var, bshape)``: the array to pass for side input ``v`` and its shape broadcastable
+    to ``root`` (un-broadcast through one ``broadcast_in_dim`` when ``v`` is full-sized)."""
+    rank = len(_shape(root))
+    shape = _shape(v)
+    if len(shape) == rank and _size(v) < _size(root):
+        return v, shape
+    eqn = graph.eqn(v)
+    if eqn is not None and eqn.primitive.name == "broadcast_in_dim" and len(shape) == rank:
+        src = eqn.invars[0]
+        dims = tuple(eqn.params["broadcast_dimensions"])
+        if not is_literal(src) and list(dims) == sorted(dims):
+            b = [1] * rank
+            for d, n in zip(dims, _shape(src)):
+                b[d] = n
+            return src, tuple(b)
+    if len(shape) <= rank:
+        return v, (1,) * (rank - len(shape)) + shape
+    return None
+
+
+def _model(x, axes, group, sub_mean, eps, inv, scale, bias):
+    """The normalisation in NumPy float64: ``(y, mu, var)`` (statistics keepdims)."""
+    xs = x
+    if group:
+        xs = x.reshape(x.shape[:-1] + (group, x.shape[-1] // group))
+    mu = xs.mean(axes, keepdims=True) if sub_mean else np.zeros(())
+    var = np.maximum(0.0, (xs * xs).mean(axes, keepdims=True) - mu * mu)
+    r = 1.0 / np.sqrt(var + eps)
+    y = ((xs - mu) * r).reshape(x.shape)
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    return y, mu, var
+
+
+def _close(a, b) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size != b.size:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return False
+    return bool(np.max(np.abs(a - b), initial=0.0) <= _TOL * max(1.0, np.max(np.abs(b),
+                                                                              initial=0.0)))
+
+
+def _spec(region: _Region):
+    """The normalisation ``region`` computes, or ``(None, reason)``."""
+    g, root = region.graph, region.root
+    eqns = g.jaxpr.eqns
+    shape = _shape(root)
+    reds = [eqns[j] for j in region.anc if eqns[j].primitive.name == "reduce_sum"]
+    axes_set = {tuple(e.params["axes"]) for e in reds}
+    in_shapes = {_shape(e.invars[0]) for e in reds}
+    if len(axes_set) != 1 or len(in_shapes) != 1:
+        return None, "its reductions are over different axes"
+    axes, in_shape = tuple(int(a) for a in axes_set.pop()), in_shapes.pop()
+    group = 0
+    if in_shape != shape:
+        if (len(shape) >= 2 and len(in_shape) == len(shape) + 1
+                and in_shape[:-2] == shape[:-1] and in_shape[-2] * in_shape[-1] == shape[-1]
+                and axes == tuple(range(1, len(in_shape) - 2)) + (len(in_shape) - 1,)):
+            group = in_shape[-2]
+        else:
+            return None, "its statistics are of a reshaped input other than a group norm's"
+    if len(region.sides) > 2:
+        return None, f"{len(region.sides)} non-constant inputs besides x (scale, bias at most)"
+    sides = []
+    for v in region.sides:
+        s = _side_source(g, v, root)
+        if s is None:
+            return None, f"input {aval_str(v)} does not broadcast to x"
+        sides.append(s)
+    feat = set()
+    for _, b in sides:
+        f = {d for d, n in enumerate(b) if n != 1}
+        if any(b[d] != shape[d] for d in f):
+            return None, "a scale / bias that does not broadcast along x's axes"
+        feat |= f
+    if group and (feat - {len(shape) - 1}):
+        return None, "a group norm's scale / bias is not per channel"
+    eps_cands = sorted({g.uniform(v) for j in region.anc if eqns[j].primitive.name == "add"
+                        for v in eqns[j].invars if g.uniform(v) is not None} - {0.0})
+    eps_cands = [e for e in eps_cands if 0 < e < 1] or [0.0]
+    names = {eqns[j].primitive.name for j in region.anc}
+    inv = "rsqrt" if "rsqrt" in names else "recip_sqrt"
+    roles = [(None, None)]
+    if len(sides) == 1:
+        roles = [(0, None), (None, 0)]
+    elif len(sides) == 2:
+        roles = [(0, 1), (1, 0)]
+    key = _region_key(region)
+    if key is not None:
+        key += (shape, axes, group, tuple(b for _, b in sides), tuple(eps_cands), inv)
+    verdict = _VERDICTS.get(key) if key is not None else None
+    if verdict is None:
+        verdict = _verify(region, shape, axes, group, sides, eps_cands, inv, roles)
+        if key is not None:
+            if len(_VERDICTS) >= 1024:
+                _VERDICTS.clear()
+            _VERDICTS[key] = verdict
+    found, why = verdict
+    if found is None:
+        return None, why
+    (sm, eps, sc, bi), stats = found
+    return {"axes": axes, "group": group, "sub_mean": sm, "eps": eps, "inv": inv,
+            "scale": sc, "bias": bi, "sides": sides, "stats": stats,
+            "feat": tuple(sorted(feat)) or axes,
+            "fast": not any(_reduces_reduced(g, e, region.anc) for e in reds)}, ""
+
+
+#: verdicts of :func:`_verify` per region structure (a model's repeated layers are checked once)
+_VERDICTS: dict = {}
+
+
+def _region_key(region: _Region):
+    """The region's computation with its variables named canonically (``x``, its side
+    inputs, constants by value), or ``None`` when it holds a non-array constant."""
+    g = region.graph
+    eqns = g.jaxpr.eqns
+    names: dict = {region.root: "x"}
+    names.update((v, f"s{i}") for i, v in enumerate(region.sides))
+    for v, val in region.consts.items():
+        a = np.asarray(val)
+        if a.dtype == object:
+            return None
+        names[v] = ("c", a.shape, str(a.dtype), hash(a.tobytes()))
+    parts = []
+    for k, j in enumerate(sorted(region.anc | region.const_eqns)):
+        e = eqns[j]
+        ins = tuple(repr(np.asarray(v.val).tolist()) if is_literal(v) else names.get(v, "?")
+                    for v in e.invars)
+        names.update((o, f"e{k}.{m}") for m, o in enumerate(e.outvars))
+        parts.append((_signature(e), ins, tuple(aval_str(o) for o in e.outvars),
+                      tuple(o is region.out or o in region.extras for o in e.outvars)))
+    return tuple(parts)
+
+
+#: positions compared per axis a normalisation does not reduce (see :func:`_positions`)
+_POSITIONS = 6
+
+
+def _positions(region: _Region, shape, axes, group, rng):
+    """Where :func:`_verify` compares the region with the model: a few random positions
+    (and the last) along each axis the statistics are not reduced over, all of every
+    reduced axis. A region of the cone's primitives whose constants are all uniform treats
+    those positions alike (its side inputs are random along them), so equality there is
+    equality everywhere; otherwise, and for group norms, ``None``: every position."""
+    if group or any(np.asarray(c).size > 1 and not np.all(np.asarray(c) == np.asarray(c).flat[0])
+                    for c in region.consts.values()):
+        return None
+    rank = len(shape)
+    reduced = {a % rank for a in axes}
+    return tuple(slice(None) if d in reduced or n <= _POSITIONS else
+                 np.unique(np.append(rng.choice(n - 1, _POSITIONS - 1, replace=False), n - 1))
+                 for d, n in enumerate(shape))
+
+
+def _take(a, sel):
+    """``a`` at the positions ``sel`` (one index array or slice per axis, outer product)."""
+    for d, s in enumerate(sel):
+        if not isinstance(s, slice):
+            a = np.take(a, s, axis=d)
+    return a
+
+
+def _at(sel, x, outs, shape, axes, group):
+    """``x`` and the region's outputs (``y`` and keepdims statistics) at ``sel``."""
+    if sel is None:
+        return x, outs
+    rank = len(shape)
+    stat_shape = tuple(1 if d in {a % rank for a in axes} else n for d, n in enumerate(shape))
+    picked = [_take(outs[0].reshape(shape), sel)]
+    for e in outs[1:]:
+        picked.append(_take(e.reshape(stat_shape), sel) if e.size == math.prod(stat_shape)
+                      else np.full((1,), np.nan))       # a statistic of another shape: no match
+    return _take(x, sel), picked
+
+
+def _at_side(sel, s):
+    """A scale / bias (broadcast shape) at ``sel`` along the axes it varies over."""
+    if sel is None:
+        return s
+    return _take(s, tuple(slice(None) if n == 1 else q for q, n in zip(sel, s.shape)))
+
+
+def _verify(region: _Region, shape, axes, group, sides, eps_cands, inv, roles):
+    """``((sub_mean, eps, scale, bias), stats)`` of the normalisation candidate the region
+    computes in float64 on two random draws, or ``(None, reason)``."""
+    cands = [(sm, eps, sc, bi) for eps in eps_cands for sm in (True, False)
+             for sc, bi in roles]
+    rng = np.random.default_rng(0)
+    sel = _positions(region, shape, axes, group, rng)
+    try:
+        with jax.enable_x64(True), jax.ensure_compile_time_eval():
+            for draw in range(2):
+                eps_scale = math.sqrt(max(eps_cands[0], 1e-300)) if draw else 1.0
+                off = 0.7 if draw == 0 else 0.3 * eps_scale
+                x = (rng.standard_normal(shape) * eps_scale * (1.5 if draw else 1.0)
+                     + off * rng.standard_normal(shape[:-1] + (1,)))
+                svals = [rng.standard_normal(b) * 0.5 + 1.0 for _, b in sides]
+                args = [s.reshape(_shape(v)) if src is v else
+                        np.broadcast_to(s.reshape(b), _shape(v))
+                        for s, (src, b), v in zip(svals, sides, region.sides)]
+                outs = [np.asarray(o, np.float64) for o in region.evaluate(
+                    jnp.asarray(x, jnp.float64), [jnp.asarray(a, jnp.float64) for a in args])]
+                xs, outs = _at(sel, x, outs, shape, axes, group)
+                sv = [_at_side(sel, s.reshape(b)) for s, (_, b) in zip(svals, sides)]
+                keep = []
+                for c in cands:
+                    sm, eps, sc, bi = c
+                    y, mu, var = _model(xs, axes, group, sm, eps, inv,
+                                        None if sc is None else sv[sc],
+                                        None if bi is None else sv[bi])
+                    if not _close(outs[0], y):
+                        continue
+                    stats = []
+                    for e in outs[1:]:
+                        which = ("mu" if sm and not group and _close(e, mu) else
+                                 "var" if not group and _close(e, var) else None)
+                        stats.append(which)
+                    if None in stats:
+                        continue
+                    keep.append(c + (tuple(stats),))
+                cands = [k[:4] for k in keep]
+                if not cands:
+                    return None, ("computes no LayerNorm / RMSNorm / BatchNorm / GroupNorm "
+                                  "of x with these statistics")
+    except (ValueError, TypeError, ArithmeticError, KeyError, IndexError, RuntimeError,
+            NotImplementedError) as e:  # a subgraph that cannot be evaluated: left as it was
+        return None, f"could not be evaluated: {e}"
+    return (cands[0], keep[0][4]), ""
+
+
+def _reduces_reduced(graph: Graph, eqn, anc) -> bool:
+    """A ``reduce_sum`` whose input depends on another reduction (a two-pass variance)."""
+    i = graph.producer.get(eqn.invars[0])
+    if i is None or i not in anc:
+        return False
+    return any(graph.jaxpr.eqns[j].primitive.name == "reduce_sum"
+               for j in _ancestors(graph, i, set(anc)))
+
+
+def _kind(spec) -> str:
+    if spec["group"]:
+        return f"group norm ({spec['group']} groups)"
+    if not spec["sub_mean"]:
+        return "RMS norm"
+    return "layer norm" if set(spec["axes"]) == set(spec["feat"]) else "batch norm"
+
+
+def _emitter(spec, root, out, extras):
+    from jaxmem.selective import group_norm, normalize
+
+    axes, group, eps = spec["axes"], spec["group"], spec["eps"]
+    sides, sc, bi = spec["sides"], spec["scale"], spec["bias"]
+    shape = _shape(root)
+    feat = spec["feat"]
+    pshape = tuple(shape[d] if d in feat else 1 for d in range(len(shape)))
+    dtype = out.aval.dtype
+
+    def param(vals, k):
+        if k is None:
+            return None
+        return jnp.broadcast_to(vals[k].reshape(sides[k][1]), pshape)
+
+    def emit(x, *vals):
+        scale, bias = param(vals, sc), param(vals, bi)
+        if group:
+            y = group_norm(x, None if scale is None else scale.reshape(-1),
+                           None if bias is None else bias.reshape(-1), num_groups=group,
+                           eps=eps, dtype=dtype)
+            return [y]
+        y, mu, var = normalize(x, scale, bias, axes=axes, feature_axes=feat, eps=eps,
+                               subtract_mean=spec["sub_mean"], fast_variance=spec["fast"],
+                               dtype=dtype, inv_mode=spec["inv"])
+        outs = [y]
+        for e, which in zip(extras, spec["stats"]):
+            s = mu if which == "mu" else var
+            outs.append(s.reshape(_shape(e)).astype(e.aval.dtype))
+        return outs
+
+    return emit, [src for src, _ in sides]
+
+
+def _extend(graph: Graph, region: _Region, taken: set[int], cone: set[int]):
+    """``region`` grown through a single following ``+ bias`` / ``* scale`` / cast while the
+    function is still a normalisation."""
+    eqns = graph.jaxpr.eqns
+    best = None
+    cur = region
+    while True:
+        uses = graph.uses(cur.out)
+        if cur.out in graph.outvars or len(uses) != 1 or uses[0] not in cone:
+            return best
+        j = uses[0]
+        e = eqns[j]
+        if e.primitive.name not in ("add", "mul", "sub", "convert_element_type") or \
+                _shape(e.outvars[0]) != _shape(region.root):
+            return best
+        nxt = _Region(graph, region.root, e.outvars[0], cur.anc | {j}, taken)
+        if not nxt.ok:
+            return best
+        spec, _ = _spec(nxt)
+        if spec is None:
+            return best
+        best = (nxt, spec)
+        cur = nxt
+
+
+def _match_root(graph: Graph, r, taken: set[int], path: str):
+    eqns = graph.jaxpr.eqns
+    cone = _cone(graph, r, taken)
+    cset = set(cone)
+    tries = 0
+    reason = None
+    for i in cone:
+        o = eqns[i].outvars[0]
+        if len(eqns[i].outvars) != 1 or _shape(o) != _shape(r) or not is_float(o):
+            continue
+        anc = _ancestors(graph, i, cset)
+        if not any(eqns[j].primitive.name == "reduce_sum" for j in anc):
+            continue
+        region = _Region(graph, r, o, anc, taken)
+        if not region.ok:
+            continue
+        tries += 1
+        spec, why = _spec(region)
+        if spec is None:
+            reason = reason or why
+            if tries >= _TRIES:
+                break
+            continue
+        grown = _extend(graph, region, taken, cset)
+        if grown is not None:
+            region, spec = grown
+        return _make_match(graph, region, spec, path)
+    return reason
+
+
+def _make_match(graph: Graph, region: _Region, spec, path: str) -> Match:
+    eqns = graph.jaxpr.eqns
+    anchor = max(region.anc)
+    emit, side_vars = _emitter(spec, region.root, region.out, region.extras)
+    last = eqns[anchor]
+    kind = _kind(spec)
+    parts = [f"axes {spec['axes']}", f"eps {spec['eps']:g}"]
+    if spec["scale"] is not None:
+        parts.append("scale")
+    if spec["bias"] is not None:
+        parts.append("bias")
+    if region.extras:
+        parts.append("statistics used elsewhere: " + ", ".join(spec["stats"]))
+    what = f"{kind} {aval_str(region.root)} [{', '.join(parts)}]"
+    where = first_location([last] + [eqns[j] for j in sorted(region.anc, reverse=True)])
+    row = Row("norm", what, "jaxmem.selective." + ("group_norm" if spec["group"] else
+                                                  "normalize"), True,
+              "keeps x and its statistics (a following product shares them)",
+              where, name_stack(last), path)
+    return Match(frozenset(region.anc), anchor, [region.root, *side_vars],
+                 [region.out, *region.extras], emit, row)
+
+
+def match_norms(graph: Graph, taken: set[int], path: str) -> list[Match | Row]:
+    """Normalisation subgraphs of ``graph`` not among the equations ``taken``."""
+    eqns = graph.jaxpr.eqns
+    out: list[Match | Row] = []
+    mine: set[int] = set()
+    tried: set = set()
+    for i, eqn in enumerate(eqns):
+        if (i in taken or i in mine or eqn.primitive.name != "reduce_sum"
+                or not is_float(eqn.invars[0])):
+            continue
+        reason = None
+        found = None
+        for r in _root_candidates(graph, eqn.invars[0]):
+            if r in tried or len(_shape(r)) == 0:
+                continue
+            tried.add(r)
+            item = _match_root(graph, r, taken | mine, path)
+            if isinstance(item, Match):
+                found = item
+                break
+            reason = reason or item
+        if found is not None:
+            mine |= found.eqns
+            out.append(found)
+        elif reason:
+            near = [eqns[j] for v in eqn.outvars for j in graph.uses(v)]
+            out.append(Row("norm", f"reduce_sum{tuple(eqn.params['axes'])} of "
+                           f"{aval_str(eqn.invars[0])}", "", False, reason,
+                           first_location([eqn, *near]), name_stack(eqn), path))
+    return out
