@@ -15,6 +15,7 @@ from jax._src import custom_partitioning as custom_partitioning_internal
 from jax._src.ad_checkpoint import name_p, saved_residuals
 from jax._src.lax import lax as lax_internal
 from jax._src.lib import xla_client
+from jax._src.random import prng
 
 __all__ = [
     "compilation_cache",
@@ -23,6 +24,7 @@ __all__ = [
     "jax_config",
     "lax_internal",
     "name_p",
+    "prng",
     "saved_residuals",
     "source_info_util",
     "xla_bridge",

@@ -25,8 +25,16 @@ import importlib.util
 import os
 import sys
 
-import jax
-import pytest
+#: Cheaper LLVM code generation for the suite's many small compiles (CPU and the GPU plan),
+#: set before JAX starts a backend and inherited by the subprocesses tests start. HLO passes,
+#: buffer assignment (every byte figure the tests assert) and IEEE float semantics (no fast
+#: math) are unchanged; only the machine code is less optimised, and the suite's runs are tiny.
+FAST_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CODEGEN}".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 # ------------------------------------------------------------------ hypothesis profile

@@ -21,8 +21,8 @@ import numpy as np
 from jaxmem._compat import core
 from jaxmem._compat import source_info_util as siu
 
-__all__ = ["CALL_PRIMS", "Graph", "bind_eqn", "first_location", "inline_calls", "is_literal",
-           "location", "name_stack"]
+__all__ = ["CALL_PRIMS", "Graph", "ancestors", "bind_eqn", "first_location", "inline_calls",
+           "is_literal", "location", "name_stack"]
 
 #: call primitives whose body is inlined before matching
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call")
@@ -241,3 +241,16 @@ def _fold(eqn, vals) -> float | None:
                  "max": max(a, b), "min": min(a, b)}[name]
         dt = eqn.outvars[0].aval.dtype
         return float(np.asarray(r).astype(dt)) if np.dtype(dt).kind == "f" else float(r)
+
+
+def ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
+    """Equation ``i`` and the equations of ``group`` it depends on (transitively)."""
+    seen = {i}
+    stack = [i]
+    while stack:
+        for v in graph.jaxpr.eqns[stack.pop()].invars:
+            j = graph.producer.get(v) if not is_literal(v) else None
+            if j is not None and j in group and j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return seen

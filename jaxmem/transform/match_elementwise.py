@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._compat import core
-from jaxmem.transform.graph import Graph, bind_eqn, is_literal, location, name_stack
+from jaxmem.transform.graph import Graph, ancestors, bind_eqn, is_literal, location, name_stack
 from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.report import Row
 
@@ -381,7 +381,7 @@ def match_activations(graph: Graph, taken: set[int], path: str,
         for i in group:
             o = eqns[i].outvars[0]
             if is_float(o) and _shape(o) == _shape(r):
-                anc = _ancestors(graph, i, gset)
+                anc = ancestors(graph, i, gset)
                 cands.append((len(anc), i, o, anc))
         cands.sort(key=lambda c: (-c[0], c[1]))
         # largest closed subgraph first; one left exact does not hide a smaller one inside
@@ -443,18 +443,6 @@ def _statistic_or_reduced(graph: Graph, r, o, taken: set[int] = frozenset()) -> 
            if j not in taken):
         return "its output is reduced (a variance's square, a loss), not an activation"
     return ""
-
-
-def _ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
-    seen = {i}
-    stack = [i]
-    while stack:
-        for v in graph.jaxpr.eqns[stack.pop()].invars:
-            j = graph.producer.get(v) if not is_literal(v) else None
-            if j is not None and j in group and j not in seen:
-                seen.add(j)
-                stack.append(j)
-    return seen
 
 
 def _closed(graph: Graph, anc: set[int], o) -> bool:

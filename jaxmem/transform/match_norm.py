@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.transform.graph import Graph, first_location, is_literal, name_stack
+from jaxmem.transform.graph import Graph, ancestors, first_location, is_literal, name_stack
 from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.match_attention import _signature
 from jaxmem.transform.match_elementwise import ELEMENTWISE, _generic
@@ -116,18 +116,6 @@ def _cone(graph: Graph, r, taken: set[int]) -> list[int]:
             for j in graph.uses(v):
                 heapq.heappush(heap, j)
     return sorted(out)
-
-
-def _ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
-    seen = {i}
-    stack = [i]
-    while stack:
-        for v in graph.jaxpr.eqns[stack.pop()].invars:
-            j = graph.producer.get(v) if not is_literal(v) else None
-            if j is not None and j in group and j not in seen:
-                seen.add(j)
-                stack.append(j)
-    return seen
 
 
 _EFFECTS = {"random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
@@ -459,7 +447,7 @@ def _reduces_reduced(graph: Graph, eqn, anc) -> bool:
     if i is None or i not in anc:
         return False
     return any(graph.jaxpr.eqns[j].primitive.name == "reduce_sum"
-               for j in _ancestors(graph, i, set(anc)))
+               for j in ancestors(graph, i, set(anc)))
 
 
 def _kind(spec) -> str:
@@ -539,7 +527,7 @@ def _match_root(graph: Graph, r, taken: set[int], path: str):
         o = eqns[i].outvars[0]
         if len(eqns[i].outvars) != 1 or _shape(o) != _shape(r) or not is_float(o):
             continue
-        anc = _ancestors(graph, i, cset)
+        anc = ancestors(graph, i, cset)
         if not any(eqns[j].primitive.name == "reduce_sum" for j in anc):
             continue
         region = _Region(graph, r, o, anc, taken)

@@ -1,8 +1,8 @@
 """Runs ``parity_tests/distributed/multidevice`` on 8 CPU devices in a fresh process.
 
-The tests compile many small programs and run each once: the process compiles with LLVM's
-cheap pipeline (``FAST_COMPILE``). It changes the machine code only, not the HLO that the
-tests check (collectives, buffer sizes) nor the float semantics of the ops.
+The tests compile many small programs and run each once: the process inherits the suite's
+cheap LLVM pipeline (``FAST_CODEGEN`` in ``parity_tests/conftest.py``). It changes the machine
+code only, not the HLO that the tests check (collectives, buffer sizes) nor the float semantics.
 """
 import os
 import subprocess
@@ -11,13 +11,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 900
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def test_multidevice_suite():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=8 " + FAST_COMPILE).strip()
+                        " --xla_force_host_platform_device_count=8").strip()
     env["JAXMEM_MULTIDEVICE"] = "1"
     env.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from _assert import assert_tree_close
 from flax import nnx
-from jax._src.ad_checkpoint import saved_residuals
 
+from jaxmem._compat import saved_residuals
 from jaxmem.fewbit import flax_attention as fa
 from jaxmem.measure import compiled_memory
 

@@ -132,8 +132,8 @@ def test_shard_map_four_devices_in_subprocess():
                                                atol=2e-6, err_msg=f"fast={fast} train={train}")
         print("OK", len(jax.devices()))
     ''')
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=False,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

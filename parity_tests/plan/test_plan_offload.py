@@ -6,11 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src.core import MemorySpace, ShapedArray
-from jax._src.random import prng
 from jax.ad_checkpoint import Offloadable, Saveable
 
 from jaxmem import models
+from jaxmem._compat import core, prng
 from jaxmem.planner import offload as O
 from jaxmem.planner import trace as T
 
@@ -136,12 +135,12 @@ def test_keys_and_host_values_stay_put_and_dropout_is_exact():
     ws, kx = _weights(jax.random.key(1), 1, 16)
     x = jax.random.normal(kx, (8, 16))
     pol = O.offload_policy()
-    f32, u32 = ShapedArray((8,), jnp.float32), ShapedArray((2,), jnp.uint32)
+    f32, u32 = core.ShapedArray((8,), jnp.float32), core.ShapedArray((2,), jnp.uint32)
     key = jax.typeof(jax.random.key(0))
     assert pol(lax.tanh_p, f32) == Offloadable(src="device", dst="pinned_host")
     assert pol(prng.random_wrap_p, u32) is Saveable       # makes a key from uint32 data
     assert pol(prng.random_bits_p, key) is Saveable       # reads a key
-    host = ShapedArray((8,), jnp.float32, memory_space=MemorySpace.Host)
+    host = core.ShapedArray((8,), jnp.float32, memory_space=core.MemorySpace.Host)
     assert pol(lax.exp_p, host) is Saveable               # source is already host memory
 
     def loss(f):

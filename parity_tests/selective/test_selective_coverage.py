@@ -137,8 +137,8 @@ _SHARDED = textwrap.dedent("""
 def test_sharded_inputs_match_plain_jax():
     """Two CPU devices (a fresh process), batch-sharded input, replicated parameters: the
     converted model's gradients equal plain JAX's and keep the input's sharding."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
                        check=False, timeout=300, env=env, cwd=root)
