@@ -51,7 +51,8 @@ def test_h100_plan_gradients_exact_on_cpu(half):
     v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, x2)
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+        # fp32 rounding of a differently scheduled program: 1e-5 of the leaf's scale
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 
 def test_unknown_target_refused_before_compiling():

@@ -125,4 +125,7 @@ def test_selective_conversion_handles_the_twin_batchnorm():
     (l0, u0), g0 = jax.value_and_grad(lambda p: loss(m, p), has_aux=True)(v["params"])
     (l1, u1), g1 = jax.value_and_grad(lambda p: loss(conv, p), has_aux=True)(v["params"])
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    assert_tree_close((u1, g1), (u0, g0), rtol=1e-5, atol=1e-6)
+    # fc's bias gradient is zero in exact arithmetic (BatchNorm removes the mean): what is
+    # left is fp32 rounding of terms of the gradient's scale, so atol scales with the tree
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(g0))
+    assert_tree_close((u1, g1), (u0, g0), rtol=1e-5, atol=1e-6 * max(1.0, scale))
