@@ -28,8 +28,8 @@ E = 8 * 127 * 128 * 4
 CONFIGS = {
     "jax default": {"bits": None, "attn": False, "sel": False},
     "fewbit 3-bit GELU": {"bits": 3, "attn": False, "sel": False},
-    "fewbit only: 3-bit GELU + fewbit.attention": {"bits": 3, "attn": True, "sel": False},
-    "combined: + selective.convert": {"bits": 3, "attn": True, "sel": True},
+    "fewbit only: 3-bit GELU + selective.attention": {"bits": 3, "attn": True, "sel": False},
+    "combined: + linen.convert": {"bits": 3, "attn": True, "sel": True},
 }
 
 CHILD = r'''

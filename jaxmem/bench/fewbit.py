@@ -171,9 +171,9 @@ def methods(bits_list, quick: bool = False, attention_row: bool | None = None
     out = [("jax default", None, False, False)]
     out += [(f"fewbit {b}-bit GELU", b, False, False) for b in bits_list]
     if (not quick) if attention_row is None else attention_row:
-        out += [("jax default + fewbit.attention", None, True, False)]
-    out += [("fewbit only: 3-bit GELU + fewbit.attention", 3, True, False),
-            ("combined: 3-bit GELU + fewbit.attention + selective.convert", 3, True, True)]
+        out += [("jax default + selective.attention", None, True, False)]
+    out += [("fewbit only: 3-bit GELU + selective.attention", 3, True, False),
+            ("combined: 3-bit GELU + selective.attention + linen.convert", 3, True, True)]
     return out
 
 
@@ -195,7 +195,7 @@ def model_rows(name: str, make, depth: int, bits_list, quick: bool, reps: int,
     """Full training gradient (all parameters) of a transformer with inline nn.gelu; compiled
     bytes on every target of ``targets``, residual bytes and the CPU step-time ratio once.
     ``quick`` picks the small model config (and, unless ``attention_row`` says otherwise,
-    leaves out the "jax default + fewbit.attention" row)."""
+    leaves out the "jax default + selective.attention" row)."""
     targets = check_targets(targets)
     log = log if log is not None else GemmLog()
     rows, fns, args = [], {}, {}
@@ -293,7 +293,7 @@ def torch_rows(kind: str = "gpt", bits: int = 3, reps: int = 15) -> list[dict]:
 
 #: per preset: parts run, GELU bits, MLP (batch, hidden), small transformer configs, depth
 #: (the slope is taken between ``depth`` and ``2 * depth`` layers), the "jax default +
-#: fewbit.attention" row, timing repeats
+#: selective.attention" row, timing repeats
 PRESET_SIZES = {
     "quick": {"parts": ("mlp", "gpt"), "bits": (3,), "mlp": (64, 256), "small": True,
               "depth": 1, "attention_row": False, "reps": 5},
@@ -363,9 +363,9 @@ def run(quick: bool = False, models: list[str] | None = None,
             "GPT/ViT: gradient w.r.t. all parameters; inline nn.gelu switched by "
             "jaxmem.scope(selective=False, fewbit=bits); residual = activation residual "
             "bytes (jaxmem.measure.residual_bytes) at depth L.",
-            "fewbit.attention (jaxmem.scope(attention=True)): jaxmem.selective.attention, exact, "
+            "selective.attention (jaxmem.scope(attention=True)): exact, "
             "flash-style backward (stores q, k, v and a log-sum-exp, recomputes the "
-            "probabilities); selective.convert: jaxmem.linen.convert(model, fewbit=3) (the "
+            "probabilities); linen.convert: jaxmem.linen.convert(model, fewbit=3) (the "
             "selective layers too; LayerNorm keeps its input + statistics). Only the GELU "
             "derivative is approximate in every row.",
             "step_time_ratio: median of interleaved per-step ratios vs the default, CPU.",
