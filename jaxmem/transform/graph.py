@@ -22,7 +22,7 @@ from jaxmem._compat import core
 from jaxmem._compat import source_info_util as siu
 
 __all__ = ["CALL_PRIMS", "Graph", "ancestors", "bind_eqn", "first_location", "inline_calls",
-           "is_literal", "location", "name_stack"]
+           "is_literal", "location", "name_stack", "support"]
 
 #: call primitives whose body is inlined before matching
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call")
@@ -254,3 +254,23 @@ def ancestors(graph: Graph, i: int, group: set[int]) -> set[int]:
                 seen.add(j)
                 stack.append(j)
     return seen
+
+
+def support(graph: Graph, vs) -> tuple[set[int], dict]:
+    """The equations (indices) and concrete constvars (with values) that compute ``vs``."""
+    eqns: set[int] = set()
+    consts: dict = {}
+    stack = list(vs)
+    while stack:
+        v = stack.pop()
+        if is_literal(v):
+            continue
+        if v in graph.consts:
+            consts[v] = graph.consts[v]
+            continue
+        i = graph.producer.get(v)
+        if i is None or i in eqns:
+            continue
+        eqns.add(i)
+        stack.extend(graph.jaxpr.eqns[i].invars)
+    return eqns, consts

@@ -35,7 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._compat import core
-from jaxmem.transform.graph import Graph, ancestors, bind_eqn, is_literal, location, name_stack
+from jaxmem.transform.graph import (
+    Graph,
+    ancestors,
+    bind_eqn,
+    is_literal,
+    location,
+    name_stack,
+    support,
+)
 from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.report import Row
 
@@ -329,27 +337,8 @@ def _describe(sub: Subgraph) -> str:
 # ---------------------------------------------------------------------------- matching
 def _const_support(graph: Graph, eqns: list[int], taken: set[int]):
     """Constant-producing equations (and concrete constvars) that ``eqns`` read."""
-    extra: set[int] = set()
-    consts: dict = {}
-
-    def visit(v):
-        if is_literal(v):
-            return
-        if v in graph.consts:
-            consts[v] = graph.consts[v]
-            return
-        i = graph.producer.get(v)
-        if i is None or i in extra:
-            return
-        extra.add(i)
-        for u in graph.jaxpr.eqns[i].invars:
-            visit(u)
-
-    for i in eqns:
-        for v in graph.jaxpr.eqns[i].invars:
-            if graph.is_const(v):
-                visit(v)
-    return extra, consts
+    return support(graph, [v for i in eqns for v in graph.jaxpr.eqns[i].invars
+                           if graph.is_const(v)])
 
 
 def match_activations(graph: Graph, taken: set[int], path: str,

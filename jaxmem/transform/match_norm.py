@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.transform.graph import Graph, ancestors, first_location, is_literal, name_stack
+from jaxmem.transform.graph import Graph, ancestors, first_location, is_literal, name_stack, support
 from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.match_attention import _signature
 from jaxmem.transform.match_elementwise import ELEMENTWISE, _generic
@@ -142,26 +142,6 @@ def _subjaxprs(eqn):
     return core.jaxprs_in_params(eqn.params)
 
 
-def _static_eqns(graph: Graph, vs, memo: dict) -> tuple[set[int], dict]:
-    """Equations (and concrete constvars) computing the static values ``vs``."""
-    eqns: set[int] = set()
-    consts: dict = {}
-    stack = list(vs)
-    while stack:
-        v = stack.pop()
-        if is_literal(v):
-            continue
-        if v in graph.consts:
-            consts[v] = graph.consts[v]
-            continue
-        i = graph.producer.get(v)
-        if i is None or i in eqns:
-            continue
-        eqns.add(i)
-        stack.extend(graph.jaxpr.eqns[i].invars)
-    return eqns, consts
-
-
 class _Region:
     """Equations ``anc`` from ``root`` (and side inputs) to ``out`` (+ ``extras``)."""
 
@@ -189,7 +169,7 @@ class _Region:
                     continue
                 if v not in self.sides:
                     self.sides.append(v)
-        self.const_eqns, self.consts = _static_eqns(graph, statics, memo)
+        self.const_eqns, self.consts = support(graph, statics)
 
     def evaluate(self, x, sides: list) -> list:
         """The region's ``[out, *extras]`` for these values (any float dtype)."""
