@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from jaxmem._compat import core
 from jaxmem._compat import source_info_util as siu
 
 __all__ = ["CALL_PRIMS", "Graph", "ancestors", "bind_eqn", "first_location", "inline_calls",
-           "is_literal", "location", "name_stack", "support"]
+           "is_literal", "location", "name_stack", "structure", "support"]
 
 #: call primitives whose body is inlined before matching
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call")
@@ -274,3 +275,36 @@ def support(graph: Graph, vs) -> tuple[set[int], dict]:
         eqns.add(i)
         stack.extend(graph.jaxpr.eqns[i].invars)
     return eqns, consts
+
+
+def _param_key(v):
+    if isinstance(v, (core.ClosedJaxpr, core.Jaxpr)):
+        return str(v)
+    if callable(v):
+        return getattr(v, "__qualname__", type(v).__name__)
+    return repr(v)
+
+
+def structure(eqns, names: dict, consts: dict) -> tuple[tuple, dict]:
+    """The computation of ``eqns`` (in order) with its variables named canonically: inputs
+    by ``names``, concrete constvars by content, each equation's outputs by ``(k, j)``.
+    Returns the parts and the names (outputs included); equal parts compute the same
+    function. A variable from elsewhere raises ``KeyError``."""
+    ids = dict(names)
+    parts = []
+    for k, eqn in enumerate(eqns):
+        refs = []
+        for v in eqn.invars:
+            if is_literal(v):
+                refs.append(("lit", repr(np.asarray(v.val).tolist()), str(v.aval.dtype)))
+            elif v in consts:
+                a = np.asarray(consts[v])
+                refs.append(("const", str(a.dtype), a.shape,
+                             hashlib.sha1(a.tobytes()).hexdigest()))
+            else:
+                refs.append(ids[v])
+        for j, v in enumerate(eqn.outvars):
+            ids[v] = (k, j)
+        params = tuple(sorted((p, _param_key(val)) for p, val in eqn.params.items()))
+        parts.append((eqn.primitive.name, params, tuple(refs)))
+    return tuple(parts), ids

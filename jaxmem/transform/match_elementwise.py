@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from typing import Any
 
 import jax
@@ -42,6 +41,7 @@ from jaxmem.transform.graph import (
     is_literal,
     location,
     name_stack,
+    structure,
     support,
 )
 from jaxmem.transform.match import Match, aval_str, is_float
@@ -181,35 +181,10 @@ def _generic(eqn, invals, x, shape) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _pkey(v):
-    if isinstance(v, (core.ClosedJaxpr, core.Jaxpr)):
-        return str(v)
-    if callable(v):
-        return getattr(v, "__qualname__", type(v).__name__)
-    return repr(v)
-
-
 def structure_key(sub: Subgraph) -> tuple:
     """Hashable structure of ``sub``: equal keys compute the same function."""
-    ids = {sub.root: "x"}
-    parts = [(str(sub.dtype), sub.shape)]
-    for k, eqn in enumerate(sub.eqns):
-        refs = []
-        for v in eqn.invars:
-            if is_literal(v):
-                refs.append(("lit", repr(np.asarray(v.val).tolist()), str(v.aval.dtype)))
-            elif v in sub.consts:
-                a = np.asarray(sub.consts[v])
-                refs.append(("const", str(a.dtype), a.shape,
-                             hashlib.sha1(a.tobytes()).hexdigest()))
-            else:
-                refs.append(ids[v])
-        for j, v in enumerate(eqn.outvars):
-            ids[v] = (k, j)
-        params = tuple(sorted((p, _pkey(val)) for p, val in eqn.params.items()))
-        parts.append((eqn.primitive.name, params, tuple(refs)))
-    parts.append(ids[sub.out])
-    return tuple(parts)
+    parts, ids = structure(sub.eqns, {sub.root: "x"}, sub.consts)
+    return ((str(sub.dtype), sub.shape),) + parts + (ids[sub.out],)
 
 
 #: one Subgraph object per structure, so fitted tables and jit caches are shared

@@ -39,9 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.transform.graph import Graph, ancestors, first_location, is_literal, name_stack, support
+from jaxmem.transform.graph import (
+    Graph,
+    ancestors,
+    first_location,
+    is_literal,
+    name_stack,
+    structure,
+    support,
+)
 from jaxmem.transform.match import Match, aval_str, is_float
-from jaxmem.transform.match_attention import _signature
 from jaxmem.transform.match_elementwise import ELEMENTWISE, _generic
 from jaxmem.transform.report import Row
 
@@ -303,26 +310,18 @@ _VERDICTS: dict = {}
 
 
 def _region_key(region: _Region):
-    """The region's computation with its variables named canonically (``x``, its side
-    inputs, constants by value), or ``None`` when it holds a non-array constant."""
-    g = region.graph
-    eqns = g.jaxpr.eqns
-    names: dict = {region.root: "x"}
-    names.update((v, f"s{i}") for i, v in enumerate(region.sides))
-    for v, val in region.consts.items():
-        a = np.asarray(val)
-        if a.dtype == object:
-            return None
-        names[v] = ("c", a.shape, str(a.dtype), hash(a.tobytes()))
-    parts = []
-    for k, j in enumerate(sorted(region.anc | region.const_eqns)):
-        e = eqns[j]
-        ins = tuple(repr(np.asarray(v.val).tolist()) if is_literal(v) else names.get(v, "?")
-                    for v in e.invars)
-        names.update((o, f"e{k}.{m}") for m, o in enumerate(e.outvars))
-        parts.append((_signature(e), ins, tuple(aval_str(o) for o in e.outvars),
-                      tuple(o is region.out or o in region.extras for o in e.outvars)))
-    return tuple(parts)
+    """The region's computation named canonically (``x``, its side inputs, constants by
+    content; output avals; which outputs leave it), or ``None`` when it cannot be."""
+    eqns = [region.graph.jaxpr.eqns[j] for j in sorted(region.anc | region.const_eqns)]
+    names = {region.root: "x", **{v: f"s{i}" for i, v in enumerate(region.sides)}}
+    if any(np.asarray(c).dtype == object for c in region.consts.values()):
+        return None
+    try:
+        parts, ids = structure(eqns, names, region.consts)
+        leaving = (ids[region.out], tuple(ids[v] for v in region.extras))
+    except KeyError:
+        return None
+    return parts + (tuple(aval_str(o) for e in eqns for o in e.outvars), leaving)
 
 
 #: positions compared per axis a normalisation does not reduce (see :func:`_positions`)
