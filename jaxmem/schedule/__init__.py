@@ -11,7 +11,9 @@ imports jax or torch):
   :func:`cut_lower_bound`, :func:`antichain_lower_bound` — proven bounds of the best peak.
 
 JAX front end (imported lazily): :func:`trace` (jaxpr -> Graph), :func:`execute` and
-:class:`Scheduled` (run a step in the planned order, freeing buffers after last use).
+:class:`Scheduled` (run a step in the planned order, freeing buffers after last use);
+:func:`apply_order` (re-emit a step in the order under ``jax.jit``, kept only where the
+target's compiled plan, e.g. ``target="h100"``, is smaller).
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ _LAZY = {
     "UnsupportedPrimitiveError": "jaxmem.schedule.jaxpr_graph",
     "execute": "jaxmem.schedule.executor",
     "Scheduled": "jaxmem.schedule.executor",
+    "as_function": "jaxmem.schedule.xla",
+    "apply_order": "jaxmem.schedule.xla",
+    "AppliedOrder": "jaxmem.schedule.xla",
 }
 
 __all__ = [

@@ -6,18 +6,22 @@ a hint. :func:`as_function` rebuilds the step from a node order and can insert
 pieces and, at each cut, every value still needed later passes through one barrier, so
 nothing after the cut can be hoisted above it and nothing before it sunk below. This is
 the experiment behind "can the plan lower XLA's compiled bytes?" (see README.md (schedule section)
-and ``benchmarks/schedule/xla_barriers.py``).
+and ``benchmarks/schedule/xla_barriers.py``). :func:`apply_order` is the entry point that
+uses it: it compiles the re-emitted step for a target (XLA:CPU or XLA:GPU's plan) and keeps
+the order only where that plan is smaller than the step's own.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
 from .executor import _bind
-from .jaxpr_graph import TracedStep
+from .jaxpr_graph import TracedStep, trace
 
-__all__ = ["as_function"]
+__all__ = ["AppliedOrder", "apply_order", "as_function"]
 
 
 def as_function(ts: TracedStep, order: Sequence[str] | None = None, chunks: int = 1):
@@ -71,3 +75,131 @@ def as_function(ts: TracedStep, order: Sequence[str] | None = None, chunks: int 
         return [read(a) for a in ts.out_ids]
 
     return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedOrder:
+    """What :func:`apply_order` kept.
+
+    Attributes:
+      fn: the step re-emitted in the order (jitted, same signature, donation and output
+        pytree as the input function) when ``applied``, else the input function itself.
+      applied: True only when the re-emitted step compiles to fewer bytes on ``target``.
+      chunks: the barrier chunks of the kept re-emission (``None`` when not applied).
+      compiled_bytes: compiled bytes (``temp + output + argument - alias``) of ``fn``.
+      baseline_bytes: compiled bytes of the input function on ``target``.
+      baseline_temp_bytes / temp_bytes: the ``temp`` part of those two.
+      candidates: chunks -> compiled bytes of every re-emission tried (a variant that did not
+        compile is absent); ``candidate_temp_bytes`` the same for their ``temp`` part.
+      target: the plan the bytes are from (``"cpu"``, ``"h100"``, ...).
+      why: one line saying what was kept and why.
+    """
+
+    fn: Callable[..., Any]
+    applied: bool
+    chunks: int | None
+    compiled_bytes: int
+    baseline_bytes: int
+    temp_bytes: int
+    baseline_temp_bytes: int
+    candidates: dict
+    target: str
+    why: str
+    candidate_temp_bytes: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def reduction(self) -> float:
+        """``1 - compiled_bytes / baseline_bytes`` (0 when not applied)."""
+        return 1.0 - self.compiled_bytes / max(self.baseline_bytes, 1)
+
+
+def _pytree_step(ts: TracedStep, order, chunks: int, donate: tuple, name: str):
+    flat_fn = as_function(ts, order, chunks)
+
+    def step(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != ts.in_tree:
+            raise ValueError(f"apply_order: arguments must have the traced structure "
+                             f"{ts.in_tree}, got {tree}")
+        return jax.tree_util.tree_unflatten(ts.out_tree, flat_fn(*leaves))
+
+    step.__name__ = f"{name}_ordered_{chunks}"
+    return jax.jit(step, donate_argnums=donate)
+
+
+def apply_order(fn: Callable[..., Any], order, *args: Any, traced: TracedStep | None = None,
+                chunks: int | Sequence[int] = (1, 4, 16), target: str = "cpu",
+                donate_argnums: int | Sequence[int] = ()) -> AppliedOrder:
+    """Re-emit ``fn`` in ``order`` under ``jax.jit`` and keep it only where it lowers the plan.
+
+    The step is rebuilt in ``order`` (:func:`as_function`) cut into ``k`` barrier-fenced
+    chunks for every ``k`` in ``chunks``; each re-emission and ``fn`` itself are compiled
+    for ``target`` (:func:`jaxmem.measure.compiled_memory`, the same ``donate_argnums``)
+    and the re-emission of fewest compiled bytes is kept only when it is strictly below
+    ``fn``'s bytes (fewer chunks on a tie). Otherwise ``fn`` is returned unchanged: an
+    order never makes the target's plan larger. The order is judged on the target asked
+    for: XLA:GPU (``"h100"``) and XLA:CPU schedule differently, and barriers that lower one
+    can raise the other (``benchmarks/results/gpu_plan/schedule_zoo.md``).
+
+    Args:
+      fn: the step (a function of array pytrees).
+      order: a :class:`~jaxmem.schedule.Schedule` or a node order of ``fn``'s graph
+        (``trace(fn, *args, donate_argnums=...)``).
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` leaves; nothing is run).
+      traced: ``fn``'s :class:`TracedStep` when already traced (else traced here).
+      chunks: barrier chunk counts to try (ints >= 1; 1 = the order without barriers).
+      target: ``"cpu"`` or a GPU plan such as ``"h100"`` (compiled without a GPU).
+      donate_argnums: arguments donated, both for ``fn`` and for the re-emitted step.
+
+    Returns:
+      An :class:`AppliedOrder`; ``result.fn`` is what to run.
+    """
+    from jaxmem.measure import compiled_memory
+    from jaxmem.measure.target import check_target
+
+    from .plan import Schedule
+
+    if not callable(fn):
+        raise TypeError(f"apply_order: fn must be callable, got {type(fn).__name__}")
+    target = check_target(target, 1, "apply_order")
+    if isinstance(chunks, int) and not isinstance(chunks, bool):
+        chunks = (chunks,)
+    ks = tuple(chunks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"apply_order: chunks must be an int >= 1 or a non-empty sequence "
+                         f"of them, got {chunks!r}")
+    ks = tuple(sorted(set(ks)))
+    donate = tuple(sorted({donate_argnums} if isinstance(donate_argnums, int)
+                          else set(donate_argnums)))
+    ts = traced if traced is not None else trace(fn, *args, donate_argnums=donate)
+    node_order = list(order.order) if isinstance(order, Schedule) else list(order)
+    ts.graph.check_order(node_order)
+    base = compiled_memory(fn, *args, donate_argnums=donate, target=target)
+    name = getattr(fn, "__name__", "step")
+    best, cands, temps, errors = None, {}, {}, []
+    for k in ks:
+        step = _pytree_step(ts, node_order, k, donate, name)
+        try:
+            c = compiled_memory(step, *args, donate_argnums=donate, target=target)
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is skipped
+            errors.append(f"{k} chunks: {type(e).__name__}")
+            continue
+        cands[k], temps[k] = c.total_bytes, c.temp_bytes
+        if best is None or c.total_bytes < best[1].total_bytes:
+            best = (step, c, k)
+    mib = 2.0**20
+    keep = best is not None and best[1].total_bytes < base.total_bytes
+    if keep:
+        step, c, k = best
+        why = (f"the order lowers the {target} plan {base.total_bytes / mib:.2f} -> "
+               f"{c.total_bytes / mib:.2f} MiB ({k} chunks)")
+        return AppliedOrder(step, True, k, c.total_bytes, base.total_bytes, c.temp_bytes,
+                            base.temp_bytes, cands, target, why, temps)
+    if best is None:
+        why = f"no re-emission compiled ({'; '.join(errors)}): kept fn"
+    else:
+        why = (f"XLA's own schedule is already as low on the {target} plan: order "
+               f"{best[1].total_bytes / mib:.2f} MiB ({best[2]} chunks) >= "
+               f"{base.total_bytes / mib:.2f} MiB: kept fn")
+    return AppliedOrder(fn, False, None, base.total_bytes, base.total_bytes, base.temp_bytes,
+                        base.temp_bytes, cands, target, why, temps)
