@@ -14,6 +14,8 @@
   -> :func:`jaxmem.selective.normalize` -- :mod:`~jaxmem.transform.match_norm`;
 * dropout (``where(bernoulli(key, keep), x / keep, 0)``) -> :func:`jaxmem.selective.dropout`
   (the mask regenerated from the key) -- :mod:`~jaxmem.transform.match_dropout`;
+* max pools (``reduce_window`` max) -> :func:`jaxmem.selective.max_pool` (argmax codes kept
+  instead of the input; exact, ties included) -- :mod:`~jaxmem.transform.match_pool`;
 
 through ``scan``, ``cond``, ``while``, ``remat`` and ``jit`` bodies
 (:mod:`~jaxmem.transform.interpret`).  :func:`report` lists every decision with the user's

@@ -1,7 +1,7 @@
 """``jaxmem.transform(f, ...)``: convert what a program computes, not what it calls.
 
 ``transform(f, *, fewbit=None, attention=True, products=True, activations=True, norms=True,
-dropout=True)`` returns
+dropout=True, pools=True)`` returns
 a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
 outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
 ``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
@@ -36,7 +36,7 @@ def _is_array(x) -> bool:
 
 def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
-              dropout: bool = True) -> Callable:
+              dropout: bool = True, pools: bool = True) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -56,6 +56,9 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         statistics; exact).
       dropout: re-emit ``where(bernoulli(key, keep), x / keep, 0)`` with
         :func:`jaxmem.selective.dropout` (keeps the key, regenerates the mask; exact).
+      pools: re-emit max pools (``reduce_window`` max: ``nn.max_pool``,
+        ``lax.reduce_window(x, -inf, lax.max, ...)``) with :func:`jaxmem.selective.max_pool`
+        (keeps the argmax position inside each window, not ``x``; exact, ties included).
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -73,7 +76,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     if not callable(f):
         raise TypeError(f"transform: f must be a callable, got {type(f).__name__}")
     options = Options(fewbit=fewbit, attention=attention, products=products,
-                      activations=activations, norms=norms, dropout=dropout)
+                      activations=activations, norms=norms, dropout=dropout, pools=pools)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -6,7 +6,7 @@ level it
 
 1. inlines plain ``jit`` / ``closed_call`` bodies (:func:`~jaxmem.transform.graph.inline_calls`),
 2. runs the matchers on the flat jaxpr (attention first, then normalisations, dropout,
-   products, then activation subgraphs, each on the equations the earlier ones left),
+   max pools, products, then activation subgraphs, each on the equations the earlier ones left),
 3. walks the equations in order: a matched set is re-emitted as its op at its last
    equation (a reader of a statistic it also produces waits for it); higher-order
    primitives are entered (their bodies go through 1-3 again and
@@ -77,6 +77,10 @@ class Interpreter:
                 add(item)
         if opts.dropout:
             for item in match_dropout(graph, taken, path):
+                add(item)
+        if opts.pools:
+            from jaxmem.transform.match_pool import match_pools
+            for item in match_pools(graph, taken, path):
                 add(item)
         if opts.products:
             for i in range(len(graph.jaxpr.eqns)):

@@ -18,6 +18,8 @@ class Options:
       selective normalisation.
     dropout: re-emit dropout (``where(bernoulli(key), x / keep, 0)``) with the selective
       dropout (the mask regenerated from the key).
+    pools: re-emit max pools (``reduce_window`` max) with the selective max pool (argmax
+      codes kept instead of the input).
     """
 
     fewbit: int | None = None
@@ -26,13 +28,14 @@ class Options:
     activations: bool = True
     norms: bool = True
     dropout: bool = True
+    pools: bool = True
 
     def __post_init__(self):
         fb = self.fewbit
         if fb is not None and (isinstance(fb, bool) or not isinstance(fb, int)
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
-        for name in ("attention", "products", "activations", "norms", "dropout"):
+        for name in ("attention", "products", "activations", "norms", "dropout", "pools"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")

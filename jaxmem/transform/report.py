@@ -20,7 +20,8 @@ __all__ = ["Report", "Row", "collect", "record"]
 class Row:
     """One decision of the transformation.
 
-    kind: ``"dot"``, ``"conv"``, ``"activation"``, ``"attention"``, ``"higher-order"``.
+    kind: ``"dot"``, ``"conv"``, ``"activation"``, ``"attention"``, ``"norm"``,
+    ``"dropout"``, ``"pool"``, ``"higher-order"``.
     matched: what was found (primitives, shapes).  became: the op it was re-emitted with
     (``""`` when not converted).  converted: whether it was replaced.  reason: why not, or
     a note (e.g. the residual an unconverted activation keeps).  where / name_stack: the
