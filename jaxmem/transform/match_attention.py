@@ -62,24 +62,55 @@ def _prod(graph: Graph, v, name: str | tuple):
     return i, graph.jaxpr.eqns[i]
 
 
+def _keeps_rows(eqn) -> bool:
+    """A ``broadcast_in_dim`` / ``reshape`` that only appends or drops size-1 axes (the
+    leading axes of a row statistic stay where they are); any other equation passes."""
+    src, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if eqn.primitive.name == "broadcast_in_dim":
+        return tuple(eqn.params["broadcast_dimensions"]) == tuple(range(len(src)))
+    if eqn.primitive.name == "reshape":
+        return [n for n in src if n != 1] == [n for n in out if n != 1]
+    return True
+
+
+def _through(graph: Graph, v, names, used: set[int]):
+    """``v`` traced back through equations named ``names`` (each added to ``used``)."""
+    while True:
+        h = _prod(graph, v, names)
+        if h is None or not _keeps_rows(h[1]):
+            return v
+        used.add(h[0])
+        v = h[1].invars[0]
+
+
+def _softmax_like(graph: Graph, p) -> bool:
+    """``p`` is a division of an ``exp`` (maybe cast) by something: softmax-like weights."""
+    h = _prod(graph, p, "div")
+    if h is None or is_literal(h[1].invars[0]):
+        return False
+    num = _through(graph, h[1].invars[0], "convert_element_type", set())
+    return _prod(graph, num, "exp") is not None
+
+
 def _softmax(graph: Graph, p, used: set[int]):
-    """Match ``p = softmax(s, axis=-1)``; returns ``s``."""
+    """Match ``p = softmax(s, axis=-1)``; returns ``s``.  Casts around the row sum (a bf16
+    softmax sums in f32: ``convert -> reduce_sum -> broadcast -> convert``) are part of
+    the softmax (``jax.nn.softmax`` computes the same)."""
     hit = _prod(graph, p, "div")
     _need(hit is not None, "no softmax division")
     i, div = hit
     used.add(i)
     e, den = div.invars
     nd = len(e.aval.shape)
-    # den = broadcast(reduce_sum(e, last axis))
-    hit = _prod(graph, den, "broadcast_in_dim")
-    if hit is not None:
-        used.add(hit[0])
-        den = hit[1].invars[0]
+    _need(nd >= 2, "softmax of a vector: no query axis")
+    # den = [convert] broadcast(reduce_sum([convert] e, last axis))
+    den = _through(graph, den, ("convert_element_type", "broadcast_in_dim", "reshape"), used)
     hit = _prod(graph, den, "reduce_sum")
     _need(hit is not None and tuple(hit[1].params["axes"]) == (nd - 1,),
           "softmax denominator is not a sum over the last axis")
     used.add(hit[0])
-    _need(hit[1].invars[0] is e, "softmax denominator sums another array")
+    summed = _through(graph, hit[1].invars[0], "convert_element_type", used)
+    _need(summed is e, "softmax denominator sums another array")
     hit = _prod(graph, e, "exp")
     _need(hit is not None, "softmax numerator is not exp")
     used.add(hit[0])
@@ -90,46 +121,122 @@ def _softmax(graph: Graph, p, used: set[int]):
     i, sub = hit
     s, m = sub.invars
     chain = [i]
+    # the shift: the row max of ``s`` (or of the array ``s`` is a transpose of, e.g. under
+    # ``vmap``), through -inf maxima, stop_gradient, broadcasts and transposes;
+    # ``dims[j]``: the axis of the shift that axis ``j`` of ``m`` runs along
+    dims: list = list(range(nd))
     while True:
-        nxt = None
-        for name in ("broadcast_in_dim", "stop_gradient", "max", "reshape"):
-            h = _prod(graph, m, name)
-            if h is not None:
-                nxt = h
-                break
-        if nxt is None:
+        h = _prod(graph, m, ("broadcast_in_dim", "stop_gradient", "max", "reshape",
+                             "transpose"))
+        if h is None:
             break
-        j, eq = nxt
-        chain.append(j)
-        if eq.primitive.name == "max":
+        j, eq = h
+        name = eq.primitive.name
+        if name == "max":
             lits = [v for v in eq.invars if graph.uniform(v) == -math.inf]
             _need(len(lits) == 1, "softmax max is not a max with -inf")
             m = next(v for v in eq.invars if v is not lits[0])
+        elif name == "broadcast_in_dim":
+            if is_literal(eq.invars[0]):
+                break
+            dims = [dims[d] for d in eq.params["broadcast_dimensions"]]
+            m = eq.invars[0]
+        elif name == "transpose":
+            new = [None] * len(dims)
+            for a, pa in enumerate(eq.params["permutation"]):
+                new[pa] = dims[a]
+            dims, m = new, eq.invars[0]
+        elif name == "reshape":
+            src_shape, out_shape = eq.invars[0].aval.shape, eq.outvars[0].aval.shape
+            ka = [a for a, n in enumerate(src_shape) if n != 1]
+            kb = [b for b, n in enumerate(out_shape) if n != 1]
+            if [src_shape[a] for a in ka] != [out_shape[b] for b in kb]:
+                break
+            new = [None] * len(src_shape)
+            for a, b in zip(ka, kb):
+                new[a] = dims[b]
+            dims, m = new, eq.invars[0]
         else:
             m = eq.invars[0]
+        chain.append(j)
     h = _prod(graph, m, "reduce_max")
-    _need(h is not None and tuple(h[1].params["axes"]) == (nd - 1,)
-          and h[1].invars[0] is s, "softmax shift is not the row max of its input")
+    _need(h is not None and len(h[1].params["axes"]) == 1,
+          "softmax shift is not the row max of its input")
+    x, ax = h[1].invars[0], int(h[1].params["axes"][0])
+    perm = list(range(nd))              # axis i of s is axis perm[i] of x
+    t = s
+    while t is not x:
+        ht = _prod(graph, t, "transpose")
+        _need(ht is not None, "softmax shift is not the row max of its input")
+        tp = ht[1].params["permutation"]
+        perm = [tp[a] for a in perm]
+        t = ht[1].invars[0]
+    rest = [d for d in range(nd) if d != ax]             # x's axes the max keeps
+    _need(len(dims) == nd - 1 and perm[nd - 1] == ax
+          and all(d is not None and perm[d] == rest[j] for j, d in enumerate(dims)),
+          "softmax shift is not the row max of its input over the last axis")
     chain.append(h[0])
     used.update(chain)
     return s
 
 
-def _source(graph: Graph, v, rank: int):
-    """``v`` (of a given rank) traced back through ``broadcast_in_dim`` to its source,
-    returned as ``(var, shape)`` where ``shape`` is the source reshaped to ``rank`` axes
-    with size-1 axes (broadcastable to ``v``)."""
-    h = _prod(graph, v, "broadcast_in_dim")
-    if h is not None:
-        eq = h[1]
-        src = eq.invars[0]
-        dims = tuple(eq.params["broadcast_dimensions"])
-        if not is_literal(src) and list(dims) == sorted(dims):
-            shape = [1] * rank
-            for d, n in zip(dims, src.aval.shape):
-                shape[d] = n
-            return src, tuple(shape)
-    return v, tuple(v.aval.shape)
+def _source(graph: Graph, v):
+    """``v`` traced back through ``broadcast_in_dim``, ``transpose``, ``reshape`` adding
+    or dropping size-1 axes, and ``and`` with an all-true constant (a combined mask) to
+    its source: ``(src, dims)`` with ``dims[i]`` the axis of ``v`` that axis ``i`` of
+    ``src`` runs along (``None``: a size-1 axis of ``src`` with no counterpart).  ``src``
+    broadcasts to ``v`` once its axes are put there."""
+    dims = list(range(len(v.aval.shape)))
+    for _ in range(64):
+        if is_literal(v):
+            break
+        eq = graph.eqn(v)
+        if eq is None:
+            break
+        name = eq.primitive.name
+        if name == "broadcast_in_dim" and not is_literal(eq.invars[0]):
+            bd = tuple(eq.params["broadcast_dimensions"])
+            dims = [dims[d] for d in bd]
+        elif name == "transpose":
+            perm = tuple(eq.params["permutation"])
+            new = [None] * len(perm)
+            for j, pj in enumerate(perm):
+                new[pj] = dims[j]
+            dims = new
+        elif name == "reshape" and eq.params.get("dimensions") is None:
+            a, b = eq.invars[0].aval.shape, eq.outvars[0].aval.shape
+            ka, kb = [i for i, n in enumerate(a) if n != 1], [i for i, n in enumerate(b)
+                                                             if n != 1]
+            if [a[i] for i in ka] != [b[i] for i in kb]:
+                break
+            new = [None] * len(a)
+            for i, j in zip(ka, kb):
+                new[i] = dims[j]
+            dims = new
+        elif name == "and" and v.aval.dtype == np.bool_:
+            x0, x1 = eq.invars
+            if graph.uniform(x0) == 1.0 and tuple(x1.aval.shape) == tuple(v.aval.shape):
+                v = x1
+                continue
+            if graph.uniform(x1) == 1.0 and tuple(x0.aval.shape) == tuple(v.aval.shape):
+                v = x0
+                continue
+            break
+        else:
+            break
+        v = eq.invars[0]
+    return v, tuple(dims)
+
+
+def _as_shape(src, dims, rank: int):
+    """``(src, shape)``: ``src`` reshaped to ``rank`` axes broadcastable to the array
+    ``dims`` refers to, when its axes are in order (else ``(src, None)``)."""
+    if any(d is None for d in dims) or list(dims) != sorted(dims):
+        return src, None
+    shape = [1] * rank
+    for d, n in zip(dims, src.aval.shape):
+        shape[d] = n
+    return src, tuple(shape)
 
 
 def _peel_factor(graph: Graph, x, part: set[int]):
@@ -166,7 +273,9 @@ def _peel_factor(graph: Graph, x, part: set[int]):
             for p, f in ((a, b), (b, a)):
                 if is_literal(f) or graph.uniform(f) is not None:
                     continue
-                src, shape = _source(graph, f, rank)
+                src, shape = _as_shape(*_source(graph, f), rank)
+                if shape is None:
+                    src, shape = f, tuple(f.aval.shape)
                 if shape[-2:] == (1, 1) and _prod(
                         graph, p, ("div", "convert_element_type")) is not None:
                     part.add(hm[0])
@@ -281,6 +390,23 @@ def _fill(graph: Graph, v, dtype) -> str | None:
     return None
 
 
+def _reaches_dot(graph: Graph, x, depth: int = 0) -> bool:
+    """``x`` is computed from a ``dot_general`` through transposes, casts and constant
+    scalings (the scores side of ``scores + bias``)."""
+    if depth > 8:
+        return False
+    h = _prod(graph, x, ("dot_general", "transpose", "convert_element_type", "mul", "div"))
+    if h is None:
+        return False
+    eq = h[1]
+    if eq.primitive.name == "dot_general":
+        return True
+    if eq.primitive.name in ("mul", "div"):
+        xs = [u for u in eq.invars if graph.uniform(u) is None]
+        return len(xs) == 1 and _reaches_dot(graph, xs[0], depth + 1)
+    return _reaches_dot(graph, eq.invars[0], depth + 1)
+
+
 def _match_one(graph: Graph, d2_index: int):
     eqns = graph.jaxpr.eqns
     d2 = eqns[d2_index]
@@ -289,9 +415,9 @@ def _match_one(graph: Graph, d2_index: int):
     _need(bool(lc2), "")  # no contraction: a head factor or an outer product, not P v
     a, b = d2.invars
     # which operand holds the weights: the one that is a softmax (maybe cast)
-    found = None
+    found = why = None
     for cand, other, pc, pb, vc, vb, pside in ((a, b, lc2, lb2, rc2, rb2, "lhs"),
-                                                (b, a, rc2, rb2, lc2, lb2, "rhs")):
+                                               (b, a, rc2, rb2, lc2, lb2, "rhs")):
         part: set[int] = set()
         p, factor = _peel_factor(graph, cand, part)
         p, dropout = _peel_dropout(graph, p, part)
@@ -301,56 +427,68 @@ def _match_one(graph: Graph, d2_index: int):
             part.add(h[0])
             p = h[1].invars[0]
             weights_dtype = str(h[1].outvars[0].aval.dtype)
+        if not _softmax_like(graph, p):
+            continue
         try:
             s2 = _softmax(graph, p, part)
-        except _NoMatch:
+        except _NoMatch as e:
+            why = why or f"softmax-like weights ({e})"
             continue
         found = (p, s2, other, pc, pb, vc, vb, pside, weights_dtype, part, factor, dropout)
         break
-    _need(found is not None, "")  # not a softmax-weighted product: no row
+    _need(found is not None, why or "")  # not a softmax-weighted product: no row
     p, s2, v, pc, pb, vc, vb, pside, weights_dtype, part, factor, dropout = found
     used |= part
-    rank = len(p.aval.shape)
-    nb = rank - 2
-    _need(tuple(pc) == (rank - 1,) and tuple(pb) == tuple(range(nb)),
-          "the weights are not contracted over their last axis with batch axes first")
-    _need(len(v.aval.shape) == nb + 2 and len(vc) == 1,
-          "v must have one key axis and one feature axis besides the batch axes")
+    r = len(p.aval.shape)
+    _need(tuple(pc) == (r - 1,),
+          "the weights are not contracted over their softmax (last) axis")
+    # walk back from the softmax input to q k^T; c2f: axis of ``s`` -> axis of ``s2``
+    s, c2f = s2, list(range(r))
+
+    def transposes():
+        nonlocal s, c2f
+        while (h := _prod(graph, s, "transpose")) is not None:
+            new = [None] * r
+            for j, pj in enumerate(h[1].params["permutation"]):
+                new[pj] = c2f[j]
+            c2f, s = new, h[1].invars[0]
+            used.add(h[0])
+
+    transposes()
     softmax_dtype = None
-    s = s2
     h = _prod(graph, s, "convert_element_type")
     if h is not None:
         used.add(h[0])
         s = h[1].invars[0]
         softmax_dtype = str(s2.aval.dtype)
+        transposes()
     mask = fill = keep_negated = None
     h = _prod(graph, s, "select_n")
     if h is not None:
         i, sel = h
         pred, c0, c1 = sel.invars
         if _fill(graph, c0, s.aval.dtype) is not None and not graph.is_const(c1):
-            fill, s, keep_negated = _fill(graph, c0, s.aval.dtype), c1, False
+            fill, x, keep_negated = _fill(graph, c0, s.aval.dtype), c1, False
         elif _fill(graph, c1, s.aval.dtype) is not None and not graph.is_const(c0):
-            fill, s, keep_negated = _fill(graph, c1, s.aval.dtype), c0, True
+            fill, x, keep_negated = _fill(graph, c1, s.aval.dtype), c0, True
         else:
             raise _NoMatch("masked scores: fill value is neither finfo.min nor -0.7 finfo.max")
         used.add(i)
-        mask = pred
+        mask, s = (pred, list(c2f)), x
+        transposes()
     bias = None
     h = _prod(graph, s, "add")
     if h is not None:
         i, add = h
         x0, x1 = add.invars
-        d0, d1 = _prod(graph, x0, "dot_general"), _prod(graph, x1, "dot_general")
-        d0 = d0 or _prod(graph, x0, ("mul", "div"))
-        d1 = d1 or _prod(graph, x1, ("mul", "div"))
-        if d0 is not None and graph.uniform(x1) is None:
-            s, bias = x0, x1
-        elif d1 is not None and graph.uniform(x0) is None:
-            s, bias = x1, x0
+        if _reaches_dot(graph, x0) and graph.uniform(x1) is None:
+            s, bias = x0, (x1, list(c2f))
+        elif _reaches_dot(graph, x1) and graph.uniform(x0) is None:
+            s, bias = x1, (x0, list(c2f))
         else:
             raise _NoMatch("scores plus a bias that is not traced to q k^T")
         used.add(i)
+        transposes()
     scale = None
     h = _prod(graph, s, ("mul", "div"))
     if h is not None:
@@ -366,6 +504,7 @@ def _match_one(graph: Graph, d2_index: int):
             _need(c is not None and c != 0, "scores divided by a non-constant")
             scale, s = 1.0 / c, x0
         used.add(i)
+        transposes()
     logits_cast = None
     h = _prod(graph, s, "convert_element_type")
     if h is not None and _prod(graph, h[1].invars[0], "dot_general") is not None:
@@ -376,74 +515,127 @@ def _match_one(graph: Graph, d2_index: int):
     _need(h is not None, "softmax input is not traced to a q k^T product")
     d1_index, d1 = h
     used.add(d1_index)
-    q, k = d1.invars
+    x, y = d1.invars
     (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
-    lfree = [d for d in range(len(q.aval.shape)) if d not in lc and d not in lb]
-    rfree = [d for d in range(len(k.aval.shape)) if d not in rc and d not in rb]
-    _need(len(lfree) == 1 and len(rfree) == 1 and len(lb) == nb,
-          "q k^T must have one query and one key axis besides the batch axes")
+    nb = len(lb)
+    xfree = [d for d in range(len(x.aval.shape)) if d not in lc and d not in lb]
+    yfree = [d for d in range(len(y.aval.shape)) if d not in rc and d not in rb]
+    key_d1 = c2f.index(r - 1)            # the axis of q k^T the softmax runs over
+    if key_d1 >= nb + len(xfree):
+        _need(len(yfree) == 1, "the key operand of q k^T has more than one free axis")
+        q, k, qb, kb, qc, kc, qfree, kfree = x, y, lb, rb, lc, rc, xfree, yfree
+        qpos = list(range(nb, nb + len(xfree)))
+    else:
+        _need(key_d1 >= nb, "the softmax runs over a batch axis of q k^T")
+        _need(len(xfree) == 1, "the key operand of q k^T has more than one free axis")
+        q, k, qb, kb, qc, kc, qfree, kfree = y, x, rb, lb, rc, lc, yfree, xfree
+        qpos = list(range(nb + 1, r))
+    _need(len(qfree) >= 1, "q k^T has no query axis")
     _need(q.aval.dtype == k.aval.dtype == v.aval.dtype, "q, k, v of different dtypes")
+    # canonical layout of the scores: batch axes (q k^T's order), query axes (q's), key
+    canon = {i: i for i in range(nb)}
+    canon.update({d: nb + j for j, d in enumerate(qpos)})
+    canon[key_d1] = r - 1
+    f2c = [canon[c2f.index(f)] for f in range(r)]      # softmax-input axis -> canonical
+    _need(len(pb) == nb and sorted(f2c[d] for d in pb) == list(range(nb)),
+          "the weights' batch axes in the last product are not those of q k^T")
+    simple = f2c == list(range(r)) and list(pb) == list(range(nb)) and len(qfree) == 1
+    _need(simple or (factor is None and dropout is None),
+          "a head factor / attention dropout on transposed or grouped weights")
     # every interior value is used inside the pattern only
     for j in used - {d2_index}:
         for o in eqns[j].outvars:
             _need(graph.only_used_by(o, used),
                   "an attention interior value (scores / weights) is used elsewhere")
     spec = {"scale": scale, "fill": fill or "min", "softmax_dtype": softmax_dtype,
-                "weights_dtype": weights_dtype, "qk_precision": d1.params.get("precision"),
-                "pv_precision": d2.params.get("precision")}
+            "weights_dtype": weights_dtype, "qk_precision": d1.params.get("precision"),
+            "pv_precision": d2.params.get("precision")}
     logits = logits_cast or str(s.aval.dtype)
     if logits != str(q.aval.dtype):
         spec["logits_dtype"] = logits
+    v_batch = [None] * nb
+    for d, dv in zip(pb, vb):
+        v_batch[f2c[d]] = dv
     vfree = [d for d in range(len(v.aval.shape)) if d not in vc and d not in vb]
-    layout = {"q_perm": tuple(lb) + tuple(lfree) + tuple(lc),
-                  "k_perm": tuple(rb) + tuple(rfree) + tuple(rc),
-                  "v_perm": tuple(vb) + tuple(vc) + tuple(vfree),
-                  "nq": len(lc), "pside": pside, "nb": nb, "keep_negated": keep_negated}
-    layout["factor"] = factor
-    layout["dropout_key"] = None
+    wfree = [d for d in range(r) if d not in pb and d not in pc]
+    wl = [f2c[d] for d in wfree]
+    vl = [r - 1 + j for j in range(len(vfree))]
+    out_perm = [f2c[d] for d in pb] + (wl + vl if pside == "lhs" else vl + wl)
+    qsizes = tuple(q.aval.shape[d] for d in qfree)
+    layout = {"q_perm": tuple(qb) + tuple(qfree) + tuple(qc),
+              "k_perm": tuple(kb) + tuple(kfree) + tuple(kc),
+              "v_perm": tuple(v_batch) + tuple(vc) + tuple(vfree),
+              "nq": len(qfree), "nvf": len(vfree), "nb": nb, "r": r,
+              "qsizes": qsizes, "vsizes": tuple(v.aval.shape[d] for d in vfree),
+              "out_perm": tuple(out_perm), "keep_negated": keep_negated,
+              "factor": factor, "dropout_key": None}
     if dropout is not None:
         key, kp, broadcast = dropout
         spec["dropout_rate"] = 1.0 - kp
         spec["broadcast_dropout"] = broadcast
         layout["dropout_key"] = key
+
+    def scores_source(var, v2f):
+        src, dims = _source(graph, var)
+        cd = tuple(None if d is None else f2c[v2f[d]] for d in dims)
+        return src, cd
+
+    bias = None if bias is None else scores_source(*bias)
+    mask = None if mask is None else scores_source(*mask)
     return used, q, k, v, bias, mask, spec, layout
 
 
-def _emit_fn(spec_kw: dict, layout: dict, bias_shape, mask_shape):
-    """``emit(q, k, v, [bias], [mask])`` for one matched layout."""
+def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
+    """``emit(q, k, v, [bias], [mask], [factor], [key])`` for one matched layout."""
     from jaxmem.selective.attention import AttentionSpec, attention_core
 
     spec = AttentionSpec(**spec_kw)
-    nb = layout["nb"]
+    nb, r, nq, qsizes = layout["nb"], layout["r"], layout["nq"], layout["qsizes"]
 
-    def heads(x, perm, nlast):
+    def heads(x, perm, nfree):
         x = jnp.transpose(x, perm)
-        lead = x.shape[:nb + 1]
-        x = x.reshape(*lead, math.prod(x.shape[nb + 1:]) if nlast else 1)
+        lead, free = x.shape[:nb], x.shape[nb:nb + nfree]
+        x = x.reshape(*lead, math.prod(free), math.prod(x.shape[nb + nfree:]))
         return jnp.expand_dims(x, nb + 1)                          # (*B, T, 1, D)
 
-    def scores_like(a, shape):
-        return None if a is None else jnp.expand_dims(jnp.reshape(a, shape), nb)
+    def scores_like(a, cd):
+        """A bias / mask source with canonical axes ``cd`` -> ``(*B, 1, T', S)``."""
+        if a is None:
+            return None
+        keep = [i for i, d in enumerate(cd) if d is not None]
+        a = jnp.reshape(a, [a.shape[i] for i in keep])
+        ds = [cd[i] for i in keep]
+        order = sorted(range(len(ds)), key=lambda i: ds[i])
+        shape = [1] * r
+        for i in order:
+            shape[ds[i]] = a.shape[i]
+        a = jnp.reshape(jnp.transpose(a, order), shape)
+        qs = shape[nb:nb + nq]
+        if all(n == 1 for n in qs):
+            a = jnp.reshape(a, shape[:nb] + [1, shape[-1]])
+        else:                                   # query axes merged: broadcast them first
+            full = shape[:nb] + list(qsizes) + [shape[-1]]
+            a = jnp.reshape(jnp.broadcast_to(a, full),
+                            shape[:nb] + [math.prod(qsizes), shape[-1]])
+        return jnp.expand_dims(a, nb)
 
     def emit(q, k, v, *extra):
         extra = list(extra)
-        bias = extra.pop(0) if bias_shape is not None else None
-        mask = extra.pop(0) if mask_shape is not None else None
-        qh = heads(q, layout["q_perm"], True)
-        kh = heads(k, layout["k_perm"], True)
-        vh = heads(v, layout["v_perm"], True)
+        bias = extra.pop(0) if bias_dims is not None else None
+        mask = extra.pop(0) if mask_dims is not None else None
+        qh = heads(q, layout["q_perm"], nq)
+        kh = heads(k, layout["k_perm"], 1)
+        vh = heads(v, layout["v_perm"], 1)
         if mask is not None and layout["keep_negated"]:
             mask = jnp.logical_not(mask)
         rng = extra.pop() if layout["dropout_key"] is not None else None
-        o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_shape),
-                           mask=scores_like(mask, mask_shape), rng=rng, spec=spec)
+        o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_dims),
+                           mask=scores_like(mask, mask_dims), rng=rng, spec=spec)
         if layout["factor"] is not None:                           # (P f) v = (P v) f
             fac = jnp.reshape(extra.pop(0), layout["factor"][1])
             o = o * fac.reshape(fac.shape[:nb] + (1, 1, 1)).astype(o.dtype)
-        o = o.reshape(*o.shape[:nb + 1], o.shape[-1])              # (*B, T, Dv)
-        if layout["pside"] == "rhs":                               # dot(v, p): (*B, Dv, T)
-            o = jnp.swapaxes(o, -1, -2)
-        return [o]
+        o = o.reshape(*o.shape[:nb], *qsizes, *layout["vsizes"])   # (*B, *Q, *Dv)
+        return [jnp.transpose(o, layout["out_perm"])]
 
     return emit
 
@@ -463,23 +655,24 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
                                f"{aval_str(eqn.outvars[0])}", "", False, str(e),
                                location(eqn), name_stack(eqn), path))
             continue
-        rank = layout["nb"] + 2
         inputs = [q, k, v]
-        bias_shape = mask_shape = None
+        bias_dims = mask_dims = None
         if bias is not None:
-            bias, bias_shape = _source(graph, bias, rank)
-            inputs.append(bias)
+            inputs.append(bias[0])
+            bias_dims = bias[1]
         if mask is not None:
-            mask, mask_shape = _source(graph, mask, rank)
-            inputs.append(mask)
+            inputs.append(mask[0])
+            mask_dims = mask[1]
         if layout["factor"] is not None:
             inputs.append(layout["factor"][0])
         if layout["dropout_key"] is not None:
             inputs.append(layout["dropout_key"])
-        emit = _emit_fn(spec, layout, bias_shape, mask_shape)
+        emit = _emit_fn(spec, layout, bias_dims, mask_dims)
         parts = [k for k, x in (("scale", spec["scale"]), ("bias", bias), ("mask", mask),
                                 ("head factor", layout["factor"]),
                                 ("dropout", layout["dropout_key"])) if x is not None]
+        if layout["nq"] > 1:
+            parts.append(f"{layout['nq']} query axes")
         what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
                 + (f" [{', '.join(parts)}]" if parts else ""))
         row = Row("attention", what, "jaxmem.selective.attention_core (exact)", True,
@@ -487,5 +680,3 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
                   name_stack(eqn), path)
         out.append(Match(frozenset(used), i, inputs, list(eqn.outvars), emit, row))
     return out
-
-

@@ -395,6 +395,20 @@ def _reduced(graph: Graph, v, depth: int = 0) -> bool:
     return bool(varying) and all(_reduced(graph, u, depth + 1) for u in varying)
 
 
+def _uses_past_casts(graph: Graph, o) -> list[int]:
+    """The equations reading ``o``, looking past casts (a bf16 softmax's ``exp`` is summed
+    in f32: ``convert -> reduce_sum``)."""
+    out, stack = [], [o]
+    while stack:
+        for j in graph.uses(stack.pop()):
+            eqn = graph.jaxpr.eqns[j]
+            if eqn.primitive.name == "convert_element_type":
+                stack.extend(eqn.outvars)
+            else:
+                out.append(j)
+    return out
+
+
 def _statistic_or_reduced(graph: Graph, r, o, taken: set[int] = frozenset()) -> str:
     """Why a smooth subgraph is no activation to approximate ('' when it is one): a
     function of normalisation statistics (``rsqrt(var + eps)``), or one whose output is
@@ -403,7 +417,7 @@ def _statistic_or_reduced(graph: Graph, r, o, taken: set[int] = frozenset()) -> 
     input this is) do not count."""
     if _reduced(graph, r):
         return "a function of reduced statistics (a normalisation's), not an activation"
-    if any(graph.jaxpr.eqns[j].primitive.name in _REDUCTIONS for j in graph.uses(o)
+    if any(graph.jaxpr.eqns[j].primitive.name in _REDUCTIONS for j in _uses_past_casts(graph, o)
            if j not in taken):
         return "its output is reduced (a variance's square, a loss), not an activation"
     return ""
