@@ -25,17 +25,23 @@ def tag(x, what: str):
     return checkpoint_name(x, NAME_PREFIX + what)
 
 
-# Values that a backward rule may recompute instead of storing: ``id(y) -> (ref, fn, args)``
-# with ``y == fn(*args)`` exactly. A normalisation registers its output ``y`` with the tensors
-# its own backward keeps (``x``, statistics, parameters); a bilinear layer fed that very ``y``
-# then keeps those same tensors (one residual shared by both rules) instead of a second
-# input-sized ``y``. XLA recomputes such a ``y`` by fusion in an unrolled network, but under
-# ``lax.scan`` the residuals are stacked per layer as JAX chose them, so both would be kept.
+# Values that a backward rule may recompute instead of storing:
+# ``id(y) -> (ref, fn, args, kept_if)`` with ``y == fn(*args)`` exactly, where the producer's
+# own backward keeps ``args`` whenever one of ``args[i]``, ``i in kept_if``, is differentiated.
+# A normalisation registers its output ``y`` with the tensors its backward keeps (``x``,
+# statistics, parameters: kept if ``x`` or ``scale`` is differentiated), an exact smooth
+# activation (``jaxmem.selective.smooth_activation``) its output with its input; a bilinear
+# layer fed that very ``y`` then keeps those same tensors (one residual shared by both rules)
+# instead of a second input-sized ``y``. XLA recomputes such a ``y`` by fusion in an unrolled
+# network, but under ``lax.scan`` the residuals are stacked per layer as JAX chose them, so
+# both would be kept.
 _recipes: dict = {}
 
 
-def remember(y, fn, args) -> None:
-    """Record that ``y`` equals ``fn(*args)`` bit for bit (until ``y`` is garbage)."""
+def remember(y, fn, args, kept_if=(0, 3)) -> None:
+    """Record that ``y`` equals ``fn(*args)`` bit for bit (until ``y`` is garbage), and that
+    the producer of ``y`` keeps ``args`` for its backward when any ``args[i]``,
+    ``i in kept_if``, is differentiated (the default: a normalisation's ``x`` and ``scale``)."""
     key = id(y)
 
     def _drop(_, key=key):
@@ -45,15 +51,16 @@ def remember(y, fn, args) -> None:
         ref = weakref.ref(y, _drop)
     except TypeError:  # not weak-referenceable (plain numbers): nothing to record
         return
-    _recipes[key] = (ref, fn, args)
+    _recipes[key] = (ref, fn, args, tuple(kept_if))
 
 
 def recipe(x):
-    """``(fn, args)`` recorded by :func:`remember` for this very object ``x``, else ``None``."""
+    """``(fn, args, kept_if)`` recorded by :func:`remember` for this very object ``x``, else
+    ``None``."""
     entry = _recipes.get(id(x))
     if entry is None or entry[0]() is not x:
         return None
-    return entry[1], entry[2]
+    return entry[1], entry[2], entry[3]
 
 
 def value(p):

@@ -117,27 +117,28 @@ def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
 _bilinear.defvjp(_bilinear_fwd, _bilinear_bwd, symbolic_zeros=True)
 
 
-# ------------------------------------------------- input recomputed from a norm's residuals
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, x, w, rec):
-    del name, x_struct, w_struct, dx_fn, rec_fn, rec
+# ------------------------------------- input recomputed from its producer's (norm's) residuals
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w, rec):
+    del name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec
     return fn(x, w)
 
 
-def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, x, w, rec):
+def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w, rec):
     """As ``_bilinear_fwd``, but ``x == rec_fn(*rec)`` and the producer of ``x`` (a
-    normalisation) keeps ``rec`` for its own backward: when it does (its input or scale is
-    differentiated), keep ``rec`` -- the very same residuals, stored once -- instead of ``x``."""
+    normalisation, an exact smooth activation) keeps ``rec`` for its own backward: when it
+    does (one of ``rec[i]``, ``i in kept_if``, is differentiated), keep ``rec`` -- the very
+    same residuals, stored once -- instead of ``x``."""
     del x_struct, w_struct, dx_fn, rec_fn
     y = fn(x.value, _late(w.value, x.value, name in _LATE_FWD))
-    shared = w.perturbed and (perturbed(rec[0]) or perturbed(rec[3]))
+    shared = w.perturbed and any(perturbed(rec[i]) for i in kept_if)
     res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
     res_rec = tuple(value(p) for p in rec) if shared else None
     res_w = w.value if x.perturbed else None
     return y, (res_x, res_rec, res_w)
 
 
-def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, res, g):
+def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, res, g):
     res_x, res_rec, res_w = res
     if is_zero(g):
         return None, None, None
@@ -160,8 +161,9 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     Residuals: ``x`` (tagged ``jaxmem.selective.<name>.input``) iff ``w`` is
     differentiated; ``w`` iff ``x`` is differentiated; nothing if neither. When ``x`` is the
     output of a selective normalisation (``jaxmem.selective.normalize`` and the norms built on
-    it) whose backward keeps its input, ``x`` is recomputed from those residuals in the
-    backward pass instead of being kept a second time (``dL/dW`` is unchanged: the same
+    it) or of an exact smooth activation (``jaxmem.selective.smooth_activation``) whose
+    backward keeps its input, ``x`` is recomputed from those residuals in the backward pass
+    instead of being kept a second time (``dL/dW`` is unchanged: the same
     ``x``, bit for bit). Under ``lax.scan`` this keeps one input-sized tensor per norm and
     layer stacked instead of two.
     """
@@ -172,8 +174,8 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     x, w = vary_like(x, w), vary_like(w, x)
     xs, ws = typed_struct(x), typed_struct(w)
     if r is not None:
-        rec_fn, rec = r
-        return _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, x, w, rec)
+        rec_fn, rec, kept_if = r
+        return _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)
 
 

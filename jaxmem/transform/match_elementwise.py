@@ -21,7 +21,15 @@ autodiff keeps one or more ``x``-sized float arrays for ``f'``.  It is re-emitte
   minimises ``E (f'(x) - q(x))^2`` on ``[-10, 10]`` (Gaussian weight) for *this* ``f``
   (cached per subgraph structure), and :func:`jaxmem.fewbit.ops.fewbit_op` keeps only the
   ``b``-bit bin of ``x``: ``dx = dy * q(x)``.  Forward exact, gradient approximate.
-* left exact otherwise (smooth without ``fewbit``; linear subgraphs keep nothing anyway).
+* **exact, input kept** when ``f`` is smooth and ``fewbit`` is ``None``:
+  :func:`jaxmem.selective.smooth_activation` keeps ``x`` only and recomputes JAX's own
+  ``vjp`` of the subgraph at ``x`` in the backward (exact), and a selective product fed
+  ``f(x)`` keeps that same ``x`` and recomputes ``f(x)`` (the mechanism that shares a
+  normalisation's residuals with the following product).  Applied where JAX's autodiff of
+  the subgraph keeps two or more ``x``-sized arrays (counting ``f(x)`` when a product reads
+  it): exact GELU keeps three, SiLU two; ``tanh`` alone keeps ``f(x)`` only and stays.
+* left exact otherwise (linear subgraphs keep nothing anyway; a smooth function of reduced
+  statistics or one whose output is reduced).
 """
 from __future__ import annotations
 
@@ -291,6 +299,40 @@ def fewbit_activation(sub: Subgraph, bits: int):
     return op
 
 
+@functools.lru_cache(maxsize=512)
+def autodiff_keeps(sub: Subgraph) -> tuple[int, bool]:
+    """``(n, y_kept)``: how many distinct ``x``-shaped arrays JAX's reverse mode keeps for
+    ``f`` (its ``vjp`` residuals, traced abstractly), and whether ``f(x)`` is one of them."""
+    def fn(x):
+        y, vjp = jax.vjp(sub, x)
+        return y, jax.tree_util.tree_leaves(vjp)
+
+    jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(sub.shape, sub.dtype)).jaxpr
+    y, res = jaxpr.outvars[0], jaxpr.outvars[1:]
+    kept = {v for v in res if not is_literal(v) and _shape(v) == sub.shape}
+    return len(kept), y in kept
+
+
+@functools.lru_cache(maxsize=512)
+def exact_activation(sub: Subgraph):
+    """The exact smooth op of a subgraph: keeps ``x``, recomputes ``vjp(f, x)``."""
+    from jaxmem.selective.smooth import smooth_activation
+
+    name = _label(sub)
+
+    def op(x):
+        return smooth_activation(sub, x, name=name)
+
+    return op
+
+
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+
+
+def _feeds_product(graph: Graph, o) -> bool:
+    return any(graph.jaxpr.eqns[j].primitive.name in _PRODUCTS for j in graph.uses(o))
+
+
 def _label(sub: Subgraph) -> str:
     for e in sub.eqns:
         if e.primitive.name in _WRAPPERS and e.params.get("name"):
@@ -457,9 +499,25 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit) -> Match | Row:
         return Row("activation", what, "", False, statistic, where, ns,
                    path)
     if fewbit is None:
-        return Row("activation", what, "", False,
-                   "smooth: kept exact (fewbit=1..4 stores a few-bit code of its input)",
-                   where, ns, path)
+        try:
+            n, y_kept = autodiff_keeps(sub)
+        except _FAILURES as e:
+            return Row("activation", what, "", False, f"autodiff probe failed: {e}", where,
+                       ns, path)
+        product = _feeds_product(graph, o)
+        if product and not y_kept:
+            n += 1
+        if n < 2:
+            return Row("activation", what, "", False,
+                       f"smooth: JAX's autodiff keeps {n} {_shape(r)} array (keeping the "
+                       "input saves nothing; fewbit=1..4 stores a few-bit code of it)",
+                       where, ns, path)
+        op = exact_activation(sub)
+        row = Row("activation", what, "exact (input kept, f' recomputed)", True,
+                  f"keeps x instead of {n} arrays" + (" (f(x) recomputed by the product)"
+                                                      if product else ""),
+                  where, ns, path)
+        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row)
     try:
         op = fewbit_activation(sub, int(fewbit))
     except _FAILURES as e:

@@ -1,7 +1,8 @@
 """Elementwise activation subgraphs, however spelled: the ReLU family becomes the exact 1-bit
-mask (values and gradients equal, one packed bit per element stored), smooth ones stay
-exact without ``fewbit`` and keep a ``b``-bit code with it (forward exact; gradient the
-fitted table's, i.e. what ``jaxmem.fewbit`` gives for the same function)."""
+mask (values and gradients equal, one packed bit per element stored), smooth ones keep
+only their input without ``fewbit`` (exact; ``parity_tests/transform/test_transform_smooth.py``)
+and a ``b``-bit code with it (forward exact; gradient the fitted table's, i.e. what
+``jaxmem.fewbit`` gives for the same function)."""
 from __future__ import annotations
 
 import sys
@@ -65,14 +66,21 @@ SMOOTH = {
 
 
 @pytest.mark.parametrize("name", list(SMOOTH))
-def test_smooth_stays_exact_without_fewbit(name):
+def test_smooth_keeps_its_input_without_fewbit(name):
     act = SMOOTH[name]
     x, w = normal((8, 24), scale=2.0), normal((24, 4))
     f = lambda x, w: jnp.sum(act(x) @ w)
     g = transform(f)
     rows = g.report(x, w).by_kind("activation")
-    assert [r.converted for r in rows] == [False] and "smooth" in rows[0].reason
+    assert [r.converted for r in rows] == [True] and rows[0].became.startswith("exact")
     close(jax.jit(jax.grad(g))(x, w), jax.jit(jax.grad(f))(x, w))
+
+
+def test_a_smooth_function_keeping_one_array_stays():
+    x, z = normal((8, 24)), normal((8, 24))
+    f = lambda x, z: jnp.sum(jnp.exp(x) * z)      # autodiff keeps exp(x) only
+    rows = transform(f).report(x, z).by_kind("activation")
+    assert [r.converted for r in rows] == [False] and "keeps 1" in rows[0].reason
 
 
 def test_norm_statistics_and_losses_are_no_activations():

@@ -1,0 +1,176 @@
+"""Exact smooth activations without ``fewbit``: ``jaxmem.selective.smooth_activation`` keeps
+only the input ``x`` and recomputes JAX's own ``vjp`` of ``f`` at ``x`` in the backward;
+under ``jaxmem.transform`` a following product keeps that same ``x`` and recomputes ``f(x)``.
+Gradients equal JAX's (float32 and float64; under ``jit``, ``vmap``, ``grad`` of ``grad``,
+``lax.scan``, ``jax.checkpoint``; bf16 inputs), autodiff keeps one array per activation,
+and XLA's plan (CPU and the H100 plan) keeps less per layer than without the rule."""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jaxmem.measure import compiled_memory, gpu_plan_available, residual_bytes, slope
+from jaxmem.selective.smooth import smooth_activation
+from jaxmem.transform import transform
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import close, normal
+
+ACTS = {
+    "gelu erf": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu tanh": jax.nn.gelu,
+    "gelu erf (hand written)": lambda x: x * 0.5 * (1.0 + lax.erf(x / np.sqrt(2.0))),
+    "silu": jax.nn.silu,
+    "softplus": jax.nn.softplus,
+    "tanh": jnp.tanh,
+}
+
+
+# --------------------------------------------------------------------------- the op
+@pytest.mark.parametrize("name", list(ACTS))
+def test_op_value_and_gradient_are_jax_own(name):
+    f = ACTS[name]
+    x, g = normal((64, 32), scale=3.0), normal((64, 32))
+    op = lambda x: smooth_activation(f, x)
+    assert np.array_equal(jax.jit(op)(x), jax.jit(f)(x))
+    want = jax.jit(jax.grad(lambda x: jnp.sum(f(x) * g)))(x)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(op(x) * g)))(x)
+    close(got, want, rtol=1e-6, atol=1e-7)
+    # second order: the backward (JAX's vjp of f) is differentiable itself
+    h2 = lambda fn: jax.grad(lambda x: jnp.sum(jax.grad(lambda y: jnp.sum(fn(y) * g))(x)))
+    close(jax.jit(h2(op))(x), jax.jit(h2(f))(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gelu erf", "gelu tanh", "silu"])
+def test_op_gradient_in_float64(name):
+    f = ACTS[name]
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.random.default_rng().normal(size=(128,)) * 4.0, jnp.float64)
+        g = jnp.asarray(np.random.default_rng().normal(size=(128,)), jnp.float64)
+        want = jax.grad(lambda x: jnp.sum(f(x) * g))(x)
+        got = jax.grad(lambda x: jnp.sum(smooth_activation(f, x) * g))(x)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-13, atol=1e-15)
+
+
+def test_op_keeps_only_its_input_and_nothing_when_not_differentiated():
+    f = ACTS["gelu erf"]
+    x, w = normal((16, 32)), normal((32, 8))
+    keep = lambda fn: residual_bytes(lambda x: jnp.sum(jnp.sin(fn(x) @ w)), x)
+    big = [e for e in keep(lambda x: smooth_activation(f, x)).entries if e.shape == (16, 32)]
+    assert len(big) == 1 and "smooth" in big[0].source
+    assert len([e for e in keep(f).entries if e.shape == (16, 32)]) >= 3
+    # only w differentiated: the op keeps nothing (the plain product keeps f(x) for dw)
+    res = residual_bytes(lambda w: jnp.sum(jnp.sin(smooth_activation(f, x) @ w)), w)
+    assert not [e for e in res.entries if "selective.smooth" in e.source]
+
+
+# ------------------------------------------------------------- under jaxmem.transform
+def _loss(act):
+    def loss(p, x):
+        h = act(x @ p["w1"] + p["b1"])
+        return jnp.mean(jnp.sin(h @ p["w2"]) ** 2)
+    return loss
+
+
+def _params(dtype=jnp.float32):
+    return {"w1": normal((16, 64), dtype, 0.4), "b1": normal((64,), dtype, 0.1),
+            "w2": normal((64, 8), dtype, 0.2)}
+
+
+def test_transform_matches_and_product_recomputes():
+    f = _loss(ACTS["gelu erf"])
+    p, x = _params(), normal((32, 16), scale=2.0)
+    g = transform(f)
+    row, = [r for r in g.report(p, x).by_kind("activation") if r.converted]
+    assert row.became == "exact (input kept, f' recomputed)"
+    assert "recomputed by the product" in row.reason
+    close(jax.jit(jax.value_and_grad(g))(p, x), jax.jit(jax.value_and_grad(f))(p, x))
+    # autodiff keeps one (32, 64) array for the GELU and the down-projection together
+    big = lambda fn: [e for e in residual_bytes(fn, p, x).entries if e.shape == (32, 64)]
+    assert len(big(g)) == 1 and len(big(f)) >= 3
+
+
+@pytest.mark.parametrize("name", ["gelu erf", "gelu tanh", "silu"])
+def test_transform_under_vmap_and_second_order(name):
+    f = _loss(ACTS[name])
+    p, xs = _params(), normal((3, 5, 16), scale=2.0)
+    g = transform(f)
+    per = lambda fn: jax.jit(jax.vmap(jax.grad(fn), (None, 0)))(p, xs)
+    close(per(g), per(f))
+    gg = lambda fn: jax.jit(jax.grad(lambda p, x: jnp.sum(jax.grad(fn, 1)(p, x) ** 2)))(
+        p, xs[0])
+    close(gg(g), gg(f), rtol=1e-5, atol=1e-6)
+
+
+def test_transform_inside_scan_and_checkpoint():
+    act = ACTS["gelu erf"]
+    ws, x = normal((3, 32, 32), scale=0.3), normal((8, 32), scale=2.0)
+
+    def scanned(ws, x):
+        h, _ = lax.scan(lambda h, w: (act(h @ w), None), x, ws)
+        return jnp.mean(h ** 2)
+
+    def remat(ws, x):
+        layer = jax.checkpoint(lambda h, w: act(h @ w) @ w)
+        return jnp.mean(layer(x, ws[0]) ** 2)
+
+    for f in (scanned, remat):
+        g = transform(f)
+        assert any(r.converted and r.became.startswith("exact")
+                   for r in g.report(ws, x).by_kind("activation"))
+        close(jax.jit(jax.grad(g, (0, 1)))(ws, x), jax.jit(jax.grad(f, (0, 1)))(ws, x))
+    # the stacked scan residuals: one (8, 32) array per layer, not the GELU's three
+    big = lambda fn: [e for e in residual_bytes(fn, ws, x).entries if e.shape == (3, 8, 32)]
+    assert len(big(transform(scanned))) < len(big(scanned))
+
+
+def test_transform_bf16_inputs():
+    f = _loss(ACTS["gelu erf"])
+    p, x = _params(jnp.bfloat16), normal((32, 16), jnp.bfloat16, 2.0)
+    g = transform(f)
+    got, want = jax.jit(jax.grad(g))(p, x), jax.jit(jax.grad(f))(p, x)
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(got))
+    close(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------- XLA's plan
+B, H = 1024, 128  # small weights: the bytes per added layer are the activations
+
+
+def _per_layer(target, variant):
+    """Compiled temp bytes per added layer of ``x -> gelu(x @ w)`` (weights and input
+    differentiated), in units of one ``B x H`` float32 array."""
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.normal(size=(H, H)) / np.sqrt(H), jnp.float32) for _ in range(8)]
+    x = jnp.asarray(rng.normal(size=(B, H)), jnp.float32)
+    act = ACTS["gelu erf"]
+
+    def measure(d):
+        def loss(ws, x):
+            h = x
+            for w in ws:
+                h = act(h @ w)
+            return jnp.mean(h ** 2)
+        return compiled_memory(jax.grad(variant(loss), (0, 1)), ws[:d], x,
+                               target=target).temp_bytes
+
+    return slope(measure, 4) / (B * H * 4)
+
+
+TARGETS = ["cpu", pytest.param("h100", marks=pytest.mark.skipif(
+    not gpu_plan_available(), reason="the H100 plan needs the CUDA PJRT plugin"))]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_compiled_plan_keeps_the_input_only(target):
+    exact = _per_layer(target, transform)
+    # the same step with the activation left to JAX's autodiff (products still selective)
+    without = _per_layer(target, lambda f: transform(f, activations=False))
+    assert exact <= 1.25, exact
+    assert without >= exact + 0.75, (without, exact)
