@@ -146,7 +146,9 @@ class AttentionSpec:
     """Static description of one attention forward arithmetic (hashable).
 
     The scores are ``s = q k^T`` (``qk_precision``; accumulated in ``logits_dtype`` when set),
-    then ``s * scale`` (when ``scale`` is set), ``+ bias``, and masked entries (``mask`` False
+    then ``s * scale`` (when ``scale`` is set), ``s / divisor`` (when ``divisor`` is set: a
+    program that divides, whose rounding differs from a product with ``1 / divisor`` in
+    bf16), ``+ bias``, and masked entries (``mask`` False
     or outside the ``causal`` band) replaced by ``fill``: ``"min"`` is
     ``finfo(q.dtype).min`` (Flax, the model zoo), ``"large"`` is JAX's
     ``-0.7 * finfo(s.dtype).max`` (capped at the float32 range).  The weights are
@@ -156,6 +158,7 @@ class AttentionSpec:
     ``"top_left"`` keeps ``j <= i``.
     """
     scale: float | None = None
+    divisor: float | None = None
     logits_dtype: str | None = None
     fill: str = "min"
     causal: str | None = None
@@ -197,6 +200,8 @@ def _scores(q, k, bias, mask, spec: AttentionSpec):
         s = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=spec.qk_precision)
     if spec.scale is not None:
         s = s * jnp.asarray(spec.scale, s.dtype)
+    if spec.divisor is not None:
+        s = s / jnp.asarray(spec.divisor, s.dtype)
     if bias is not None:
         s = s + bias
         if spec.logits_dtype is not None:
@@ -291,6 +296,8 @@ def _core_bwd(spec, res, do):
                  if jnp.issubdtype(bias.dtype, jnp.inexact) else None)
     if spec.scale is not None:
         ds = ds * jnp.asarray(spec.scale, ds.dtype)
+    if spec.divisor is not None:
+        ds = ds / jnp.asarray(spec.divisor, ds.dtype)
     prec = _bwd_precision(spec.qk_precision)
     dq = jnp.einsum("...hqk,...khd->...qhd", ds, k.astype(ds.dtype), precision=prec)
     dk = jnp.einsum("...hqk,...qhd->...khd", ds, q.astype(ds.dtype), precision=prec)

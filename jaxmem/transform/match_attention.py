@@ -1,32 +1,47 @@
 """Attention subgraphs -> the exact memory-lean attention of :mod:`jaxmem.selective`.
 
-Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax``, Flax's
-``dot_product_attention``, a hand-written softmax)::
+Matched, however it was spelled (``jnp.einsum`` + ``jax.nn.softmax`` in any float dtype,
+Flax's ``dot_product_attention``, ``jax.nn.dot_product_attention(implementation="xla")``
+(also ``None`` where it picks XLA), a hand-written softmax)::
 
-    s = dot_general(q, k)            one free axis each (T of q, S of k), any batch axes
-    s = s * c  |  s / c              optional, c a uniform constant          (scale)
-    s = s + b                        optional                                 (bias)
-    s = select_n(m, fill, s)         optional, fill = finfo.min or -0.7 finfo.max (mask)
-    s = convert(s)                   optional                                 (softmax dtype)
-    (a cast right after q k^T, e.g. bf16 scores to f32, becomes ``logits_dtype``: the
-    product is then accumulated in f32 directly, equal up to the bf16 rounding it skips)
-    p = exp(s - max(s)) / sum(...)   softmax over S (the last axis), max optional
-    p = convert(p)                   optional                                 (weights dtype)
+    s = dot_general(q, k)            one free axis of k (S), one or more of q (the query
+                                     axes: T, and the group axis of grouped-query
+                                     attention), any batch axes
+    s = convert(s)                   optional: a cast right after q k^T, e.g. bf16 scores to
+                                     f32, becomes ``logits_dtype`` (the product is then
+                                     accumulated in f32 directly, equal up to the bf16
+                                     rounding it skips)
+    s = s * c  |  s / c              optional, c a uniform constant   (scale / divisor)
+    s = s + b                        optional                          (bias)
+    s = select_n(m, fill, s)         optional, fill = finfo.min or -0.7 finfo.max (mask;
+                                     ``m`` traced to its source through broadcasts,
+                                     transposes and ``and`` with an all-true array)
+    s = convert(s)                   optional                          (softmax dtype)
+    p = exp(s - max(s)) / sum(...)   softmax over S (the last axis), max optional; the row
+                                     sum may be taken through casts (a bf16 softmax sums
+                                     in f32), the max of the array before a transpose
+    p = convert(p)                   optional                          (weights dtype)
     p = p * bernoulli(key)/keep      optional (Flax's attention dropout; the recipe is
                                      checked by re-tracing ``jax.random.bernoulli``, and
                                      the core regenerates the mask from ``key``)
     p = p * f                        optional, f constant along T and S (a head mask,
                                      also as ``einsum("...hqk,h->...hqk")`` + transpose);
                                      re-emitted as ``o * f`` since ``(P f) v = (P v) f``
-    o = dot_general(p, v) | (v, p)   contracting S
+    o = dot_general(p, v) | (v, p)   contracting S, the batch axes of q k^T in any order
 
-with every interior value used inside the pattern only.  It is re-emitted as
-:func:`jaxmem.selective.attention_core` on ``q, k, v`` transposed to ``(..., T, 1, D)``,
-``(..., S, 1, D)``, ``(..., S, 1, Dv)`` (the batch axes of the scores, one head), the bias /
-mask un-broadcast to their source (so nothing ``T x S`` is stored when they are smaller),
-and the result transposed back: forward the same arithmetic, backward flash-style from
-``q, k, v`` and two row statistics (no ``T x S`` residual).  Exact up to float rounding
-(a division by ``c`` becomes a multiplication by ``1 / c``).
+with transposes allowed anywhere between ``q k^T`` and the softmax (``vmap`` puts them
+there: ``jax.nn.dot_product_attention`` is a ``vmap`` over the query group axis), and every
+interior value used inside the pattern only.  It is re-emitted as
+:func:`jaxmem.selective.attention_core` on ``q, k, v`` transposed to ``(..., T', 1, D)``,
+``(..., S, 1, D)``, ``(..., S, 1, Dv)`` (the batch axes of the scores, one head, the query
+axes merged into ``T'``), the bias / mask un-broadcast to their source (so nothing
+``T x S`` is stored when they are smaller), and the result transposed back: forward the
+same arithmetic, backward flash-style from ``q, k, v`` and two row statistics (no
+``T x S`` residual).  Exact up to float rounding.
+
+A product with softmax-like weights (a division of an ``exp``) that does not match gets a
+report row with the reason (a softmax over another axis, a fill value the core does not
+use, weights used elsewhere, ...).
 """
 from __future__ import annotations
 
@@ -489,7 +504,7 @@ def _match_one(graph: Graph, d2_index: int):
             raise _NoMatch("scores plus a bias that is not traced to q k^T")
         used.add(i)
         transposes()
-    scale = None
+    scale = divisor = None
     h = _prod(graph, s, ("mul", "div"))
     if h is not None:
         i, eq = h
@@ -502,7 +517,7 @@ def _match_one(graph: Graph, d2_index: int):
         else:
             c = graph.uniform(x1)
             _need(c is not None and c != 0, "scores divided by a non-constant")
-            scale, s = 1.0 / c, x0
+            divisor, s = c, x0
         used.add(i)
         transposes()
     logits_cast = None
@@ -547,7 +562,8 @@ def _match_one(graph: Graph, d2_index: int):
         for o in eqns[j].outvars:
             _need(graph.only_used_by(o, used),
                   "an attention interior value (scores / weights) is used elsewhere")
-    spec = {"scale": scale, "fill": fill or "min", "softmax_dtype": softmax_dtype,
+    spec = {"scale": scale, "divisor": divisor, "fill": fill or "min",
+            "softmax_dtype": softmax_dtype,
             "weights_dtype": weights_dtype, "qk_precision": d1.params.get("precision"),
             "pv_precision": d2.params.get("precision")}
     logits = logits_cast or str(s.aval.dtype)
@@ -668,7 +684,8 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
         if layout["dropout_key"] is not None:
             inputs.append(layout["dropout_key"])
         emit = _emit_fn(spec, layout, bias_dims, mask_dims)
-        parts = [k for k, x in (("scale", spec["scale"]), ("bias", bias), ("mask", mask),
+        scaled = spec["scale"] if spec["divisor"] is None else spec["divisor"]
+        parts = [k for k, x in (("scale", scaled), ("bias", bias), ("mask", mask),
                                 ("head factor", layout["factor"]),
                                 ("dropout", layout["dropout_key"])) if x is not None]
         if layout["nq"] > 1:

@@ -1,0 +1,316 @@
+"""The attention spellings GPU users write: bf16 ``einsum`` + ``jax.nn.softmax`` (its row sum
+taken in f32 through casts) and ``jax.nn.dot_product_attention(implementation="xla" | None)``
+(its grouped-head ``vmap``: two query axes, transposes between ``q k^T`` and the softmax, the
+mask combined with an all-true array) become ``jaxmem.selective.attention_core``: equal
+gradients (f32 to rounding; bf16 within bf16 rounding of the untouched function and no
+further from float64 math), under ``jit`` / ``vmap`` / ``grad``, with causal masks, masks,
+biases and sequence lengths; nothing ``T x S`` kept per layer in the compiled step (CPU and
+the H100 plan).  A softmax-weighted product that is not matched gets a report row with the
+reason, and a softmax's ``exp`` is never few-bit coded."""
+from __future__ import annotations
+
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.measure import compiled_memory, gpu_plan_available
+from jaxmem.transform import transform
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import close, normal
+
+B, T, S, N, K, H = 2, 16, 12, 4, 2, 8
+
+
+def einsum_causal(q, k, v):
+    """The model zoo's spelling (python-float scale: stays in the inputs' dtype)."""
+    t = q.shape[1]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _loss(att, w):
+    def f(q, k, v, *extra):
+        o = att(q, k, v, *extra)
+        return jnp.sum(o.astype(w.dtype) * w)
+    return f
+
+
+def _grads(f, args, argnums):
+    return jax.jit(jax.grad(f, argnums))(*args)
+
+
+def _converted(g, *args):
+    rows = g.report(*args).by_kind("attention")
+    assert rows and all(r.converted for r in rows), [r.reason for r in rows]
+    assert all("attention_core" in r.became for r in rows)
+    return rows
+
+
+def _mask(shape, p=0.7):
+    m = np.random.default_rng().random(shape) < p
+    m[..., 0] = True
+    return jnp.asarray(m)
+
+
+# ----------------------------------------------------------------- dot_product_attention f32
+def _dpa(**kw):
+    def att(q, k, v, *extra):
+        return jax.nn.dot_product_attention(q, k, v, *extra, **kw)
+    return att
+
+
+DPA_CASES = {
+    "xla_plain_grouped": (_dpa(implementation="xla"), "gqa", ()),
+    "default_impl_causal": (_dpa(is_causal=True), "mha", ()),
+    "xla_causal_scale": (_dpa(is_causal=True, scale=0.3, implementation="xla"), "mha", ()),
+    "xla_bias_mask_grouped": (_dpa(implementation="xla"), "gqa", ("bias", "mask")),
+    "xla_bias_broadcast_causal": (_dpa(is_causal=True, implementation="xla"), "mha",
+                                  ("bias1",)),
+    "xla_seq_lengths": (_dpa(query_seq_lengths=jnp.array([T, 5]),
+                             key_value_seq_lengths=jnp.array([7, S]),
+                             implementation="xla"), "gqa", ()),
+}
+
+
+def _dpa_args(kind, extras, dtype=jnp.float32):
+    s = T if kind == "mha" else S
+    kh = N if kind == "mha" else K
+    q, k, v = normal((B, T, N, H), dtype), normal((B, s, kh, H), dtype), normal((B, s, kh, H),
+                                                                            dtype)
+    ex = []
+    for e in extras:
+        if e == "bias":
+            ex.append(normal((B, N, T, s), dtype, 0.3))
+        elif e == "bias1":
+            ex.append(normal((1, N, T, s), dtype, 0.3))
+        elif e == "mask":
+            ex += [None] * (1 - len(ex)) + [_mask((B, 1, T, s))]
+    return (q, k, v, *ex)
+
+
+@pytest.mark.parametrize("case", list(DPA_CASES))
+def test_dot_product_attention_f32_matched_and_exact(case):
+    att, kind, extras = DPA_CASES[case]
+    args = _dpa_args(kind, extras)
+    w = normal((B, T, N, H))
+    f = _loss(att, w)
+    g = transform(f)
+    _converted(g, *args)
+    argnums = tuple(i for i, a in enumerate(args) if a is not None
+                    and jnp.issubdtype(a.dtype, jnp.floating))
+    close(jax.jit(g)(*args), jax.jit(f)(*args), rtol=1e-5)
+    close(_grads(g, args, argnums), _grads(f, args, argnums), rtol=1e-5, atol=1e-5)
+
+
+def test_dot_product_attention_float64_reference():
+    """f32 gradients of the matched attention against the same function in float64."""
+    att = _dpa(is_causal=True, implementation="xla")
+    q, k, v, bias = _dpa_args("mha", ("bias",))
+    w = normal((B, T, N, H))
+    got = _grads(transform(_loss(att, w)), (q, k, v, bias), (0, 1, 2, 3))
+    with jax.enable_x64(True):
+        ref = _grads(_loss(att, w.astype(jnp.float64)),
+                     tuple(a.astype(jnp.float64) for a in (q, k, v, bias)), (0, 1, 2, 3))
+        ref = jax.tree_util.tree_map(np.asarray, ref)
+    close(jax.tree_util.tree_map(np.asarray, got), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_product_attention_under_vmap_and_grad_of_vmap():
+    att = _dpa(is_causal=True, implementation="xla")
+    q, k, v = (normal((3, B, T, N, H)) for _ in range(3))
+    w = normal((3, B, T, N, H))
+
+    def f(q, k, v):
+        return jnp.sum(jax.vmap(att)(q, k, v) * w)
+
+    g = transform(f)
+    _converted(g, q, k, v)
+    close(_grads(g, (q, k, v), (0, 1, 2)), _grads(f, (q, k, v), (0, 1, 2)), rtol=1e-5,
+          atol=1e-5)
+    # transform inside vmap: the per-example function is matched
+    per = transform(lambda q, k, v, w: jnp.sum(att(q, k, v) * w))
+    got = jax.jit(jax.vmap(jax.grad(per, (0, 1, 2))))(q, k, v, w)
+    want = jax.jit(jax.vmap(jax.grad(lambda q, k, v, w: jnp.sum(att(q, k, v) * w),
+                                     (0, 1, 2))))(q, k, v, w)
+    close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- bf16
+BF16_SPELLINGS = {"einsum_causal": einsum_causal,
+                  "dpa_xla_causal": _dpa(is_causal=True, implementation="xla"),
+                  "dpa_default_causal_grouped": _dpa(is_causal=True)}
+
+
+@pytest.mark.parametrize("name", list(BF16_SPELLINGS))
+def test_bf16_attention_matched_close_to_untouched_and_float64(name):
+    """bf16 gradients, at the gradient's scale in bf16 rounding steps (2^-8): within 3 steps
+    of float64 math and no further from it than the untouched bf16 function plus one step
+    (the core recomputes the weights in f32 where the untouched backward rounds ``P`` and
+    ``dP`` to bf16 and sums ``T`` of them: up to ~5 steps off, measured); hence within 8
+    steps of the untouched function.  ``dot_product_attention`` already computes its
+    softmax in f32: within one step there (measured: the same bits but for a last bit)."""
+    att = BF16_SPELLINGS[name]
+    kh = K if "grouped" in name else N
+    q = normal((B, T, N, H), jnp.bfloat16)
+    k, v = normal((B, T, kh, H), jnp.bfloat16), normal((B, T, kh, H), jnp.bfloat16)
+    w = normal((B, T, N, H))
+    f = _loss(att, w)
+    g = transform(f)
+    _converted(g, q, k, v)
+    got = [np.asarray(a, np.float64) for a in _grads(g, (q, k, v), (0, 1, 2))]
+    base = [np.asarray(a, np.float64) for a in _grads(f, (q, k, v), (0, 1, 2))]
+    with jax.enable_x64(True):
+        ref = [np.asarray(a) for a in _grads(_loss(att, w.astype(jnp.float64)),
+                                             tuple(a.astype(jnp.float64) for a in (q, k, v)),
+                                             (0, 1, 2))]
+    step = 2.0 ** -8
+    for a, b, r in zip(got, base, ref):
+        scale = np.max(np.abs(r))
+        assert np.max(np.abs(a - r)) <= 3 * step * scale
+        assert np.max(np.abs(a - r)) <= np.max(np.abs(b - r)) + step * scale
+        assert np.max(np.abs(a - b)) <= 8 * step * scale
+        if name.startswith("dpa"):          # softmax and its gradient in f32 both ways
+            assert np.max(np.abs(a - b)) <= step * scale
+    # forward: the same bf16 arithmetic
+    close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_einsum_under_vmap_jit():
+    q, k, v = (normal((3, B, T, N, H), jnp.bfloat16) for _ in range(3))
+    w = normal((3, B, T, N, H))
+
+    def f(q, k, v):
+        return jnp.sum(jax.vmap(einsum_causal)(q, k, v).astype(w.dtype) * w)
+
+    g = transform(f)
+    _converted(g, q, k, v)
+    got = [np.asarray(x, np.float64) for x in _grads(g, (q, k, v), (0, 1, 2))]
+    base = [np.asarray(x, np.float64) for x in _grads(f, (q, k, v), (0, 1, 2))]
+    with jax.enable_x64(True):
+        w64 = w.astype(jnp.float64)
+        ref = [np.asarray(x) for x in _grads(
+            lambda q, k, v: jnp.sum(jax.vmap(einsum_causal)(q, k, v) * w64),
+            tuple(a.astype(jnp.float64) for a in (q, k, v)), (0, 1, 2))]
+    step = 2.0 ** -8
+    for a, b, r in zip(got, base, ref):
+        scale = np.max(np.abs(r))
+        assert np.max(np.abs(a - r)) <= 3 * step * scale
+        assert np.max(np.abs(a - r)) <= np.max(np.abs(b - r)) + step * scale
+
+
+# ------------------------------------------------------------- unmatched: rows, no codes
+def _softmax_axis_minus2(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-2), v)
+
+
+def _fill_minus_1e4(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, -1e4)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("att,why", [(_softmax_axis_minus2, "last axis"),
+                                     (_fill_minus_1e4, "fill value")],
+                         ids=["softmax_axis_-2", "fill_minus_1e4"])
+def test_unmatched_softmax_attention_gets_a_row_and_no_fewbit_exp(att, why, dtype):
+    q, k, v = (normal((B, T, N, H), dtype) for _ in range(3))
+
+    def f(q, k, v):
+        return jnp.sum(att(q, k, v).astype(jnp.float32) ** 2)
+
+    g = transform(f, fewbit=3)
+    rep = g.report(q, k, v)
+    row, = rep.by_kind("attention")
+    assert not row.converted and why in row.reason and "softmax" in row.matched
+    assert row.where and "test_transform_attention_spellings.py" in row.where
+    coded = [r for r in rep.by_kind("activation") if r.converted and "exp" in r.matched]
+    assert not coded, coded
+    tol = 1e-4 if dtype == jnp.float32 else 1e-2
+    close(_grads(g, (q, k, v), (0, 1, 2)), _grads(f, (q, k, v), (0, 1, 2)), rtol=tol,
+          atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_softmax_exp_never_fewbit_coded(dtype):
+    """A softmax that feeds no product (a loss's, a gate's): its ``exp`` output is summed
+    (in bf16: after a cast to f32), so it stays exact under ``fewbit``."""
+    x, wt = normal((4, 32), dtype), normal((32, 32), dtype, 0.2)
+
+    def f(x, wt):
+        p = jax.nn.softmax(x @ wt, axis=-1)
+        return jnp.sum((p * jax.nn.gelu(x)).astype(jnp.float32))
+
+    rep = transform(f, fewbit=3).report(x, wt)
+    exp_rows = [r for r in rep.by_kind("activation") if r.matched.endswith(": exp")]
+    assert exp_rows and not any(r.converted for r in exp_rows), exp_rows
+    assert any(r.converted for r in rep.by_kind("activation"))       # the GELU
+
+
+def test_bf16_gpt_attention_with_fewbit_codes_no_exp():
+    q, k, v = (normal((B, T, N, H), jnp.bfloat16) for _ in range(3))
+
+    def f(q, k, v):
+        return jnp.sum(jax.nn.gelu(einsum_causal(q, k, v)).astype(jnp.float32))
+
+    rep = transform(f, fewbit=3).report(q, k, v)
+    assert rep.by_kind("attention")[0].converted
+    assert not any("exp" in r.matched for r in rep.by_kind("activation") if r.converted)
+
+
+# ------------------------------------------------------------------- compiled bytes
+TL, NL, DL = 512, 4, 16
+
+
+def _stack(spelling, dtype):
+    c = NL * DL
+
+    def att(q, k, v):
+        if spelling == "einsum":
+            return einsum_causal(q, k, v)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    def loss(params, x):
+        for wq, wk, wv, wo in params:
+            q, k, v = ((x @ w).reshape(1, TL, NL, DL) for w in (wq, wk, wv))
+            x = x + att(q, k, v).reshape(1, TL, c) @ wo
+        return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+    def params(depth):
+        return [tuple(jax.ShapeDtypeStruct((c, c), dtype) for _ in range(4))
+                for _ in range(depth)]
+
+    return loss, params, jax.ShapeDtypeStruct((1, TL, c), dtype)
+
+
+def _per_layer(loss, params, x, target):
+    tot = [compiled_memory(jax.grad(loss), params(d), x, target=target).total_bytes
+           for d in (2, 4)]
+    return (tot[1] - tot[0]) / 2
+
+
+TARGETS = ["cpu", pytest.param("h100", marks=pytest.mark.skipif(
+    not gpu_plan_available(), reason="the H100 plan needs the CUDA PJRT plugin"))]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("spelling,dtype", [("einsum", jnp.bfloat16), ("dpa", jnp.float32),
+                                            ("dpa", jnp.bfloat16)],
+                         ids=["einsum_bf16", "dpa_f32", "dpa_bf16"])
+def test_no_t_by_s_array_kept_per_layer(spelling, dtype, target):
+    """Per-layer compiled bytes (slope between depth 2 and 4) of the converted step are
+    below half of one ``heads x T x T`` array of the dtype, where the untouched step keeps
+    at least one."""
+    loss, params, x = _stack(spelling, dtype)
+    tt = NL * TL * TL * jnp.dtype(dtype).itemsize
+    plain = _per_layer(loss, params, x, target)
+    lean = _per_layer(transform(loss), params, x, target)
+    assert plain >= tt, (plain, tt)
+    assert lean < 0.5 * tt, (lean, tt)
