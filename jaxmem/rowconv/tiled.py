@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jaxmem._prims.ties import varying_axes, zeros_after
+from jaxmem._prims.ties import tie, varying_axes
 
 from . import halo as H
 from .layers import (
@@ -90,6 +90,22 @@ def _add_window(dx, dw, start, top, bot):
     return lax.dynamic_update_slice_in_dim(dx, acc, c, axis=1)
 
 
+def _put_window(buf, w, start, n_own, top, bot):
+    """Rows ``start .. start + n_own`` of ``buf`` (those inside it) := the first ``n_own``
+    rows of ``w`` (``w``'s row j is global row ``start + j``); the other rows of ``buf`` keep
+    their contents. The clamping is :func:`_add_window`'s."""
+    L = w.shape[1]
+    c = jnp.clip(start, 0, buf.shape[1] - L)
+    if top or bot:
+        w = jnp.pad(w, ((0, 0), (bot, top), (0, 0), (0, 0)))
+        w = lax.dynamic_slice_in_dim(w, c - start + bot, L, axis=1)
+    r = c + jnp.arange(L)
+    own = (r >= start) & (r < start + n_own)
+    cur = lax.dynamic_slice_in_dim(buf, c, L, axis=1)
+    new = jnp.where(own[None, :, None, None], w.astype(buf.dtype), cur)
+    return lax.dynamic_update_slice_in_dim(buf, new, c, axis=1)
+
+
 def _grow(x, L):
     """Pad ``x`` at the bottom to at least L rows (tiny maps only)."""
     if x.shape[1] >= L:
@@ -99,6 +115,21 @@ def _grow(x, L):
 
 def _is_zero(g):
     return isinstance(g, SymbolicZero)
+
+
+def zeros_after(shape, dtype, after):
+    """``zeros(shape, dtype)`` whose buffer XLA can create only once ``after`` exists.
+
+    A scalar ``+0`` is tied to ``after`` (:func:`jaxmem._prims.ties.tie`: exact, no
+    communication) and then broadcast, so the full-size buffer is made by an op with an
+    operand that exists only after ``after``. Tying the full-size zeros instead (``ties.
+    zeros_after``) is enough on XLA:CPU, but on XLA:GPU the tie is an
+    ``optimization_barrier`` that only orders its *output*: the operand-free zeros
+    broadcast in front of it is still scheduled at program start there, so every
+    segment's backward accumulator (and forward output buffer) lived through the whole
+    forward pass (VGG-16 at 1024², OverL-H N=16: 15 MiB of the 32.5 MiB temp of the H100
+    plan; ``benchmarks/results/gpu_plan/rowconv_vgg16.md``)."""
+    return jnp.broadcast_to(tie(jnp.zeros((), dtype), after), shape)
 
 
 def _zeros_tree_after(tree, after):
@@ -171,6 +202,8 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
         return out
 
     def backward(params, x, rng, extra, g, want_dx):
+        if want_dx and _ov_inplace(x.shape[1], iv_b.L, [iv_b.at(o) for o in st_b]):
+            return _backward_inplace(params, x, rng, g)
         xg = _grow(x, L)
         # accumulators made from the cotangent, so they exist only in the backward pass
         dp0 = _zeros_tree_after(params, g)
@@ -199,7 +232,49 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
                                 unroll=unroll)
         return dp, (None if dxg is None else _rows(dxg, 0, Hin))
 
+    def _backward_inplace(params, x, rng, g):
+        # The input cotangent is written over x itself: tiles run top to bottom, and once
+        # tile k is done no later window reads the rows above window k+1, and no later tile
+        # adds to them. Their cotangent is final, so it replaces x there; the rows shared
+        # with the next window travel in `pend` (L rows, window coordinates). The sums are
+        # formed in the same order as with a zero-initialised accumulator (bit for bit), and
+        # no second map of x's size is alive (x's buffer becomes the loop carry).
+        Lb = iv_b.L
+        starts = [iv_b.at(o) for o in st_b]
+        d = [b - a for a, b in zip(starts, starts[1:])] + [Lb]
+        dp0 = _zeros_tree_after(params, g)
+        pend0 = zeros_after(x.shape[:1] + (Lb,) + x.shape[2:], x.dtype, g)
+        own0 = jnp.asarray([i * T_b for i in range(len(st_b))], jnp.int32)
+
+        def body(carry, io):
+            dp, buf, pend = carry
+            o, own, dk = io
+            start = iv_b.at(o)
+            xw = _read_window(buf, start, Lb, top, bot)
+            gy = lax.dynamic_slice_in_dim(g, o, T_b, axis=1)
+            gy = _mask_rows(gy, o - own, T_b, 0.0).astype(x.dtype)
+            _, vjp = jax.vjp(lambda p, xw: _ov_seq(nodes_b, p, xw, o, rng), params, xw)
+            dpi, dxw = vjp(gy)
+            acc = pend + dxw.astype(x.dtype)
+            buf = _put_window(buf, acc, start, dk, top, bot)
+            pend = lax.dynamic_slice_in_dim(jnp.concatenate([acc, jnp.zeros_like(acc)], axis=1),
+                                            dk, Lb, axis=1)
+            dp = jax.tree.map(jnp.add, dp, dpi)
+            return (dp, buf, pend), None
+
+        xs = (jnp.asarray(st_b, jnp.int32), own0, jnp.asarray(d, jnp.int32))
+        (dp, dx, _), _ = lax.scan(body, (dp0, x, pend0), xs, unroll=unroll)
+        return dp, dx
+
     return _wrap(forward, lambda p, x, r: (forward(p, x, r), None), backward, params, x, rng)
+
+
+def _ov_inplace(H, L, starts) -> bool:
+    """Whether overlap's input cotangent can be written over x: the windows (``L`` rows
+    at ``starts``) cover every row of x (a row no window reads has a zero cotangent, which
+    an in-place write would leave as x) and x is at least one window tall."""
+    return (H >= L and starts[0] <= 0 and starts[-1] + L >= H
+            and all(0 < b - a <= L for a, b in zip(starts, starts[1:])))
 
 
 def _vary_all(tree):
@@ -337,27 +412,40 @@ def _share_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
             saved = run(params, x, rng, plan_b, True)[1]
         nodes, slots, T, n, e_out, T_in = plan_b
         bot = max(0, n * T_in - Hin)
-        xg = _grow(x, T_in)
+        # In place: the tiles partition x's rows and run bottom to top, each reading and
+        # then writing only its own rows, so the input cotangent can replace x row block by
+        # row block (no second map of x's size; each row is written once, as the
+        # zero-initialised accumulator would hold it).
+        inplace = want_dx and Hin >= T_in
+        xg = x if inplace else _grow(x, T_in)
         g = _grow(g, T)  # a tile can be taller than the output map (see run)
         dp0 = _zeros_tree_after(params, g)  # backward-only accumulators, as in overlap
 
         def body(c, inp):
             dp, dcar, dxg = c
             i, carries = inp
-            xn = _read_window(xg, i * T_in, T_in, 0, bot)
+            xn = _read_window(dxg if inplace else xg, i * T_in, T_in, 0, bot)
             gy = _read_window(g, i * T + e_out, T, -e_out, T).astype(x.dtype)
             if want_dx:
                 _, vjp = jax.vjp(lambda p, cs, xn: tile(nodes, p, cs, xn, i, rng),
                                  params, carries, xn)
                 dpi, dcs, dxn = vjp((gy, dcar))
-                dxg = _add_window(dxg, dxn, i * T_in, 0, bot)
+                if inplace:
+                    dxg = _put_window(dxg, dxn, i * T_in, T_in, 0, bot)
+                else:
+                    dxg = _add_window(dxg, dxn, i * T_in, 0, bot)
             else:
                 _, vjp = jax.vjp(lambda p, cs: tile(nodes, p, cs, xn, i, rng), params, carries)
                 dpi, dcs = vjp((gy, dcar))
             dp = jax.tree.map(jnp.add, dp, dpi)
             return (dp, dcs, dxg), None
 
-        dxg = zeros_after(xg.shape, xg.dtype, g) if want_dx else None
+        if not want_dx:
+            dxg = None
+        elif inplace:
+            dxg = x
+        else:
+            dxg = zeros_after(xg.shape, xg.dtype, g)
         (dp, _, dxg), _ = lax.scan(
             body, (dp0, carries0(slots, x.dtype, g), dxg),
             (jnp.arange(n, dtype=jnp.int32), saved), reverse=True, unroll=unroll)
