@@ -10,7 +10,9 @@ For each model (random weights from a config, nothing downloaded) the jitted ste
 ``jaxmem.transform(loss)`` (exact) and ``jaxmem.transform(loss, fewbit=3)`` -- for XLA:CPU and
 for XLA:GPU's H100 plan (``target="h100"``, compiled without a GPU), and
 ``jaxmem.measure.compiled_memory`` reports its temp and total bytes.  The CPU step time of
-the default and the exact step is the median of ``--repeats`` runs after one warm-up.
+the default and the exact step is the median of ``--repeats`` runs after one warm-up, as
+wall seconds and as the process's CPU seconds (the work done, less sensitive to other jobs
+on a shared machine).
 
 Size (``--size moderate``, the default): hidden 256, 4 layers, 4 heads, MLP 1024, batch 8,
 sequence 128 (ViT: 176 x 176 images, patch 16: 122 tokens; T5: 4 encoder + 4 decoder
@@ -173,15 +175,19 @@ def train_step(loss):
 
 
 def _time(step, params, opt_state, batch, r, repeats):
+    """Median wall seconds and median process CPU seconds (all threads) of one step.  The CPU
+    seconds are the work done: on a machine shared with other jobs the wall time also counts
+    the time the step waited for a core."""
     f = jax.jit(step)
     out = f(params, opt_state, batch, r)
     jax.block_until_ready(out)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         jax.block_until_ready(f(params, opt_state, batch, r))
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def run(models, targets, size, repeats):
@@ -211,7 +217,8 @@ def run(models, targets, size, repeats):
                 row = {"model": name, "variant": vname, "target": target, "temp": cm.temp_bytes,
                            "total": cm.total_bytes, "compile_s": round(time.perf_counter() - t0, 1)}
                 if target == "cpu" and vname != "transform(fewbit=3)" and repeats:
-                    row["step_s"] = _time(step, params, opt_state, batch, r, repeats)
+                    row["step_s"], row["step_cpu_s"] = _time(step, params, opt_state, batch,
+                                                             r, repeats)
                 if vname == "transform(fewbit=3)" and target == targets[0]:
                     row["report"] = counts
                 rows.append(row)
@@ -228,16 +235,19 @@ def markdown(rows, size) -> str:
            f"{z['layers']} layers, {z['heads']} heads, MLP {z['ff']}, batch {z['batch']}, "
            f"sequence {z['seq']} (ViT / CLIP: {z['image']}^2 images, patch {z['patch']})."),
            "", ("| model | variant | plan | temp MiB | ratio | total MiB | ratio | CPU step s "
-           "| ratio |"), "|---|---|---|---|---|---|---|---|---|"]
+           "| ratio | CPU-s of work | ratio |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base[(r["model"], r["target"])]
         step = f"{r['step_s']:.3f}" if "step_s" in r else ""
         sratio = (f"{r['step_s'] / b['step_s']:.2f}x" if "step_s" in r and "step_s" in b
                   else "")
+        work = f"{r['step_cpu_s']:.3f}" if "step_cpu_s" in r else ""
+        wratio = (f"{r['step_cpu_s'] / b['step_cpu_s']:.2f}x"
+                  if "step_cpu_s" in r and "step_cpu_s" in b else "")
         out.append(f"| {r['model']} | {r['variant']} | {r['target']} | "
                    f"{r['temp'] / mib:.1f} | {r['temp'] / b['temp']:.2f}x | "
                    f"{r['total'] / mib:.1f} | {r['total'] / b['total']:.2f}x | {step} | "
-                   f"{sratio} |")
+                   f"{sratio} | {work} | {wratio} |")
     return "\n".join(out) + "\n"
 
 
@@ -250,6 +260,7 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     rows = run(a.models.split(","), a.targets.split(","), a.size, a.repeats)
     md = markdown(rows, a.size)
     print(md)
@@ -257,7 +268,8 @@ def main(argv=None):
         os.makedirs(a.out, exist_ok=True)
         meta = {"size": SIZES[a.size], "size_name": a.size, "jax": jax.__version__,
                     "machine": platform.machine(), "cpus": os.cpu_count(),
-                    "wall_s": round(time.perf_counter() - t0, 1)}
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                    "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}
         with open(os.path.join(a.out, "hf.json"), "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
         with open(os.path.join(a.out, "hf.md"), "w") as fh:
