@@ -24,6 +24,7 @@ to a ``psum``, so a replicated parameter gets the summed gradient, as through pl
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -241,7 +242,7 @@ def _overlap_segment(geoms, params, x, rng, rows_fp, rows_bp, unroll):
         # no second map of x's size is alive (x's buffer becomes the loop carry).
         Lb = iv_b.L
         starts = [iv_b.at(o) for o in st_b]
-        d = [b - a for a, b in zip(starts, starts[1:])] + [Lb]
+        d = [b - a for a, b in itertools.pairwise(starts)] + [Lb]
         dp0 = _zeros_tree_after(params, g)
         pend0 = zeros_after(x.shape[:1] + (Lb,) + x.shape[2:], x.dtype, g)
         own0 = jnp.asarray([i * T_b for i in range(len(st_b))], jnp.int32)
@@ -274,7 +275,7 @@ def _ov_inplace(H, L, starts) -> bool:
     at ``starts``) cover every row of x (a row no window reads has a zero cotangent, which
     an in-place write would leave as x) and x is at least one window tall."""
     return (H >= L and starts[0] <= 0 and starts[-1] + L >= H
-            and all(0 < b - a <= L for a, b in zip(starts, starts[1:])))
+            and all(0 < b - a <= L for a, b in itertools.pairwise(starts)))
 
 
 def _vary_all(tree):
