@@ -11,6 +11,8 @@ saves residuals according to which inputs are perturbed):
   :func:`rms_norm` -- keep one input-sized tensor + per-group statistics iff the input or
   scale is differentiated, nothing input-sized for a bias-only update;
 * :func:`relu`, :func:`leaky_relu`, :func:`relu6`, :func:`hard_tanh` -- a 1-bit packed mask;
+* :func:`smooth_activation` -- any elementwise ``f`` keeping only its input (``f'``
+  recomputed; a following bilinear layer shares that input and recomputes ``f(x)``);
 * :func:`max_pool` -- the packed argmax position inside each window;
 * :func:`dropout` -- only the PRNG key;
 * :func:`attention`, :func:`attention_core` (flash-style backward, nothing ``T x S`` kept)
@@ -41,6 +43,7 @@ from jaxmem.selective.linear import (
 )
 from jaxmem.selective.norm import batch_norm, group_norm, layer_norm, normalize, rms_norm
 from jaxmem.selective.pool import max_pool
+from jaxmem.selective.smooth import smooth_activation
 from jaxmem.selective.subset import (
     combine,
     grad,
@@ -56,6 +59,7 @@ __all__ = [
     "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bilinear", "combine", "conv",
     "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "grad",
     "group_norm", "hard_tanh", "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad",
-    "normalize", "pack_bits", "partition", "path_str", "relu", "relu6", "rms_norm", "softmax",
-    "train_step", "trainable_mask", "unpack_bits", "value_and_grad",
+    "normalize", "pack_bits", "partition", "path_str", "relu", "relu6", "rms_norm",
+    "smooth_activation", "softmax", "train_step", "trainable_mask", "unpack_bits",
+    "value_and_grad",
 ]

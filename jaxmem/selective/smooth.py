@@ -7,8 +7,8 @@ three ``x``-sized arrays.  The derivative
 
     dL/dx = f'(x) * g,        g = dL/dy
 
-depends on ``x`` alone, so ``x`` is all the backward pass needs.  :func:`smooth_activation` is a
-``jax.custom_vjp`` (``symbolic_zeros=True``) that keeps ``x`` (tagged
+depends on ``x`` alone, so ``x`` is all the backward pass needs.  :func:`smooth_activation`
+is a ``jax.custom_vjp`` (``symbolic_zeros=True``) that keeps ``x`` (tagged
 ``jaxmem.selective.<name>.input``) only when it is differentiated and, in the backward,
 recomputes ``jax.vjp(f, x)`` -- JAX's own reverse-mode derivative of the very same ``f`` --
 and applies it to ``g``.  The gradient is therefore JAX's (the same equations; equal up to
@@ -73,9 +73,25 @@ def smooth_activation(f: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
            name: str = "smooth") -> jax.Array:
     """``f(x)`` for an elementwise ``f``, keeping only ``x`` for the backward pass.
 
-    Returns ``f(x)`` (the same computation); ``dL/dx = vjp(f, x)(g)`` is recomputed from
-    the kept ``x``.  A selective bilinear layer applied to the result keeps ``x`` instead of
-    ``f(x)`` (see the module docstring)."""
+    Args:
+      f: elementwise function of one array (hashable; a static argument).
+      x: floating-point array.
+      name: tag of the kept input, ``jaxmem.selective.<name>.input``.
+
+    Returns:
+      ``f(x)`` (the same computation).  ``dL/dx = vjp(f, x)(g)`` is recomputed from the kept
+      ``x``; a selective bilinear layer applied to the result keeps ``x`` instead of
+      ``f(x)`` (see the module docstring).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmem.selective import smooth_activation
+      >>> gelu = lambda a: jax.nn.gelu(a, approximate=False)
+      >>> x = jnp.linspace(-3.0, 3.0, 7)
+      >>> g = jax.grad(lambda x: jnp.sum(smooth_activation(gelu, x)))(x)
+      >>> bool(jnp.allclose(g, jax.grad(lambda x: jnp.sum(gelu(x)))(x)))
+      True
+    """
     check_float("smooth_activation: x", x)
     x = tag(x, str(name) + ".input")
     y = _smooth(f, str(name), x)
