@@ -151,7 +151,8 @@ class AttentionSpec:
     bf16), ``+ bias``, and masked entries (``mask`` False
     or outside the ``causal`` band) replaced by ``fill``: ``"min"`` is
     ``finfo(q.dtype).min`` (Flax, the model zoo), ``"large"`` is JAX's
-    ``-0.7 * finfo(s.dtype).max`` (capped at the float32 range).  The weights are
+    ``-0.7 * finfo(s.dtype).max`` (capped at the float32 range), a float is that value in
+    the scores' dtype (``jnp.where(mask, s, -1e9)``).  The weights are
     ``softmax(s.astype(softmax_dtype)).astype(weights_dtype)`` (no cast where ``None``),
     multiplied by ``keep / (1 - dropout_rate)`` when ``dropout_rate > 0``, and contracted
     with ``v`` (``pv_precision``).  ``causal``: ``"bottom_right"`` keeps key ``j <= i + S - T``,
@@ -160,7 +161,7 @@ class AttentionSpec:
     scale: float | None = None
     divisor: float | None = None
     logits_dtype: str | None = None
-    fill: str = "min"
+    fill: str | float = "min"
     causal: str | None = None
     softmax_dtype: str | None = None
     weights_dtype: str | None = None
@@ -171,6 +172,8 @@ class AttentionSpec:
 
 
 def _fill_value(spec: AttentionSpec, q_dtype, s_dtype):
+    if not isinstance(spec.fill, str):
+        return jnp.asarray(spec.fill, dtype=s_dtype)
     if spec.fill == "min":
         return jnp.finfo(q_dtype).min
     big = min(float(jnp.finfo(s_dtype).max), float(jnp.finfo(jnp.float32).max))

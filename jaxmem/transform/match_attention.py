@@ -13,7 +13,7 @@ Flax's ``dot_product_attention``, ``jax.nn.dot_product_attention(implementation=
                                      rounding it skips)
     s = s * c  |  s / c              optional, c a uniform constant   (scale / divisor)
     s = s + b                        optional                          (bias)
-    s = select_n(m, fill, s)         optional, fill = finfo.min or -0.7 finfo.max (mask;
+    s = select_n(m, fill, s)         optional, fill a finite constant (mask;
                                      ``m`` traced to its source through broadcasts,
                                      transposes and ``and`` with an all-true array)
     s = convert(s)                   optional                          (softmax dtype)
@@ -230,10 +230,11 @@ def _source(graph: Graph, v):
             dims = new
         elif name == "and" and v.aval.dtype == np.bool_:
             x0, x1 = eq.invars
-            if graph.uniform(x0) == 1.0 and tuple(x1.aval.shape) == tuple(v.aval.shape):
+            rank = len(v.aval.shape)          # operands of one rank, size-1 axes broadcast
+            if graph.uniform(x0) == 1.0 and len(x1.aval.shape) == rank:
                 v = x1
                 continue
-            if graph.uniform(x1) == 1.0 and tuple(x0.aval.shape) == tuple(v.aval.shape):
+            if graph.uniform(x1) == 1.0 and len(x0.aval.shape) == rank:
                 v = x0
                 continue
             break
@@ -241,6 +242,23 @@ def _source(graph: Graph, v):
             break
         v = eq.invars[0]
     return v, tuple(dims)
+
+
+def _and_leaves(graph: Graph, v, depth: int = 0) -> list:
+    """A boolean mask as the sources of the ``and`` tree computing it (``is_causal`` with
+    sequence lengths): ``[(src, dims)]`` as :func:`_source` gives for each, so that the
+    combined mask is built from them at the size they broadcast to, not kept at the
+    scores' size."""
+    src, dims = _source(graph, v)
+    eq = None if is_literal(src) else graph.eqn(src)
+    if (depth > 3 or eq is None or eq.primitive.name != "and" or src.aval.dtype != np.bool_
+            or any(len(x.aval.shape) != len(src.aval.shape) for x in eq.invars)):
+        return [(src, dims)]
+    out = []
+    for x in eq.invars:
+        for s2, d2 in _and_leaves(graph, x, depth + 1):
+            out.append((s2, tuple(None if d is None else dims[d] for d in d2)))
+    return out
 
 
 def _as_shape(src, dims, rank: int):
@@ -393,7 +411,7 @@ def _peel_dropout(graph: Graph, x, part: set[int]):
     return x, None
 
 
-def _fill(graph: Graph, v, dtype) -> str | None:
+def _fill(graph: Graph, v, dtype) -> str | float | None:
     val = graph.uniform(v)
     if val is None:
         return None
@@ -402,7 +420,7 @@ def _fill(graph: Graph, v, dtype) -> str | None:
     big = min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
     if np.float32(val) == np.float32(-0.7 * big):
         return "large"
-    return None
+    return val if math.isfinite(val) else None      # any other constant (-1e9, -1e4, 0)
 
 
 def _reaches_dot(graph: Graph, x, depth: int = 0) -> bool:
@@ -482,12 +500,13 @@ def _match_one(graph: Graph, d2_index: int):
     if h is not None:
         i, sel = h
         pred, c0, c1 = sel.invars
+        _need(pred.aval.dtype == np.bool_, "masked scores: the mask is not boolean")
         if _fill(graph, c0, s.aval.dtype) is not None and not graph.is_const(c1):
             fill, x, keep_negated = _fill(graph, c0, s.aval.dtype), c1, False
         elif _fill(graph, c1, s.aval.dtype) is not None and not graph.is_const(c0):
             fill, x, keep_negated = _fill(graph, c1, s.aval.dtype), c0, True
         else:
-            raise _NoMatch("masked scores: fill value is neither finfo.min nor -0.7 finfo.max")
+            raise _NoMatch("masked scores: the fill value is not a finite constant")
         used.add(i)
         mask, s = (pred, list(c2f)), x
         transposes()
@@ -562,7 +581,7 @@ def _match_one(graph: Graph, d2_index: int):
         for o in eqns[j].outvars:
             _need(graph.only_used_by(o, used),
                   "an attention interior value (scores / weights) is used elsewhere")
-    spec = {"scale": scale, "divisor": divisor, "fill": fill or "min",
+    spec = {"scale": scale, "divisor": divisor, "fill": "min" if fill is None else fill,
             "softmax_dtype": softmax_dtype,
             "weights_dtype": weights_dtype, "qk_precision": d1.params.get("precision"),
             "pv_precision": d2.params.get("precision")}
@@ -596,8 +615,12 @@ def _match_one(graph: Graph, d2_index: int):
         cd = tuple(None if d is None else f2c[v2f[d]] for d in dims)
         return src, cd
 
+    def mask_sources(var, v2f):
+        return [(src, tuple(None if d is None else f2c[v2f[d]] for d in dims))
+                for src, dims in _and_leaves(graph, var)]
+
     bias = None if bias is None else scores_source(*bias)
-    mask = None if mask is None else scores_source(*mask)
+    mask = None if mask is None else mask_sources(*mask)
     return used, q, k, v, bias, mask, spec, layout
 
 
@@ -638,7 +661,11 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
     def emit(q, k, v, *extra):
         extra = list(extra)
         bias = extra.pop(0) if bias_dims is not None else None
-        mask = extra.pop(0) if mask_dims is not None else None
+        masks = [extra.pop(0) for _ in mask_dims or ()]
+        mask = None
+        for a, cd in zip(masks, mask_dims or ()):      # the sources of an ``and`` tree
+            a = scores_like(a, cd)
+            mask = a if mask is None else jnp.logical_and(mask, a)
         qh = heads(q, layout["q_perm"], nq)
         kh = heads(k, layout["k_perm"], 1)
         vh = heads(v, layout["v_perm"], 1)
@@ -646,7 +673,7 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
             mask = jnp.logical_not(mask)
         rng = extra.pop() if layout["dropout_key"] is not None else None
         o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_dims),
-                           mask=scores_like(mask, mask_dims), rng=rng, spec=spec)
+                           mask=mask, rng=rng, spec=spec)
         if layout["factor"] is not None:                           # (P f) v = (P v) f
             fac = jnp.reshape(extra.pop(0), layout["factor"][1])
             o = o * fac.reshape(fac.shape[:nb] + (1, 1, 1)).astype(o.dtype)
@@ -677,8 +704,8 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
             inputs.append(bias[0])
             bias_dims = bias[1]
         if mask is not None:
-            inputs.append(mask[0])
-            mask_dims = mask[1]
+            inputs += [src for src, _ in mask]
+            mask_dims = [cd for _, cd in mask]
         if layout["factor"] is not None:
             inputs.append(layout["factor"][0])
         if layout["dropout_key"] is not None:

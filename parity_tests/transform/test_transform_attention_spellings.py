@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.measure import compiled_memory, gpu_plan_available
+from jaxmem.measure import compiled_memory, gpu_plan_available, residual_bytes
 from jaxmem.transform import transform
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -141,6 +141,30 @@ def test_dot_product_attention_under_vmap_and_grad_of_vmap():
     close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [dict(is_causal=True),
+                                dict(is_causal=True, query_seq_lengths=jnp.array([T, 5]),
+                                     key_value_seq_lengths=jnp.array([7, T])),
+                                dict(key_value_seq_lengths=jnp.array([7, T]))],
+                         ids=["causal", "causal_seq_lengths", "kv_lengths"])
+def test_masks_kept_at_their_sources_size(kw):
+    """``dot_product_attention`` combines its masks with an all-true ``(B, N, T, S)`` array;
+    the core gets the ``and`` of their sources instead: at most ``B x T x S`` booleans kept,
+    no float ``T x S`` array."""
+    q, k, v = (normal((B, T, N, H)) for _ in range(3))
+
+    def f(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw) ** 2)
+
+    g = transform(f)
+    _converted(g, q, k, v)
+    close(_grads(g, (q, k, v), (0, 1, 2)), _grads(f, (q, k, v), (0, 1, 2)), rtol=1e-5,
+          atol=1e-5)
+    res = residual_bytes(g, q, k, v, argnums=(0, 1, 2)).entries
+    masks = [e for e in res if e.dtype == np.bool_]
+    assert sum(e.nbytes for e in masks) <= B * T * T, masks
+    assert not [e for e in res if e.dtype != np.bool_ and e.shape[-2:] == (T, T)]
+
+
 # ------------------------------------------------------------------------------- bf16
 BF16_SPELLINGS = {"einsum_causal": einsum_causal,
                   "dpa_xla_causal": _dpa(is_causal=True, implementation="xla"),
@@ -181,6 +205,29 @@ def test_bf16_attention_matched_close_to_untouched_and_float64(name):
     close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("fill", [-1e9, -1e4, 0.0])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_any_constant_fill_is_matched(fill, dtype):
+    """``jnp.where(mask, s, -1e9)`` (and any finite constant): the core fills with the same
+    value in the scores' dtype, so forward and gradients are those of the program."""
+    q, k, v = (normal((B, T, N, H), dtype) for _ in range(3))
+    mask = _mask((B, 1, T, T))
+    w = normal((B, T, N, H))
+
+    def att(q, k, v, mask):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+        s = jnp.where(mask, s, fill)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    f = _loss(att, w)
+    g = transform(f)
+    _converted(g, q, k, v, mask)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    close(jax.jit(g)(q, k, v, mask), jax.jit(f)(q, k, v, mask), rtol=tol, atol=tol)
+    close(_grads(g, (q, k, v, mask), (0, 1, 2)), _grads(f, (q, k, v, mask), (0, 1, 2)),
+          rtol=tol, atol=tol)
+
+
 def test_bf16_einsum_under_vmap_jit():
     q, k, v = (normal((3, B, T, N, H), jnp.bfloat16) for _ in range(3))
     w = normal((3, B, T, N, H))
@@ -210,16 +257,16 @@ def _softmax_axis_minus2(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-2), v)
 
 
-def _fill_minus_1e4(q, k, v):
+def _fill_from_another_array(q, k, v):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-    s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, -1e4)
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, 0.5 * s)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("att,why", [(_softmax_axis_minus2, "last axis"),
-                                     (_fill_minus_1e4, "fill value")],
-                         ids=["softmax_axis_-2", "fill_minus_1e4"])
+                                     (_fill_from_another_array, "fill value")],
+                         ids=["softmax_axis_-2", "fill_from_another_array"])
 def test_unmatched_softmax_attention_gets_a_row_and_no_fewbit_exp(att, why, dtype):
     q, k, v = (normal((B, T, N, H), dtype) for _ in range(3))
 
