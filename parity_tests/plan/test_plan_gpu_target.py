@@ -1,0 +1,105 @@
+"""``jaxmem.plan(..., target="h100")``: planned against XLA:GPU's H100 plan, compiled here
+without a GPU. Typed PRNG keys (``jax.random.key``) among the loss's arguments, from the API
+and from ``jaxmem plan``; the planned step compiles within the budget on that plan and its
+values and gradients are the untouched step's."""
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.measure import compiled_memory
+from jaxmem.planner import plan
+from jaxmem.planner.cli import main as cli_main
+
+
+def _rel(a, b):
+    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _h100(fn, *args):
+    return compiled_memory(fn, *args, target="h100").total_bytes
+
+
+class _DropNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = nn.Dense(64, name=f"d{i}")(x)
+            x = nn.Dropout(0.25, deterministic=False, name=f"drop{i}")(nn.tanh(x))
+        return nn.Dense(1, name="head")(x)
+
+
+def _drop_case():
+    m = _DropNet()
+    x = jax.random.normal(jax.random.key(0), (256, 64))
+    params = m.init(jax.random.key(1), x)["params"]
+
+    def loss(p, x, key):
+        return jnp.mean(m.apply({"params": p}, x, rngs={"dropout": key}) ** 2)
+
+    return loss, params, x, jax.random.key(2)
+
+
+@pytest.fixture(scope="module")
+def key_plan_h100():
+    loss, params, x, key = _drop_case()
+    return loss, params, x, key, plan(loss, params, x, key, budget=0.85, order=False,
+                                      target="h100")
+
+
+def test_typed_key_planned_on_h100_within_budget(key_plan_h100):
+    loss, params, x, key, p = key_plan_h100
+    assert p.target == "h100"
+    assert p.compiled_bytes <= p.budget_bytes < p.default_bytes
+    assert _h100(jax.value_and_grad(p.step), params, x, key) <= p.budget_bytes
+    assert _h100(jax.grad(p.step), params, x, key) <= p.budget_bytes
+    assert any(c.option != "store" for c in p.choices)
+
+
+def test_typed_key_h100_plan_exact_on_fresh_key(key_plan_h100):
+    loss, params, x, _, p = key_plan_h100
+    k2 = jax.random.key(9)
+    v0, g0 = jax.jit(jax.value_and_grad(loss))(params, x, k2)
+    v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, x, k2)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    assert _rel(g1, g0) < 1e-5
+
+
+USER = '''
+import jax, jax.numpy as jnp, flax.linen as nn
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = nn.Dense(64, name=f"d{i}")(x)
+            x = nn.Dropout(0.25, deterministic=False, name=f"drop{i}")(nn.tanh(x))
+        return nn.Dense(1, name="head")(x)
+
+def make():
+    m = Net()
+    x = jax.random.normal(jax.random.key(0), (256, 64))
+    p = m.init(jax.random.key(1), x)
+
+    def loss(p, batch):
+        return jnp.mean(m.apply(p, batch["x"], rngs={"dropout": batch["key"]}) ** 2)
+
+    return loss, (p, {"x": x, "key": jax.random.key(2)})
+'''
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+def test_cli_plans_typed_key_in_batch(tmp_path, monkeypatch, target):
+    (tmp_path / "plan_key_user.py").write_text(USER)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "o"
+    rc = cli_main(["plan_key_user:make", "--budget", "0.85", "--no-order", "--target", target,
+                   "--out", str(out)])
+    assert rc == 0
+    d = json.loads((out / "plan.json").read_text())
+    assert d["target"] == target
+    assert d["compiled_bytes"] <= d["budget_bytes"] < d["default_bytes"]
