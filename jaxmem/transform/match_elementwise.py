@@ -439,12 +439,16 @@ def _reduced(graph: Graph, v, depth: int = 0) -> bool:
 
 def _uses_past_casts(graph: Graph, o) -> list[int]:
     """The equations reading ``o``, looking past casts (a bf16 softmax's ``exp`` is summed
-    in f32: ``convert -> reduce_sum``)."""
+    in f32: ``convert -> reduce_sum``) and masking selects against a constant (a softmax
+    with ``where=``: ``select_n(mask, 0, exp) -> reduce_sum``)."""
     out, stack = [], [o]
     while stack:
-        for j in graph.uses(stack.pop()):
+        v = stack.pop()
+        for j in graph.uses(v):
             eqn = graph.jaxpr.eqns[j]
-            if eqn.primitive.name == "convert_element_type":
+            if eqn.primitive.name == "convert_element_type" or (
+                    eqn.primitive.name == "select_n" and eqn.invars[0] is not v
+                    and all(u is v or graph.is_const(u) for u in eqn.invars[1:])):
                 stack.extend(eqn.outvars)
             else:
                 out.append(j)

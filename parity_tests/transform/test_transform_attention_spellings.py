@@ -285,14 +285,17 @@ def test_unmatched_softmax_attention_gets_a_row_and_no_fewbit_exp(att, why, dtyp
           atol=tol)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "where"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_softmax_exp_never_fewbit_coded(dtype):
+def test_softmax_exp_never_fewbit_coded(dtype, masked):
     """A softmax that feeds no product (a loss's, a gate's): its ``exp`` output is summed
-    (in bf16: after a cast to f32), so it stays exact under ``fewbit``."""
+    (in bf16: after a cast to f32; with ``where=``: after a masking select), so it stays
+    exact under ``fewbit``."""
     x, wt = normal((4, 32), dtype), normal((32, 32), dtype, 0.2)
+    where = jnp.arange(32) < 20 if masked else None
 
     def f(x, wt):
-        p = jax.nn.softmax(x @ wt, axis=-1)
+        p = jax.nn.softmax(x @ wt, axis=-1, where=where)
         return jnp.sum((p * jax.nn.gelu(x)).astype(jnp.float32))
 
     rep = transform(f, fewbit=3).report(x, wt)
