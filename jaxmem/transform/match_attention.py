@@ -99,7 +99,13 @@ def _through(graph: Graph, v, names, used: set[int]):
 
 
 def _softmax_like(graph: Graph, p) -> bool:
-    """``p`` is a division of an ``exp`` (maybe cast) by something: softmax-like weights."""
+    """``p`` is a division of an ``exp`` (maybe cast) by something, maybe masked by a
+    ``select`` against a constant: softmax-like weights."""
+    h = _prod(graph, p, "select_n")
+    if h is not None and len(h[1].invars) == 3 and graph.is_const(h[1].invars[1]):
+        p = h[1].invars[2]
+    elif h is not None and len(h[1].invars) == 3 and graph.is_const(h[1].invars[2]):
+        p = h[1].invars[1]
     h = _prod(graph, p, "div")
     if h is None or is_literal(h[1].invars[0]):
         return False
@@ -461,6 +467,10 @@ def _match_one(graph: Graph, d2_index: int):
             p = h[1].invars[0]
             weights_dtype = str(h[1].outvars[0].aval.dtype)
         if not _softmax_like(graph, p):
+            continue
+        if _prod(graph, p, "select_n") is not None:
+            why = why or ("softmax-like weights masked after the softmax "
+                          "(jax.nn.softmax(where=...)): not matched yet")
             continue
         try:
             s2 = _softmax(graph, p, part)

@@ -257,6 +257,12 @@ def _softmax_axis_minus2(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-2), v)
 
 
+def _softmax_where(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    causal = jnp.tril(jnp.ones((q.shape[1],) * 2, bool))
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1, where=causal), v)
+
+
 def _fill_from_another_array(q, k, v):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     s = jnp.where(jnp.tril(jnp.ones((q.shape[1],) * 2, bool)), s, 0.5 * s)
@@ -265,8 +271,9 @@ def _fill_from_another_array(q, k, v):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("att,why", [(_softmax_axis_minus2, "last axis"),
-                                     (_fill_from_another_array, "fill value")],
-                         ids=["softmax_axis_-2", "fill_from_another_array"])
+                                     (_fill_from_another_array, "fill value"),
+                                     (_softmax_where, "where=")],
+                         ids=["softmax_axis_-2", "fill_from_another_array", "softmax_where"])
 def test_unmatched_softmax_attention_gets_a_row_and_no_fewbit_exp(att, why, dtype):
     q, k, v = (normal((B, T, N, H), dtype) for _ in range(3))
 
