@@ -11,9 +11,10 @@ Submodules (imported lazily, so ``import jaxmem`` stays cheap and never imports 
 - :mod:`jaxmem.distributed` — DP/FSDP/TP train steps on a ``Mesh``, collectives accounting.
 - :mod:`jaxmem.planner`   — :func:`jaxmem.plan`: fit a training step into a memory budget.
 
-The one way in for Flax: :func:`jaxmem.linen.convert`, :func:`jaxmem.nnx.convert`,
-:func:`jaxmem.scope` (context manager), :func:`jaxmem.report` (what was converted and why).
-Any JAX function: :func:`jaxmem.transform`. Older spellings warn
+Any JAX function: :func:`jaxmem.transform` (a function transformation that converts what
+the program computes; nothing is patched). Flax models: :func:`jaxmem.linen.convert`,
+:func:`jaxmem.nnx.convert` (the same transformation, lifted over the module's variables).
+:func:`jaxmem.report`: what was converted and why. Older spellings warn
 :class:`JaxmemDeprecationWarning` and name their replacement (``docs/api.md``).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench",
                "linen", "nnx", "distributed", "planner")
-_ATTRS = {"scope": ("jaxmem._glue.patch", "scope"),
+_ATTRS = {"scope": ("jaxmem._glue.patch", "deprecated_scope"),
           "plan": ("jaxmem.planner", "plan"),
           "transform": ("jaxmem.transform", "transform"),
           "report": ("jaxmem._glue.report", "report"),

@@ -2,8 +2,9 @@
 
 ``convert(model)`` returns a real Linen Module: an instance of a subclass of the model's
 class (same ``__name__`` and fields, so the parameter tree and Flax's auto-names such as
-``Dense_0`` do not change) whose methods run inside :func:`jaxmem.scope` with the given
-options. It is usable as a submodule and with ``init`` / ``apply`` / ``bind`` /
+``Dense_0`` do not change) whose methods run as a Flax lifted :func:`jaxmem.transform`
+with the given options (variables and RNG streams in as arguments, updates out; ``init``
+runs the untouched code). Nothing is patched. It is usable as a submodule and with ``init`` / ``apply`` / ``bind`` /
 ``tabulate`` / ``clone`` and Flax's lifted transforms (``nn.jit``, ``nn.scan``,
 ``nn.remat``).
 
@@ -20,7 +21,6 @@ import functools
 import flax.linen as nn
 
 from jaxmem._glue import options as _options
-from jaxmem._glue import patch as _gpatch
 from jaxmem._glue import pickling as _pickling
 
 __all__ = ["convert", "is_converted", "options_of"]
@@ -45,14 +45,45 @@ def _method_names(cls):
     return names
 
 
-def _wrap_method(sub_ref, name, fn, opts, label):
+def _lifted(transform_options: dict, label: str):
+    """Flax's lifting of :func:`jaxmem.transform` (like ``flax.core.lift.checkpoint``): the
+    method runs as a pure function of its variable collections and RNG streams, traced to a
+    jaxpr and re-emitted with jaxmem's ops; its variable updates are returned, not leaked."""
+    from flax.core import lift
+
+    from jaxmem.transform import transform
+    from jaxmem.transform.report import warn_if_nothing_converted
+
+    def make(fn):
+        def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+            def pure(variable_groups, rng_groups, *args, **kwargs):
+                scope = scope_fn(variable_groups, rng_groups)
+                return fn(scope, *args, **kwargs), repack_fn(scope)
+            with warn_if_nothing_converted(f"jaxmem.linen.convert({label})"):
+                return transform(pure, **transform_options)(variable_groups, rng_groups,
+                                                            *args, **kwargs)
+        return lift.pack(inner, (True,), (True,), (True,), name="jaxmem", enable_kwargs=True)
+    return make
+
+
+def _wrap_method(fn, transform_options, label):
+    from flax.linen import transforms
+
+    lifted = transforms.decorator_lift_transform(_lifted(transform_options, label), fn)
+
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        with _gpatch.scope_options(opts, label=label):
-            return getattr(super(sub_ref[0], self), name)(*args, **kwargs)
-    # the parent's method is already Flax-wrapped (state handling); keep ours plain
-    method.method_handler_wrapped = True
+        if self.is_initializing():  # variables are being created: nothing to save yet
+            return fn(self, *args, **kwargs)
+        return lifted(self, *args, **kwargs)
     return method
+
+
+def transform_options(opts) -> dict:
+    """The :func:`jaxmem.transform` arguments a conversion with ``opts`` runs with."""
+    return {"fewbit": opts.fewbit, "attention": opts.attention, "products": opts.selective,
+            "activations": opts.selective or opts.fewbit is not None,
+            "norms": opts.selective, "dropout": opts.selective, "pools": opts.selective}
 
 
 def _reduce_ex(self, protocol):
@@ -65,16 +96,13 @@ def _reduce_ex(self, protocol):
 @functools.cache
 def _converted_class(cls, opts):
     """The converted subclass of the Linen class ``cls`` under ``opts`` (one per pair)."""
-    label = f"jaxmem.linen.convert({cls.__name__})"
-    sub_ref = []
+    topts = transform_options(opts)
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
           "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls,
           "__reduce_ex__": _reduce_ex}
     for name in _method_names(cls):
-        ns[name] = _wrap_method(sub_ref, name, getattr(cls, name), opts, label)
-    sub = type(cls)(cls.__name__, (cls,), ns)
-    sub_ref.append(sub)
-    return sub
+        ns[name] = _wrap_method(getattr(cls, name), topts, cls.__name__)
+    return type(cls)(cls.__name__, (cls,), ns)
 
 
 def is_converted(model) -> bool:
@@ -90,7 +118,7 @@ def options_of(model):
 def convert(model, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True) -> nn.Module:
     """A Linen Module with the same fields and parameter tree as ``model`` whose every method
-    call traces inside ``jaxmem.scope(selective=..., fewbit=..., attention=...)``.
+    call runs through ``jaxmem.transform`` (see :func:`transform_options`).
 
     selective: exact selective-differentiation layers, 1-bit ReLU-family masks.
     fewbit: ``None`` (exact techniques only) or 1..4: few-bit residuals for smooth

@@ -1,53 +1,40 @@
 """``jaxmem.nnx.convert``: the one way in for Flax NNX modules.
 
-``convert(module)`` converts the module's layers with the selective part
-(:mod:`jaxmem.selective.nnx`) and the attention part
-(``jaxmem.fewbit.flax_attention.nnx_convert_attention``, when available), and makes calls of
-the root run inside :func:`jaxmem.scope` (inline functions such as ``nnx.relu``,
-``nnx.gelu``, ``nnx.max_pool``, and activations held as attributes, are converted while
-tracing). ``copy=True`` (default) converts a clone and leaves ``module`` untouched;
-``copy=False`` converts in place (same Variables) and returns it.
+``convert(module)`` returns a module whose calls run through :func:`jaxmem.transform`: the
+module is split into its graph and state (``nnx.split``), its ``__call__`` runs as a pure
+function of the state that is traced to a jaxpr and re-emitted with jaxmem's ops wherever
+the *computation* matches (layers, activations held as attributes, inline ``nnx.relu`` /
+``nnx.gelu`` / ``nnx.max_pool``, attention, norms, dropout), and the state it updates
+(batch statistics, RNG counts) is written back (``nnx.update``). Nothing is patched; the
+layers, their classes and their Variables are unchanged. ``copy=True`` (default) converts a
+clone and leaves ``module`` untouched; ``copy=False`` converts in place (same Variables) and
+returns it.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 
+import jax
 from flax import nnx as _nnx
 
 from jaxmem._glue import options as _options
-from jaxmem._glue import patch as _gpatch
 from jaxmem._glue import pickling as _pickling
 
 __all__ = ["convert", "is_converted"]
 
 
-def _field_swaps(root):
-    swaps = []
-    for _, m in _nnx.iter_graph(root):
-        if not isinstance(m, _nnx.Module):
-            continue
-        for name, v in list(vars(m).items()):
-            if name.startswith("_") or isinstance(v, (_nnx.Module, _nnx.Variable, type)):
-                continue
-            if not callable(v):
-                continue
-            rep = _gpatch.replacement_for(v)
-            if rep is not None:
-                swaps.append((m, name, v, rep))
-    return swaps
+_BASE_METHODS = frozenset(dir(_nnx.Module))
 
 
-@contextlib.contextmanager
-def _swapped(swaps):
-    for m, name, _, rep in swaps:
-        object.__setattr__(m, name, rep)
-    try:
-        yield
-    finally:
-        for m, name, old, _ in reversed(swaps):
-            object.__setattr__(m, name, old)
+def _method_names(cls) -> list:
+    """``__call__`` and the public methods ``cls`` defines beyond ``nnx.Module``'s."""
+    return [n for n in dir(cls) if (n == "__call__" or not n.startswith("_"))
+            and n not in _BASE_METHODS - {"__call__"} and callable(getattr(cls, n, None))
+            and not isinstance(getattr(cls, n), type)]
+
+
+def _is_nnx_object(x) -> bool:
+    return isinstance(x, (_nnx.Pytree, _nnx.Variable))
 
 
 def _reduce_ex(self, protocol):
@@ -60,23 +47,58 @@ def _reduce_ex(self, protocol):
 @functools.cache
 def _converted_class(cls, opts):
     """The converted subclass of the NNX class ``cls`` under ``opts`` (one per pair)."""
-    label = f"jaxmem.nnx.convert({cls.__name__})"
+    from jaxmem.linen import transform_options
+    from jaxmem.transform import transform
+    from jaxmem.transform.report import warn_if_nothing_converted
+
+    topts = transform_options(opts)
     holder = []
 
-    def __call__(self, *args, **kwargs):
-        with _gpatch.scope_options(opts, label=label, linen=True), \
-                _swapped(_field_swaps(self)):
-            return super(holder[0], self).__call__(*args, **kwargs)
+    def transformed(name):
+        def method(self, *args, **kwargs):
+            # NNX objects among the arguments (an Rngs, a shared module) are split with the
+            # module, so what the call sets on them (RNG counts) is written back too
+            leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_nnx_object)
+            at = [i for i, x in enumerate(leaves) if _is_nnx_object(x)]
+            objects = (self, *(leaves[i] for i in at))
+            graphdef, state = _nnx.split(objects)
+            plain = [x for i, x in enumerate(leaves) if i not in at]
+            changed: list = []  # paths of the Variables the call sets (statistics, RNGs)
+
+            def pure(state, plain):
+                old = {p: v.get_value() for p, v in _nnx.to_flat_state(state)}
+                merged = _nnx.merge(graphdef, state)  # shares the Variables of `state`
+                full, it = list(leaves), iter(plain)
+                for i in range(len(full)):
+                    full[i] = merged[1 + at.index(i)] if i in at else next(it)
+                a, k = jax.tree_util.tree_unflatten(tree, full)
+                y = getattr(super(holder[0], merged[0]), name)(*a, **k)
+                new = [(p, v) for p, v in _nnx.to_flat_state(_nnx.state(merged))
+                       if p not in old or v.get_value() is not old[p]]
+                changed.append(tuple(p for p, _ in new))
+                return y, [v for _, v in new]
+
+            with warn_if_nothing_converted(f"jaxmem.nnx.convert({cls.__name__})"):
+                y, values = transform(pure, **topts)(state, plain)
+            if values:  # write back only what the call set (a Param read is no mutation)
+                _nnx.update(objects, _nnx.from_flat_state(list(zip(changed[0], values))))
+            return y
+
+        method.__name__ = name
+        return method
 
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-          "__doc__": cls.__doc__, "__call__": __call__, "_jaxmem_options": opts,
-          "_jaxmem_base": cls, "__reduce_ex__": _reduce_ex}
+          "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls,
+          "__reduce_ex__": _reduce_ex}
+    for name in _method_names(cls):
+        ns[name] = transformed(name)
     sub = type(cls)(cls.__name__, (cls,), ns)
     holder.append(sub)
     return sub
 
 
 def is_converted(module) -> bool:
+    """Whether ``module`` (an ``nnx.Module``) comes from :func:`convert`."""
     return getattr(type(module), "_jaxmem_options", None) is not None
 
 
@@ -84,8 +106,10 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True, copy: bool = True):
     """Convert an ``nnx.Module`` (see the module docstring); returns the converted module.
 
-    selective / fewbit / attention: as :func:`jaxmem.scope`. ``copy=True``: a converted
-    clone (``module`` untouched); ``copy=False``: in place, same Variables.
+    Calls run through :func:`jaxmem.transform` with ``products``, ``norms``, ``dropout``
+    (and the exact ReLU-family masks) = ``selective``, ``fewbit`` and ``attention`` as given.
+    ``copy=True``: a converted clone (``module`` untouched); ``copy=False``: in place, same
+    Variables.
 
     Args:
       module: the ``flax.nnx.Module`` to convert.
@@ -124,17 +148,6 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
         raise TypeError(f"jaxmem.nnx.convert: copy must be True or False, got {copy!r}")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
     m = _nnx.clone(module) if copy else module
-    if selective:
-        from jaxmem.selective import nnx as _sel_nnx
-        _sel_nnx._convert(m)
-    if attention:
-        try:
-            fa = importlib.import_module("jaxmem.fewbit.flax_attention")
-        except ImportError:
-            fa = None
-        hook = getattr(fa, "nnx_convert_attention", None)
-        if hook is not None:
-            hook(m)
     if not any("__call__" in vars(k) for k in type(m).__mro__):  # nothing to call
         return m
     base = getattr(type(m), "_jaxmem_base", type(m))

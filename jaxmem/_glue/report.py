@@ -53,11 +53,14 @@ class Entry:
     """One module or function call seen while tracing.
 
     path: the Flax module path of the call ('' at the top level); kind: 'module' or
-    'function'; target: the class or function (e.g. 'Dense', 'flax.linen.relu');
+    'function' (a call seen by a scope), or the kind of a computation
+    :func:`jaxmem.transform` matched (``'dot'``, ``'conv'``, ``'norm'``, ``'activation'``,
+    ``'attention'``, ``'dropout'``, ``'pool'``, ``'higher-order'``: converted models run
+    through it), target: the class or function (e.g. 'Dense', 'flax.linen.relu');
     technique: 'selective', 'fewbit', 'attention' or '' (none applies); status: one of
     :data:`STATUSES` ('container': a Flax module with no conversion of its own whose inner
     calls are listed as their own entries); reason: why it was not converted (or what was
-    used).
+    used); where: the source location of a matched computation.
     """
 
     path: str
@@ -66,6 +69,7 @@ class Entry:
     technique: str
     status: str
     reason: str = ""
+    where: str = ""
 
 
 @dataclasses.dataclass
@@ -79,6 +83,10 @@ class Report:
 
     entries: list = dataclasses.field(default_factory=list)
     pretrace: list = dataclasses.field(default_factory=list)
+
+    def by_kind(self, kind: str) -> list:
+        """Entries of one kind (``'module'``, ``'dot'``, ``'activation'``, ...)."""
+        return [e for e in self.entries if e.kind == kind]
 
     def unconverted(self) -> list:
         """Entries jaxmem supports but did not convert ('fallback' and
@@ -223,6 +231,10 @@ def record(*, kind: str, target: str, technique: str, status: str, reason: str =
         raise ValueError(f"record: status must be one of {STATUSES}, got {status!r}")
     if kind not in _KINDS:
         raise ValueError(f"record: kind must be one of {_KINDS}, got {kind!r}")
+    from jaxmem.transform.report import inside
+
+    if inside():  # jaxmem.transform traces this call: its own rows say what it computes
+        return
     rep = _COLLECT.get()
     if rep is not None:
         entry = Entry(current_path() if path is None else path, kind, target, technique,
@@ -294,9 +306,11 @@ def frame(label: str) -> Iterator[dict]:
 
 def report(fn, *args, **kwargs) -> Report:
     """Trace ``fn(*args, **kwargs)`` abstractly (``jax.make_jaxpr``; nothing is computed)
-    and return every Flax Linen module call and patchable inline function call seen, with
-    what jaxmem did (see :class:`Entry`). Calls made outside any jaxmem scope / converted
-    model are listed as 'fallback' with reason 'outside jaxmem.scope'.
+    and return what jaxmem did (see :class:`Entry`): one entry per computation
+    :func:`jaxmem.transform` matched in converted code (``linen.convert`` / ``nnx.convert``
+    models, transformed functions), and, for code traced outside them, every Flax Linen
+    module call and patchable inline function call seen (listed as 'fallback', reason
+    'outside jaxmem.scope', unless the deprecated ``jaxmem.scope`` converted it).
 
     Args:
       fn: the function to trace (e.g. a loss or a converted model's ``apply``).
@@ -321,8 +335,8 @@ def report(fn, *args, **kwargs) -> Report:
       >>> x = jnp.ones((2, 3))
       >>> params = model.init(jax.random.key(0), x)
       >>> rep = jaxmem.report(jaxmem.linen.convert(model).apply, params, x)
-      >>> sorted({(e.target, e.status) for e in rep.entries})
-      [('Dense', 'converted'), ('flax.linen.relu', 'converted')]
+      >>> sorted({(e.path, e.kind, e.status) for e in rep.entries})
+      [('', 'activation', 'converted'), ('Dense_0', 'dot', 'converted'), ('Dense_1', 'dot', 'converted')]
       >>> sorted({e.status for e in jaxmem.report(model.apply, params, x).entries})
       ['fallback']
     """
@@ -344,17 +358,53 @@ def report(fn, *args, **kwargs) -> Report:
         return fn(*a, **k)
 
     from jaxmem._glue import options as _options
+    from jaxmem.transform.report import collect as _collect_rows
+    from jaxmem.transform.report import discarded as _discarded
 
     rep = Report()
     token = _COLLECT.set(rep)
     try:
-        with _options.keyed(_options.REPORT_TRACE, next(_report_calls)), _patch.observing():
+        with _options.keyed(_options.REPORT_TRACE, next(_report_calls)), _patch.observing(), \
+                _collect_rows() as rows, \
+                _discarded(lambda: _pretrace_reason(sys._getframe(1))) as thrown:
             with _watching_calls(rep) as ran:
                 jax.make_jaxpr(traced)(*[x for x, a in zip(leaves, is_arr) if a])
             _add_imported_by_name(rep, ran, _patch)
     finally:
         _COLLECT.reset(token)
+    rep.entries.extend(entry_of_row(r) for r in rows)
+    rep.pretrace.extend((entry_of_row(r), why) for r, why in thrown)
     return rep
+
+
+#: reasons of rows that looked at a computation and found nothing of their kind to convert
+_NOTHING_TO_SAVE = ("not differentiated", "saves nothing", "not an activation",
+                    "computes no ")
+
+
+def entry_of_row(row) -> Entry:
+    """The :class:`Entry` of one decision of :func:`jaxmem.transform` (a
+    :class:`jaxmem.transform.report.Row`): path = its Flax module path (the name stack
+    without the root module), status 'converted', 'approximate-not-allowed' (a smooth
+    activation kept exact without ``fewbit``), 'nothing-to-save' (integer operands, a
+    reduction or elementwise chain that is no normalisation / activation, an activation whose
+    input is all its autodiff keeps),
+    'unsupported' (a region not entered) or 'fallback' (kept, with the reason)."""
+    path = row.name_stack.split("/", 1)[1] if "/" in row.name_stack else ""
+    if row.converted:
+        status = "converted"
+        technique = ("fewbit" if "bit code" in row.became else
+                     "attention" if row.kind == "attention" else "selective")
+    else:
+        technique = ""
+        status = ("nothing-to-save" if any(w in row.reason for w in _NOTHING_TO_SAVE) else
+                  "approximate-not-allowed" if "fewbit=" in row.reason else
+                  "unsupported" if row.kind == "higher-order" else "fallback")
+    target = f"[{row.path}] {row.matched}" if row.path else row.matched
+    reason = row.became + (f" ({row.reason})" if row.reason else "") if row.converted \
+        else row.reason
+    return Entry(path, row.kind, target, technique, status, reason,
+                 row.where)
 
 
 # ------------------------------------------------------------- calls jaxmem does not reach
@@ -376,13 +426,18 @@ def _watching_calls(rep: Report) -> Iterator[dict]:
     with ``sys.settrace`` instead (calling a Python trace function already set, e.g.
     coverage's, and returning its local tracer). Both hooks are restored on exit. If neither
     hook can be used, nothing is watched (the "not reached" and ``fori_loop`` entries are
-    missing) and a ``RuntimeWarning`` says so."""
+    missing) and a ``RuntimeWarning`` says so. Code traced by :func:`jaxmem.transform`
+    (converted models) is not watched: the transformation converts what it computes."""
     import jax
 
     fori = inspect.unwrap(jax.lax.fori_loop).__code__
     ran: dict = {}
 
+    from jaxmem.transform.report import inside
+
     def note(frame):
+        if inside():  # jaxmem.transform sees this code's computation, whatever its names
+            return
         code = frame.f_code
         if code is fori:
             up = frame.f_back

@@ -179,7 +179,9 @@ def methods(bits_list, quick: bool = False, attention_row: bool | None = None
 
 def _patched(bits, attn):
     """Few-bit GELU (the models' one smooth activation) and / or exact attention."""
-    return jaxmem.scope(selective=False, fewbit=bits, attention=attn)
+    from jaxmem._glue.patch import scope  # jaxmem.scope without its deprecation warning
+
+    return scope(selective=False, fewbit=bits, attention=attn)
 
 
 def _total_bytes(compiled) -> int:

@@ -11,7 +11,8 @@ is an ordinary function of its arguments that works under ``jit``, ``vmap``, ``g
 transformed functions with different options are two functions, so ``jit`` caches each).
 
 Array leaves of the arguments (``jax.Array``, NumPy arrays and scalars, tracers) are traced;
-every other leaf (Python numbers, strings, callables, ...) is passed to ``f`` as it is.
+every other leaf (Python numbers, strings, callables, ...) is passed to ``f`` as it is, and
+output leaves that are not arrays are returned as ``f`` returned them.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 from jaxmem._compat import core
 from jaxmem.transform.interpret import Interpreter
 from jaxmem.transform.options import Options
-from jaxmem.transform.report import Report, collect
+from jaxmem.transform.report import Report, collect, tracing
 
 __all__ = ["report", "transform"]
 
@@ -90,19 +91,31 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
             for i, x in zip(dyn, dyn_vals):
                 vals[i] = x
             a, k = jax.tree_util.tree_unflatten(tree, vals)
-            out = f(*a, **k)
-            outs, t = jax.tree_util.tree_flatten(out)
-            out_tree.append(t)
-            return outs
+            outs, t = jax.tree_util.tree_flatten(f(*a, **k))
+            out_tree.append((t, [None if _is_array(o) else o for o in outs]))
+            return [o for o in outs if _is_array(o)]
 
         dyn_vals = [leaves[i] for i in dyn]
-        closed = jax.make_jaxpr(flat_f)(*dyn_vals)
-        outs = interp.run(closed, dyn_vals)
-        return jax.tree_util.tree_unflatten(out_tree[0], outs)
+        with tracing():
+            closed = jax.make_jaxpr(flat_f)(*dyn_vals)
+            arrays = iter(interp.run(closed, dyn_vals))
+        t, static = out_tree[0]  # leaves that are not arrays are returned as f gave them
+        return jax.tree_util.tree_unflatten(
+            t, [next(arrays) if o is None else o for o in static])
 
     def _report(*args, **kwargs) -> Report:
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+        def traced(*dyn_vals):  # only arrays are abstract; a Python bool stays a bool
+            vals = list(leaves)
+            for i, x in zip(dyn, dyn_vals):
+                vals[i] = x
+            a, k = jax.tree_util.tree_unflatten(tree, vals)
+            return wrapped(*a, **k)
+
         with collect() as rows:  # a fresh function: no trace cache may skip the recording
-            jax.eval_shape(lambda *a, **k: wrapped(*a, **k), *args, **kwargs)
+            jax.eval_shape(traced, *[leaves[i] for i in dyn])
         return Report(tuple(rows))
 
     wrapped.report = _report

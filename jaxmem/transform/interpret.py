@@ -11,7 +11,9 @@ level it
    equation (a reader of a statistic it also produces waits for it); higher-order
    primitives are entered (their bodies go through 1-3 again and
    are re-built with ``lax.scan`` / ``lax.switch`` / ``lax.while_loop`` /
-   ``jax.checkpoint`` / ``jax.jit``); every other equation is bound unchanged
+   ``jax.checkpoint`` / ``jax.jit``; a ``scan`` body without effects or a checkpoint of its
+   own runs under ``jax.checkpoint(policy=scan_policy)``,
+   :mod:`~jaxmem.transform.scan_policy`); every other equation is bound unchanged
    (``primitive.bind(*invals, **params)``) under its own source location.
 
 Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
@@ -32,6 +34,7 @@ from jaxmem.transform.graph import Graph, bind_eqn, context, inline_calls, locat
 from jaxmem.transform.match import Match
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Row, record
+from jaxmem.transform.scan_policy import has_remat, scan_policy
 
 __all__ = ["Interpreter"]
 
@@ -82,14 +85,17 @@ class Interpreter:
             from jaxmem.transform.match_pool import match_pools
             for item in match_pools(graph, taken, path):
                 add(item)
+        products: set[int] = set()  # equations re-emitted as selective bilinear ops
         if opts.products:
             for i in range(len(graph.jaxpr.eqns)):
                 if i not in taken:
                     item = match_product(graph, i, path)
                     if item is not None:
                         add(item)
+                        if isinstance(item, Match):
+                            products |= item.eqns
         if opts.activations:
-            for item in match_activations(graph, taken, path, opts.fewbit):
+            for item in match_activations(graph, taken, path, opts.fewbit, products):
                 add(item)
         plan: dict[int, Match] = {}
         for item in found:
@@ -201,6 +207,10 @@ class Interpreter:
             out = self.run(body, [*consts, *carry, *x], path)
             return out[:ncar], out[ncar:]
 
+        if not body.effects and not has_remat(body.jaxpr):
+            # stacked residuals cost their full size: recompute the cheap ones (scan_policy);
+            # a body with effects, or already under a checkpoint, runs as written
+            step = jax.checkpoint(step, policy=scan_policy, prevent_cse=False)
         carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
                              reverse=p["reverse"], unroll=p["unroll"])
         return [*carry, *ys]

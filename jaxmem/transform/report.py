@@ -42,22 +42,69 @@ _ROWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxmem_tran
                                                                     default=None)
 
 
+_TRACING: contextvars.ContextVar[int] = contextvars.ContextVar("jaxmem_transform_tracing",
+                                                               default=0)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Mark the trace of a transformed function (its rows describe what it computes)."""
+    token = _TRACING.set(_TRACING.get() + 1)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+def inside() -> bool:
+    """Whether a transformed function is being traced in this context."""
+    return _TRACING.get() > 0
+
+
+#: ``(why, rows)``: a function returning why the current trace is thrown away (or None),
+#: and where the rows of such traces go (set by :func:`jaxmem.report`)
+_DISCARDED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "jaxmem_transform_discarded", default=None)
+
+
+@contextlib.contextmanager
+def discarded(why) -> Iterator[list]:
+    """Rows recorded in a trace ``why()`` names (shape inference, ``nn.scan``'s pre-trace)
+    go to the yielded list as ``(row, reason)``, not to the collection."""
+    kept: list = []
+    token = _DISCARDED.set((why, kept))
+    try:
+        yield kept
+    finally:
+        _DISCARDED.reset(token)
+
+
 def record(row: Row) -> None:
     """Append ``row`` to the report being collected (no-op when none is)."""
     rows = _ROWS.get()
-    if rows is not None:
+    if rows is None:
+        return
+    d = _DISCARDED.get()
+    reason = d[0]() if d is not None else None
+    if reason is not None:
+        d[1].append((row, reason))
+    else:
         rows.append(row)
 
 
 @contextlib.contextmanager
 def collect() -> Iterator[list]:
-    """Collect the rows recorded while tracing inside the context."""
+    """Collect the rows recorded while tracing inside the context (an enclosing collection
+    gets them too, when this one ends)."""
     rows: list = []
+    outer = _ROWS.get()
     token = _ROWS.set(rows)
     try:
         yield rows
     finally:
         _ROWS.reset(token)
+        if outer is not None:
+            outer.extend(rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +159,26 @@ class Report:
             t.add_row(r.kind, r.matched, r.became if r.converted else f"kept: {r.reason}",
                       r.where, r.name_stack)
         return t
+
+
+_warned: set = set()
+
+
+@contextlib.contextmanager
+def warn_if_nothing_converted(label: str) -> Iterator[None]:
+    """Warn :class:`jaxmem.NothingConvertedWarning` (once per ``label``) when the
+    transformed code traced inside the block computed something jaxmem knows (rows were
+    recorded) but converted none of it; nothing is warned when the call is not traced."""
+    with collect() as rows:
+        yield
+    if rows and not any(r.converted for r in rows) and label not in _warned:
+        import warnings
+
+        from jaxmem._glue.report import NothingConvertedWarning
+
+        _warned.add(label)
+        kept = sorted({r.kind for r in rows})
+        warnings.warn(NothingConvertedWarning(
+            f"{label}: nothing was converted in this call ({len(rows)} computation(s) of "
+            f"kind {', '.join(kept)} kept as written; jaxmem.report says why)"),
+            stacklevel=4)

@@ -1,20 +1,22 @@
-"""``jaxmem.report`` lists the calls of the traced step, as Flax code is written.
+"""``jaxmem.report`` of converted Flax code lists the computations of the traced step.
 
-* Calls Flax or JAX make in a trace they throw away are not entries of the step: ``nn.scan``
-  traces its body once more to check loop invariants, ``jax.eval_shape`` infers shapes, a
-  Linen ``init`` runs the model; they go to ``Report.pretrace`` and are not counted.
-* A Flax module jaxmem has no conversion for but whose inner calls are recorded
-  (``nn.Sequential`` and the activations held in its list) is a ``'container'``, never
-  ``'unsupported'``; one with no recorded inner call stays ``'unsupported'``.
+* A converted model runs through ``jaxmem.transform``: one entry per product, norm,
+  activation, ... of the jaxpr, with the Flax module path; the computations inside an
+  ``nn.scan`` body appear once (``[scan]`` in the target), not once more for the pre-trace
+  Flax makes of the body to check loop invariants. ``jax.eval_shape`` of a converted
+  function inside the step, and a Linen ``init`` (which runs the untouched code), are not
+  entries of the step (what they trace goes to ``Report.pretrace``).
 * Names bound before any conversion (``from jax.lax import scan``, ``from flax.linen import
-  relu``) keep the original function, which jaxmem never sees: the report lists each as
-  'fallback' with "not reached: imported by name before conversion". ``jax.lax.fori_loop``
-  (lowered inside JAX, never converted) is listed 'unsupported' at each call, however
-  imported. The layers inside those loops are converted and the gradients are exact.
+  relu``) are converted like the module attributes: the transformation sees what they
+  compute. ``jax.lax.fori_loop`` lowers to a ``scan`` (static bounds), which is entered.
+  Code traced *outside* every converted model and scope is still watched: the report lists
+  such a ``fori_loop`` as 'unsupported'.
 """
 from __future__ import annotations
 
 import collections
+import importlib
+import warnings
 
 import flax.linen as nn
 import jax
@@ -27,7 +29,6 @@ from jax.lax import fori_loop, scan  # likewise
 import jaxmem
 
 B, D = 2, 8
-NOT_REACHED = "not reached: imported by name before conversion"
 
 
 def _x(seed=0):
@@ -67,16 +68,17 @@ def _rows(rep):
 def test_nn_scan_body_listed_once_not_its_pretrace(remat):
     rep = _report_of_grad(Scanned(remat=remat), _x())
     rows = _rows(rep)
-    assert rows[("stack/Dense_0", "Dense", "converted")] == 1, str(rep)
-    assert rows[("stack", "flax.linen.relu", "converted")] == 1, str(rep)
-    assert sum(1 for e in rep.entries if e.target == "jax.lax.scan") == 1
-    # Flax's pre-trace of the body is kept apart, named, and not counted
-    assert rep.pretrace, "nn.scan's pre-trace should have been seen"
-    assert all("nn.scan" in why for _, why in rep.pretrace)
+    inner = "[scan/remat2] " if remat else "[scan] "
+    assert rows[("Dense_0", inner + "dot_general f32[2,8] x f32[8,8] -> f32[2,8]",
+                 "converted")] == 1, str(rep)
+    acts = [e for e in rep.by_kind("activation") if e.target.startswith(inner)]
+    assert [e.status for e in acts] == ["converted"] and "1-bit mask" in acts[0].reason
+    assert len(rep.by_kind("dot")) == 2 and len(rep.by_kind("activation")) == 1, str(rep)
+    assert [e.target for e in rep.by_kind("higher-order")] == (
+        ["scan", "[scan] remat2"] if remat else ["scan"])
+    assert rep.pretrace == []  # Flax's pre-trace of the body makes no rows
     d = rep.to_dict()
     assert sum(d["counts"].values()) == len(rep.entries)
-    assert len(d["pretrace"]) == len(rep.pretrace)
-    assert "pre-traces" in str(rep)
 
 
 def test_eval_shape_and_init_calls_are_not_part_of_the_step():
@@ -95,41 +97,44 @@ def test_eval_shape_and_init_calls_are_not_part_of_the_step():
         return conv.apply(p, x)
 
     rep = jaxmem.report(step, v)
-    rows = _rows(rep)
-    assert rows == collections.Counter({("Dense_0", "Dense", "converted"): 1,
-                                        ("", "flax.linen.relu", "converted"): 1,
-                                        ("Dense_1", "Dense", "converted"): 1}), str(rep)
+    rows = collections.Counter((e.path, e.kind, e.status) for e in rep.entries)
+    assert rows == collections.Counter({("Dense_0", "dot", "converted"): 1,
+                                        ("", "activation", "converted"): 1,
+                                        ("Dense_1", "dot", "converted"): 1}), str(rep)
     whys = {why for _, why in rep.pretrace}
-    assert any("eval_shape" in w for w in whys) and "Linen init" in whys, whys
+    assert whys == {"jax.eval_shape (shape inference)", "Linen init"}, whys
+    assert "pre-traces" in str(rep)
 
 
-def test_sequential_is_a_container_not_unsupported():
+def test_sequential_layers_and_list_activations_converted():
     x = _x()
     model = nn.Sequential([nn.Dense(D), nn.relu, nn.Dense(1)])
     rep = _report_of_grad(model, x)
-    seq = [e for e in rep.entries if e.target == "Sequential"]
-    assert [e.status for e in seq] == ["container"], str(rep)
-    assert "2 converted" in seq[0].reason
-    assert not [e for e in rep.entries if e.status == "unsupported"], str(rep)
-    # the container's entry comes before its children, in trace order
-    targets = [e.target for e in rep.entries if e.kind == "module"]
-    assert targets == ["Sequential", "Dense", "Dense"], targets
-    # a Flax layer with no conversion and nothing recorded inside stays 'unsupported'
+    assert [(e.path, e.status) for e in rep.by_kind("dot")] == [
+        ("layers_0", "converted"), ("layers_2", "converted")], str(rep)
+    assert [e.status for e in rep.by_kind("activation")] == ["converted"]
+    # a Flax layer with its own elementwise code (PReLU): a two-slope function, also a mask
     prelu = nn.Sequential([nn.Dense(D), nn.PReLU()])
     rep2 = _report_of_grad(prelu, x)
-    assert {(e.target, e.status) for e in rep2.entries if e.kind == "module"} == {
-        ("Sequential", "container"), ("Dense", "converted"), ("PReLU", "unsupported")}
+    assert not [e for e in rep2.entries if e.status in ("unsupported", "fallback")], str(rep2)
 
 
-def test_container_alone_does_not_silence_the_nothing_converted_warning():
+def test_nothing_converted_warns_once_per_converted_class():
     x = _x()
-    model = nn.Sequential([nn.PReLU()])
-    v = model.init(jax.random.key(1), x)
-    conv = jaxmem.linen.convert(model)
-    from jaxmem._glue import report as _report
-    _report._warned.clear()
-    with pytest.warns(jaxmem.NothingConvertedWarning):
+
+    class Smooth(nn.Module):  # one exp: keeping its input saves nothing, nothing to convert
+        @nn.compact
+        def __call__(self, x):
+            return jnp.exp(x) * self.param("s", nn.initializers.ones, (D,))
+
+    v = Smooth().init(jax.random.key(1), x)
+    conv = jaxmem.linen.convert(Smooth())
+    importlib.import_module("jaxmem.transform.report")._warned.clear()
+    with pytest.warns(jaxmem.NothingConvertedWarning, match="nothing was converted"):
         jax.grad(lambda p: jnp.sum(conv.apply(p, x)))(v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.grad(lambda p: jnp.sum(conv.apply(p, 2 * x)))(v)  # once per class
 
 
 class ByName(nn.Module):
@@ -162,26 +167,16 @@ class ByModule(nn.Module):
         return nn.Dense(1)(x)
 
 
-def test_functions_imported_by_name_are_reported_not_reached():
-    rep = _report_of_grad(ByName(), _x())
-    not_reached = {e.target: e for e in rep.entries if NOT_REACHED in e.reason}
-    assert set(not_reached) == {"jax.lax.scan", "jax.nn.relu"}, str(rep)
-    assert all(e.status == "fallback" for e in not_reached.values())
-    assert "`scan` in " in not_reached["jax.lax.scan"].reason
-    assert set(not_reached.values()) <= set(rep.unconverted())
-    fori = [e for e in rep.entries if e.target == "jax.lax.fori_loop"]
-    assert [e.status for e in fori] == ["unsupported"], str(rep)
-    # the layers are converted all the same
-    assert [e.status for e in rep.entries if e.target == "Dense"] == ["converted"] * 2
-
-
-def test_functions_called_through_their_module_are_converted():
-    rep = _report_of_grad(ByModule(), _x())
-    assert not [e for e in rep.entries if NOT_REACHED in e.reason], str(rep)
-    status = {e.target: e.status for e in rep.entries}
-    assert status["flax.linen.relu"] == "converted"
-    assert status["jax.lax.scan"] == "converted"
-    assert status["jax.lax.fori_loop"] == "unsupported"  # reported, however imported
+@pytest.mark.parametrize("cls", [ByName, ByModule])
+def test_functions_imported_by_name_are_converted_like_module_attributes(cls):
+    rep = _report_of_grad(cls(), _x())
+    assert not [e for e in rep.entries if e.kind in ("function", "module")], str(rep)
+    assert [e.status for e in rep.by_kind("dot")] == ["converted"] * 2
+    acts = {e.target.split(": ")[-1]: e.status for e in rep.by_kind("activation")}
+    assert acts["custom_jvp_call"] == "converted"  # relu, however imported: a 1-bit mask
+    assert acts["tanh"] == "converted"  # in the scan body
+    # jax.lax.scan and the fori_loop (a scan with static bounds) are entered
+    assert [e.target for e in rep.by_kind("higher-order")] == ["scan", "scan"], str(rep)
 
 
 @pytest.mark.parametrize("cls", [ByName, ByModule])

@@ -134,19 +134,18 @@ def test_report_lists_modules_functions_and_data():
     v = m.init(jax.random.PRNGKey(0), X)
     rep = jaxmem.report(lambda p: jax.grad(lambda p: jaxmem.linen.convert(m).apply(p, X))(p),
                         v)
-    rows = [(e.path, e.kind, e.target, e.status) for e in rep.entries]
-    assert ("Dense_0", "module", "Dense", "converted") in rows
-    assert ("LayerNorm_0", "module", "LayerNorm", "converted") in rows
-    assert ("BatchNorm_0", "module", "BatchNorm", "fallback") in rows
-    assert ("PReLU_0", "module", "PReLU", "unsupported") in rows
-    assert ("", "function", "flax.linen.relu", "converted") in rows
-    assert ("", "function", "flax.linen.softmax", "converted") in rows
-    bn = next(e for e in rep.entries if e.target == "BatchNorm")
-    assert bn.reason == "called with mask=" and bn in rep.unconverted()
+    rows = [(e.path, e.kind, e.status) for e in rep.entries]
+    assert ("Dense_0", "dot", "converted") in rows
+    assert ("LayerNorm_0", "norm", "converted") in rows
+    assert ("", "activation", "converted") in rows  # relu: the 1-bit mask
+    # eval-mode BatchNorm (mask=) and PReLU compute no normalisation / activation to convert
+    assert not [e for e in rep.entries if e.path.startswith(("BatchNorm_0", "PReLU_0"))
+                and e.status == "converted"]
     d = rep.to_dict()
-    assert d["counts"]["converted"] == 4 and len(d["entries"]) == len(rep.entries)
+    assert d["counts"]["converted"] == len(rep.converted()) >= 3
+    assert len(d["entries"]) == len(rep.entries)
     text = str(rep)
-    assert "BatchNorm_0" in text and "called with mask=" in text
+    assert "LayerNorm_0" in text and "1-bit mask" in text
     # outside any scope: listed as fallback
     rep = jaxmem.report(lambda p: m.apply(p, X), v)
     assert {e.status for e in rep.entries} == {"fallback", "unsupported"}
@@ -160,6 +159,7 @@ def test_nothing_converted_warns_once():
             jax.make_jaxpr(lambda x: jnp.sum(jax.nn.gelu(x)))(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.simplefilter("ignore", jaxmem.JaxmemDeprecationWarning)  # scope's own
         with jaxmem.scope():  # once only
             jax.make_jaxpr(lambda x: jnp.sum(jax.nn.gelu(x)))(x)
         with jaxmem.scope():  # something converted: no warning

@@ -65,7 +65,10 @@ def test_vmap_axis_name_equals_flax(fast, groups, train):
     for a, b in zip(jax.tree.leaves((y1, u1, g1)), jax.tree.leaves((y0, u0, g0))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
     rep = jaxmem.report(lambda xs: _step(conv, v, xs), xs)
-    assert [e.status for e in rep.entries if e.target == "BatchNorm"] == ["converted"]
+    assert [e.status for e in rep.by_kind("dot")] == ["converted", "converted"], str(rep)
+    # the statistics go through lax.pmean: jaxmem.transform's norm matcher does not cross a
+    # collective, so the norm itself is kept as Flax computes it (exact, no saving)
+    assert not [e for e in rep.by_kind("norm") if e.status == "converted"], str(rep)
 
 
 def test_batch_norm_function_axis_name_float64_and_residuals():

@@ -1,4 +1,5 @@
-"""jaxmem.nnx.convert (the selective part) on NNX models written the way NNX users write
+"""jaxmem.nnx.convert (the exact techniques: ``jaxmem.transform`` over the module's state) on
+NNX models written the way NNX users write
 them: a CNN with Conv/BatchNorm/Dropout/max_pool/Linear trained with ``nnx.Optimizer``, a
 ViT-like block with ``nnx.MultiHeadAttention`` and LinearGeneral/Einsum projections, a stack
 of layers created with ``nnx.vmap`` and applied with ``nnx.scan`` (optionally
@@ -45,15 +46,8 @@ def _pair(make):
 
 
 def _records(fn, *args):
-    """The jaxmem report entries recorded while tracing ``fn(*args)`` abstractly."""
-    from jaxmem._glue import report as R
-    rep = R.Report()
-    token = R._COLLECT.set(rep)
-    try:
-        jax.make_jaxpr(fn)(*args)
-    finally:
-        R._COLLECT.reset(token)
-    return rep.entries
+    """The jaxmem report entries of tracing ``fn(*args)`` abstractly."""
+    return jaxmem.report(fn, *args).entries
 
 
 def _param_loss(model, x):
@@ -109,7 +103,7 @@ def _train_step(model, optimizer, x, y):
 
 def test_cnn_training_matches_untouched_model():
     ref, sel = _pair(lambda: CNN(rngs=nnx.Rngs(0, dropout=1)))
-    assert type(sel.dropout).__name__ == "_SelectiveDropout"
+    assert type(sel.dropout) is nnx.Dropout  # layers are not changed
     assert sel.conv1.kernel is not ref.conv1.kernel
     opts = [nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param) for m in (ref, sel)]
     for step in range(2):
@@ -133,19 +127,21 @@ def test_cnn_converted_is_a_working_nnx_module_and_stores_less():
     loss_r, p_r, r_r = _param_loss(ref, x)
     loss_s, p_s, r_s = _param_loss(sel, x)
     res_r = residual_bytes(loss_r, p_r, r_r, argnums=0)
-    with jaxmem.scope(attention=False):
-        res_s = residual_bytes(loss_s, p_s, r_s, argnums=0)
-        res_r_scoped = residual_bytes(loss_r, p_r, r_r, argnums=0)
-    # relu / max_pool keep 1-bit masks / packed argmax positions under the scope; on top of
-    # that batch norm keeps one f32 input-sized tensor instead of two, dropout its key only
+    res_s = residual_bytes(loss_s, p_s, r_s, argnums=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmem.JaxmemDeprecationWarning)
+        with jaxmem.scope(attention=False, selective=False):  # only the masks, argmax codes
+            res_r_scoped = residual_bytes(loss_r, p_r, r_r, argnums=0)
+    # relu / max_pool keep 1-bit masks / packed argmax positions; on top of that batch norm
+    # keeps one f32 input-sized tensor instead of two, dropout its key only
     bn_inputs = 4 * (8 * 8 * 8 * 8 + 8 * 4 * 4 * 16)
     assert res_s.activation_bytes < 0.4 * res_r.activation_bytes, (str(res_s), str(res_r))
     assert res_s.activation_bytes <= res_r_scoped.activation_bytes - 0.8 * bn_inputs
     entries = _records(loss_s, p_s, r_s)
-    got = {(e.target, e.status) for e in entries}
-    for t in ("Conv", "BatchNorm", "Dropout", "Linear"):
-        assert (f"flax.nnx.{t}", "converted") in got, got
-    assert {e.path for e in entries if e.target == "flax.nnx.BatchNorm"} == {"bn1", "bn2"}
+    got = {(e.kind, e.status) for e in entries}
+    for kind in ("conv", "norm", "dropout", "dot", "pool", "activation"):
+        assert (kind, "converted") in got, got
+    assert len([e for e in entries if e.kind == "norm" and e.status == "converted"]) == 2
 
 
 def test_cnn_eval_mode_matches_and_dropout_runs_nnx_code():
@@ -155,8 +151,9 @@ def test_cnn_eval_mode_matches_and_dropout_runs_nnx_code():
         m.eval()
     _close(sel(x), ref(x))
     loss, p, r = _param_loss(sel, x)
-    statuses = {e.status for e in _records(loss, p, r) if e.target == "flax.nnx.Dropout"}
-    assert statuses == {"nothing-to-save"}
+    entries = _records(loss, p, r)
+    assert not [e for e in entries if e.kind == "dropout"]  # eval: dropout is the identity
+    assert len([e for e in entries if e.kind == "conv" and e.status == "converted"]) == 2
 
 
 # ------------------------------------------------------------------------ ViT block
@@ -187,8 +184,7 @@ def _vit():
 @pytest.mark.parametrize("train", [True, False])
 def test_vit_block_outputs_and_gradients_match(train):
     ref, sel = _pair(_vit)
-    assert type(sel.attn.query).__name__ == "_SelectiveLinearGeneral"
-    assert type(sel.up).__name__ == "_SelectiveEinsum"
+    assert type(sel.attn.query) is nnx.LinearGeneral and type(sel.up) is nnx.Einsum
     for m in (ref, sel):
         m.train() if train else m.eval()
     x = jax.random.normal(K[4], (2, 6, 12))
@@ -213,11 +209,14 @@ def test_vit_block_stores_less_and_reports_projections():
     res_r = residual_bytes(loss_r, p_r, r_r, argnums=0)
     res_s = residual_bytes(loss_s, p_s, r_s, argnums=0)
     assert res_s.activation_bytes < res_r.activation_bytes, (str(res_s), str(res_r))
-    got = {(e.path, e.status) for e in _records(loss_s, p_s, r_s)
-           if e.target in ("flax.nnx.LinearGeneral", "flax.nnx.Einsum")}
-    for path in ("patch", "merge", "attn/query", "attn/key", "attn/value", "attn/out", "up",
-                 "down"):
-        assert (path, "converted") in got, got
+    entries = _records(loss_s, p_s, r_s)
+    # patch, merge, the four attention projections, up, down (and the block's other
+    # products): every one converted
+    dots = [e.status for e in entries if e.kind == "dot"]
+    assert len(dots) >= 8 and set(dots) == {"converted"}, dots
+    # the block's dropout and the attention weights' dropout: regenerated masks (the
+    # attention itself, with its dropout, is not matched as one attention yet)
+    assert [e.status for e in entries if e.kind == "dropout"] == ["converted"] * 2
 
 
 def test_einsum_and_linear_general_keep_only_what_requested_grads_need():
@@ -276,7 +275,7 @@ class ScanStack(nnx.Module):
 @pytest.mark.parametrize("remat", [False, True])
 def test_scan_over_vmapped_layers_matches(remat):
     ref, sel = _pair(lambda: ScanStack(8, remat=remat, rngs=nnx.Rngs(4, dropout=5)))
-    assert type(sel.blocks.dropout).__name__ == "_SelectiveDropout"
+    assert type(sel.blocks.dropout) is nnx.Dropout
     assert sel.blocks.linear.kernel.shape == (DEPTH, 8, 8)
     x = jax.random.normal(K[7], (6, 8))
     grad = nnx.jit(nnx.value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x)))))
@@ -342,6 +341,8 @@ def _synced_loss(model, x):
     return loss, params
 
 
+@pytest.mark.xfail(strict=True, reason="jaxmem.transform's norm matcher does not cross "
+                   "lax.pmean: a BatchNorm with axis_name keeps what Flax's autodiff keeps")
 def test_batch_norm_axis_name_under_jax_vmap_and_report():
     ref, sel = _bn_pair()
     x = jax.random.normal(K[3], (4, 3, 5)) * jnp.arange(1.0, 5.0)[:, None, None]
@@ -429,25 +430,24 @@ def test_embed_call_and_attend_match_and_attend_is_selective():
     # the query is differentiated, the table not: the query is not kept
     assert residual_bytes(h, p, q, argnums=1).activation_bytes <= 4 * 3 * 5 * 11 * 2
     entries = _records(lambda p: f(nnx.merge(gdef, p), q), p)
-    assert {e.status for e in entries} == {"nothing-to-save", "converted"}
+    # attend is a product (the lookup a gather of integer indices: nothing to convert)
+    assert [e.status for e in entries if e.kind == "dot"] == ["converted"], entries
 
 
 # --------------------------------------------------------------------------- fallbacks
-def test_custom_dot_general_and_mask_fall_back_visibly():
-    SL._warned.clear()
+def test_custom_dot_general_converted_and_masked_norm_exact():
+    """A custom ``dot_general`` is converted by what it computes (a layer rule could not)."""
     lin = _nnx_convert(nnx.Linear(4, 3, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
                                 rngs=nnx.Rngs(0)))
     x = jax.random.normal(K[4], (2, 4))
-    with pytest.warns(SL.SelectiveFallbackWarning, match="dot_general"), \
-            pytest.warns(jaxmem.NothingConvertedWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         lin(x)
     gdef, p = nnx.split(lin)
     (e,) = _records(lambda p: nnx.merge(gdef, p)(x), p)
-    assert (e.target, e.status, e.reason) == ("flax.nnx.Linear", "fallback",
-                                              "custom dot_general")
+    assert (e.kind, e.status) == ("dot", "converted")
     ln = _nnx_convert(nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SL.SelectiveFallbackWarning)
         warnings.simplefilter("ignore", jaxmem.NothingConvertedWarning)
         y = ln(x, mask=x > 0)
     np.testing.assert_allclose(y, nnx.LayerNorm(4, rngs=nnx.Rngs(0))(x, mask=x > 0),
@@ -467,10 +467,8 @@ def test_convert_is_in_place_idempotent_and_leaves_subclasses():
     x = jax.random.normal(jax.random.key(3), (2, 3))
     b_out = net.b(x)
     assert _nnx_convert(net) is net and _nnx_convert(net) is net
-    assert net.a.kernel is kernel and type(net.a).__mro__[1] is nnx.Linear
-    # the subclass is not converted: it stays a MyLinear (wrapped only so that the report
-    # lists it as left as is), with the same parameters and outputs
-    assert isinstance(net.b, MyLinear) and net.b.kernel is b_kernel
-    assert not any(c.__module__.startswith("jaxmem.selective") and c.__name__ == "_SelectiveLinear"
-                   for c in type(net.b).__mro__)
+    # the layers are not changed (the root's calls run through jaxmem.transform), the
+    # subclass included
+    assert net.a.kernel is kernel and type(net.a) is nnx.Linear
+    assert type(net.b) is MyLinear and net.b.kernel is b_kernel
     np.testing.assert_array_equal(np.asarray(net.b(x)), np.asarray(b_out))
