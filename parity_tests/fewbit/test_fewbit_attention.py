@@ -232,8 +232,10 @@ def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
 
     g_exact = grad(loss)
     g_fb = grad(loss, bits=3)                       # few-bit GELU only
-    checks = [(grad(loss, bits=3, attn=True), g_fb),
-              (grad(loss_conv), g_fb)]  # jaxmem.linen.convert: + selective
+    # jaxmem.linen.convert(fewbit=3) runs jaxmem.transform: the GPT's GELU is read by the
+    # MLP's down-projection, so it keeps the exact op there (its input alone is fewer bytes
+    # than a code beside the product's f(x)): the gradient is the exact one
+    checks = [(grad(loss, bits=3, attn=True), g_fb), (grad(loss_conv), g_exact)]
     for got, want in checks:
         assert jax.tree.structure(got) == jax.tree.structure(want)
         assert_tree_close(got, want, rtol=2e-5, atol=2e-6)
