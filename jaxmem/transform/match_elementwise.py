@@ -21,6 +21,10 @@ autodiff keeps one or more ``x``-sized float arrays for ``f'``.  It is re-emitte
   minimises ``E (f'(x) - q(x))^2`` on ``[-10, 10]`` (Gaussian weight) for *this* ``f``
   (cached per subgraph structure), and :func:`jaxmem.fewbit.ops.fewbit_op` keeps only the
   ``b``-bit bin of ``x``: ``dx = dy * q(x)``.  Forward exact, gradient approximate.
+  Not where ``f(x)`` is the input of a product re-emitted as a selective bilinear op (and
+  nothing else reading it keeps it): that product would keep ``f(x)`` in full beside the
+  code, so the exact op below is emitted instead (``x`` kept once, ``f(x)`` recomputed by
+  the product: fewer kept bytes, exact gradient).
 * **exact, input kept** when ``f`` is smooth and ``fewbit`` is ``None``:
   :func:`jaxmem.selective.smooth_activation` keeps ``x`` only and recomputes JAX's own
   ``vjp`` of the subgraph at ``x`` in the backward (exact), and a selective product fed
@@ -333,6 +337,32 @@ def _feeds_product(graph: Graph, o) -> bool:
     return any(graph.jaxpr.eqns[j].primitive.name in _PRODUCTS for j in graph.uses(o))
 
 
+#: readers of ``f(x)`` whose backward keeps nothing of it (``mul`` / ``div``: by a constant)
+_KEEP_NOTHING = {"add", "sub", "neg", "reduce_sum", "mul", "div"}
+
+
+def _product_keeps_output(graph: Graph, o, products) -> bool:
+    """``f(x)`` is the input (``lhs``) of a product converted to a selective bilinear op
+    (equation indices ``products``), which would keep ``f(x)`` itself, and nothing else
+    reading it keeps it (a residual add, a constant scale): then the exact op, which keeps
+    ``x`` and lets that product recompute ``f(x)``, keeps no more than a few-bit code
+    (which cannot reproduce ``f(x)``, so the product keeps it in full beside the code)."""
+    if o in graph.outvars or not products:
+        return False
+    found = False
+    for j in graph.uses(o):
+        eqn = graph.jaxpr.eqns[j]
+        name = eqn.primitive.name
+        if name in _PRODUCTS and j in products and eqn.invars[0] is o \
+                and eqn.invars[1] is not o:
+            found = True
+        elif name not in _KEEP_NOTHING or (
+                name == "mul" and not any(graph.is_const(v) for v in eqn.invars)) or (
+                name == "div" and (eqn.invars[0] is not o or not graph.is_const(eqn.invars[1]))):
+            return False
+    return found
+
+
 def _label(sub: Subgraph) -> str:
     for e in sub.eqns:
         if e.primitive.name in _WRAPPERS and e.params.get("name"):
@@ -358,9 +388,11 @@ def _const_support(graph: Graph, eqns: list[int], taken: set[int]):
                            if graph.is_const(v)])
 
 
-def match_activations(graph: Graph, taken: set[int], path: str,
-                      fewbit: int | None) -> list[Match | Row]:
-    """Activation subgraphs of ``graph`` not among the equations ``taken``."""
+def match_activations(graph: Graph, taken: set[int], path: str, fewbit: int | None,
+                      products: set[int] | None = None) -> list[Match | Row]:
+    """Activation subgraphs of ``graph`` not among the equations ``taken``; ``products``:
+    the equations converted to selective bilinear ops (a smooth activation feeding one
+    stays exact under ``fewbit``, see :func:`_product_keeps_output`)."""
     eqns = graph.jaxpr.eqns
     root: dict = {}
     members: dict = {}  # root var -> [eqn indices]
@@ -399,7 +431,7 @@ def match_activations(graph: Graph, taken: set[int], path: str,
                 continue
             if _is_linear(graph, [eqns[j] for j in anc]):
                 continue
-            item = _convert(graph, r, o, sorted(anc), i, taken, path, fewbit)
+            item = _convert(graph, r, o, sorted(anc), i, taken, path, fewbit, products)
             if isinstance(item, Match):
                 used |= anc
                 out.append(item)
@@ -478,7 +510,7 @@ def _closed(graph: Graph, anc: set[int], o) -> bool:
     return True
 
 
-def _convert(graph, r, o, anc, anchor, taken, path, fewbit) -> Match | Row:
+def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None) -> Match | Row:
     eqns = graph.jaxpr.eqns
     extra, consts = _const_support(graph, anc, taken)
     order = sorted(set(anc) | extra)
@@ -521,6 +553,14 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit) -> Match | Row:
                   f"keeps x instead of {n} arrays" + (" (f(x) recomputed by the product)"
                                                       if product else ""),
                   where, ns, path)
+        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row)
+    if _product_keeps_output(graph, o, products):
+        # the product keeps f(x) beside a few-bit code; the exact op keeps x alone and the
+        # product recomputes f(x) from it: fewer bytes, and the gradient is exact
+        op = exact_activation(sub)
+        row = Row("activation", what, "exact (input kept, f' recomputed)", True,
+                  f"fewbit={fewbit} not applied: the following product would keep f(x) "
+                  "anyway; keeps x only (f(x) recomputed by the product)", where, ns, path)
         return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row)
     try:
         op = fewbit_activation(sub, int(fewbit))

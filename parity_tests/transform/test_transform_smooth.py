@@ -174,3 +174,90 @@ def test_compiled_plan_keeps_the_input_only(target):
     without = _per_layer(target, lambda f: transform(f, activations=False))
     assert exact <= 1.25, exact
     assert without >= exact + 0.75, (without, exact)
+
+
+# ------------------------------------------- fewbit: a product reading f(x) keeps it anyway
+def _mlp(act, extra=None):
+    def loss(p, x):
+        h = act(x @ p["w1"] + p["b1"])
+        y = h @ p["w2"]
+        if extra is not None:
+            y = y + extra(h)
+        return jnp.mean(y ** 2)
+    return loss
+
+
+@pytest.mark.parametrize("name", ["gelu erf", "gelu tanh", "silu", "tanh"])
+def test_fewbit_keeps_the_exact_op_where_a_product_reads_the_output(name):
+    """Under ``fewbit`` a smooth activation read by a selective product stays exact: the
+    product would keep ``f(x)`` beside a few-bit code, while the exact op keeps ``x`` alone
+    (the product recomputes ``f(x)`` from it). Same residuals as without ``fewbit``, no
+    code, and the gradient is the exact one (also for ``tanh``, which the exact path leaves
+    to JAX without ``fewbit``)."""
+    f = _mlp(ACTS[name])
+    p, x = _params(), normal((32, 16), scale=2.0)
+    g3 = transform(f, fewbit=3)
+    row, = [r for r in g3.report(p, x).by_kind("activation") if r.converted]
+    assert row.became == "exact (input kept, f' recomputed)"
+    assert "fewbit=3 not applied" in row.reason and "product" in row.reason
+    got = jax.jit(jax.value_and_grad(g3))(p, x)
+    close(got, jax.jit(jax.value_and_grad(f))(p, x))
+    if name != "tanh":  # the same step as without fewbit
+        want = jax.jit(jax.value_and_grad(transform(f)))(p, x)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got),
+                                                        jax.tree_util.tree_leaves(want)))
+    # autodiff keeps x once, shared by the activation and the product; no code
+    res = residual_bytes(g3, p, x)
+    assert len([e for e in res.entries if e.shape == (32, 64)]) == 1
+    assert not [e for e in res.entries if e.dtype == jnp.uint8]
+    assert res.activation_bytes <= residual_bytes(transform(f), p, x).activation_bytes
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("no product", "output scaled and summed"),
+    ("products=False", "the product is JAX's own and keeps f(x) in any case"),
+    ("f(x) kept elsewhere", "a product of two activations keeps f(x) too"),
+])
+def test_fewbit_codes_stay_where_nothing_else_is_saved(variant, why):
+    del why
+    act = ACTS["gelu erf"]
+    p, x = _params(), normal((32, 16), scale=2.0)
+    opts = {}
+    if variant == "no product":
+        f = lambda p, x: jnp.sum(act(x @ p["w1"] + p["b1"]) * 0.5)
+    elif variant == "products=False":
+        f, opts = _mlp(act), {"products": False}
+    else:
+        f = _mlp(act, extra=lambda h: jnp.sum(h * jnp.cos(h), -1, keepdims=True))
+    g3 = transform(f, fewbit=3, **opts)
+    rows = [r for r in g3.report(p, x).by_kind("activation") if r.converted]
+    assert [r.became for r in rows] == ["3-bit code (fitted table)"], rows
+    assert [e for e in residual_bytes(g3, p, x).entries if e.dtype == jnp.uint8]
+
+
+def _mlp_stack(variant, target, depth):
+    """Compiled temp bytes of ``jax.grad`` of ``depth`` blocks ``h + gelu(h @ w1) @ w2``."""
+    rng = np.random.default_rng(0)
+    ws = [(jnp.asarray(rng.normal(size=(H, 4 * H)) / np.sqrt(H), jnp.float32),
+           jnp.asarray(rng.normal(size=(4 * H, H)) / np.sqrt(4 * H), jnp.float32))
+          for _ in range(depth)]
+    x = jnp.asarray(rng.normal(size=(B // 2, H)), jnp.float32)
+    act = ACTS["gelu erf"]
+
+    def loss(ws, x):
+        h = x
+        for w1, w2 in ws:
+            h = h + act(h @ w1) @ w2
+        return jnp.mean(h ** 2)
+
+    return compiled_memory(jax.grad(variant(loss), (0, 1)), ws, x, target=target).temp_bytes
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_compiled_fewbit_step_is_the_exact_step_where_products_read_the_activation(target):
+    """Every GELU of the stack feeds a product: ``fewbit=3`` compiles to the very step
+    ``transform`` gives (with few-bit codes, the products kept ``gelu(x)`` in f32 beside
+    them: a different plan, with approximate gradients)."""
+    for depth in (2, 4):
+        exact = _mlp_stack(transform, target, depth)
+        assert _mlp_stack(lambda f: transform(f, fewbit=3), target, depth) == exact
