@@ -111,7 +111,9 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
       time_limit: CP-SAT time limit per solve, in seconds.
       max_iterations: most solve-compile rounds.
       fence_cost: predicted extra step time per checkpointed item, as a fraction of the
-        untouched step's time (each runs its backward behind a ``lax.cond`` fence).
+        untouched step's time (each runs its backward behind a ``lax.cond`` fence). On a GPU
+        target items run as plain ``jax.checkpoint`` (no fence, no cost) unless a plan
+        compiled that way exceeds the budget and compiles smaller fenced.
       approx_cost: predicted cost of a unit stored with few-bit codes, as a fraction of a step
         at 1 bit (``(5 - bits) / 4`` of it at ``bits``): the solver prefers exact storage,
         then more bits, then recomputation costing more than this.
@@ -126,8 +128,9 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
       target: whose compiled bytes the plan is made and checked against: ``"cpu"`` (default)
         or a GPU (``"h100"``, ``"h100_pcie"``, ``"h200"``, ``"a100"``, ``"b200"``): XLA:GPU's
         plan compiled here without a GPU (:func:`jaxmem.measure.compiled_memory`; no
-        autotuning). There recomputed units run unfenced when that compiles to fewer bytes,
-        and host offload is offered.
+        autotuning). There recomputed units run as plain ``jax.checkpoint`` (unfenced) when
+        that fits the budget, fenced only where needed and smaller, and host offload is
+        offered.
 
     Returns:
       A :class:`MemoryPlan`: ``plan.step`` takes ``step``'s positional and keyword arguments
@@ -177,6 +180,14 @@ def _plan_finer(step, example_args, budget, settings: _Settings) -> MemoryPlan:
     raise err
 
 
+def _glue_scope():
+    """The selective-differentiation scope a plan may run under (the mechanism behind the
+    deprecated ``jaxmem.scope``; called here without its warning)."""
+    from jaxmem._glue.patch import scope
+
+    return scope()
+
+
 def _baseline(step, args, target, cache):
     """Compiled memory of the untouched ``value_and_grad(step)`` (kept in ``cache``)."""
     if "default" not in cache:
@@ -216,9 +227,8 @@ def _variant(step, args, s: _Settings, cache):
     ``jaxmem.scope()``, whichever compiles to fewer bytes (a tie goes to the scope when
     few-bit codes may be offered: they need it)."""
     if "variant" not in cache:
-        import jaxmem
         best = None
-        for sel, factory in ((False, None), (True, lambda: jaxmem.scope())):
+        for sel, factory in ((False, None), (True, _glue_scope)):
             s_step = _make_step(step, factory, (), (), {})
             try:
                 b = compiled_total(jax.value_and_grad(s_step), args, s.target)
@@ -267,10 +277,14 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
     selective, factory, store_bytes = _variant(step, args, s, cache)
     tr = _trace.trace(step, args, factory() if factory else None)
     prof = _cand.profile_units(tr, finer)
-    fence = s.fence_cost * 3.0 * max(prof.total_flops, 1.0)
+    fence_flops = s.fence_cost * 3.0 * max(prof.total_flops, 1.0)
+    # on a GPU target a unit runs as plain jax.checkpoint unless its plan needs the fence
+    # (StepCompiler decides per plan and adds the fence's cost to the plans it fences)
+    fence = fence_flops if s.target == "cpu" else 0.0
     cands, more = _candidates(step, args, factory, prof, selective, fence, s)
     model = ByteModel(cands, prof.stored, store_bytes)
-    compiler = StepCompiler(step, factory, prof.cut_labels, prof.labels, cands, args, s.target)
+    compiler = StepCompiler(step, factory, prof.cut_labels, prof.labels, cands, args, s.target,
+                            budget=budget_bytes, fence_flops=fence_flops)
     search = Search(model, compiler, s.time_limit)
     res = search.run(budget_bytes, floor, s.max_iterations)
     notes += more + compiler.notes
@@ -279,11 +293,16 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         raise _explain.refusal(budget_bytes, res.smallest, cm0, prof.labels, prof.stored,
                                len(search.tried), finer_units)
     choices = _explain.unit_choices(model, res.choice, prof.labels, fence)
+    if s.target != "cpu" and compiler.checkpointed(res.choice):
+        notes.append(f"{s.target} plan: this plan's recomputed units run "
+                     + ("behind the lax.cond fence (smaller than plain jax.checkpoint here)"
+                        if compiler.fence_of(res.choice) else
+                        "as plain jax.checkpoint (no lax.cond fence)"))
     return MemoryPlan(
         step=compiler.build(res.choice), choices=choices, budget_bytes=budget_bytes,
         default_bytes=cm0.total_bytes, predicted_bytes=search.predicted[res.choice],
         compiled_bytes=search.tried[res.choice],
-        predicted_time=1.0 + model.cost(res.choice) / max(3.0 * prof.total_flops, 1.0),
+        predicted_time=1.0 + search.cost(res.choice) / max(3.0 * prof.total_flops, 1.0),
         selective=selective, solver_status=res.status, solver_gap=res.gap,
         iterations=res.iterations, approximate=any(c.bits is not None for c in choices),
         notes=tuple(notes), order=order_res, target=s.target)

@@ -55,6 +55,12 @@ class Search:
         self.grad_bytes: dict[Choice, int] = {}
         self.calibration: set[Choice] = {store}
 
+    def cost(self, choice: Choice) -> float:
+        """Predicted extra FLOPs of ``choice``: the model's, plus what the compiler adds to a
+        compiled choice (``extra_cost``: the fence on a GPU target, where one was needed)."""
+        extra = getattr(self.compiler, "extra_cost", None)
+        return self.model.cost(choice) + (float(extra(choice)) if extra else 0.0)
+
     def compile(self, choice: Choice) -> int:
         """Compiled ``value_and_grad`` bytes of ``choice`` (predicted first, compiled once)."""
         if choice not in self.tried:
@@ -139,7 +145,7 @@ class Search:
             if _DEBUG:
                 print("plan: theta", theta, "slack", slack, sol)
             mode_bytes = sol.choice is None or bool(
-                fits and self.model.cost(sol.choice) >= min(map(self.model.cost, fits)))
+                fits and self.model.cost(sol.choice) >= min(map(self.cost, fits)))
             if mode_bytes:
                 if fits:
                     return sol, status, it
@@ -180,7 +186,7 @@ class Search:
         gap = sol.gap if sol is not None and sol.choice is not None else 0.0
         status = status if sol is not None else "OPTIMAL"
         if fits:
-            best = min(fits, key=lambda c: (self.model.cost(c), self.tried[c], c))
+            best = min(fits, key=lambda c: (self.cost(c), self.tried[c], c))
             return SearchResult(best, status, gap, max(it, 1))
         return SearchResult(None, status, gap, max(it, 1), self.smallest(canonical))
 

@@ -341,18 +341,69 @@ def test_step_compiler_realises_typed_options_and_decides_the_fence():
              Candidate((3,), Option("fewbit", 2), 1, 0, 1.0),
              Candidate((4,), Option("rows", 4), 1, 0, 1.0)]
     labels = ["a", "b", "c", "d", "e"]
-    sizes = iter([300, 200])   # fenced, then unfenced
-    sc = StepCompiler(lambda x: x, None, labels, labels, cands, (1.0,), target="h100",
-                      compile_bytes=lambda fn, args, target: next(sizes))
+    sc = StepCompiler(lambda x: x, None, labels, labels, cands, (1.0,), target="h100")
     runs, convs = sc.realise((3, 1, 0, 2))
     assert runs == ((("a",), "store"), (("b", "c"), "segment"), (("d",), "store"),
                     (("e",), "store"))
     assert convs["d"] == T.Conversion("fewbit", 2) and convs["e"] == T.Conversion("rows", 4)
     assert convs["a"] == T.Conversion("exact")
-    assert sc.fence is None and sc.value_and_grad((0, 1)) == 200 and sc.fence is False
-    assert sc.notes == [("h100 plan: recomputed units unfenced (every unit recomputed: "
-                         "fenced 0.00 MiB, unfenced 0.00 MiB)")]
-    assert StepCompiler(lambda x: x, None, [], [], [], (), "cpu").fence is True
+    assert StepCompiler(lambda x: x, None, [], [], [], (), "cpu").fence_of((0,)) is True
+
+
+def _gpu_compiler(sizes, budget):
+    """A GPU-target StepCompiler whose compiles return ``sizes[fenced]`` in turn, logging
+    which way each step was built."""
+    cands = [Candidate((0,), Option("store"), 1, 0, 0.0),
+             Candidate((0,), Option("recompute"), 1, 1, 1.0),
+             Candidate((1,), Option("store"), 1, 0, 0.0)]
+    built = []
+
+    def compile_bytes(fn, args, target):
+        assert target == "h100"
+        return sizes[built[-1]]
+
+    sc = StepCompiler(lambda x: x, None, ["a"], ["a", "b"], cands, (1.0,), target="h100",
+                      compile_bytes=compile_bytes, budget=budget, fence_flops=7.0)
+    real_build = sc.build
+
+    def build(choice, fence=None):
+        built.append(sc.fence_of(choice) if fence is None else fence)
+        return real_build(choice, fence)
+
+    sc.build = build
+    return sc, built
+
+
+def test_step_compiler_gpu_plain_remat_kept_when_it_fits():
+    sc, built = _gpu_compiler({False: 90, True: 50}, budget=100)
+    assert sc.value_and_grad((1, 2)) == 90 and built == [False]    # fenced never compiled
+    assert sc.fence_of((1, 2)) is False and sc.extra_cost((1, 2)) == 0.0
+    assert sc.grad((1, 2)) == 90 and built[-1] is False
+    assert sc.notes == [("h100 plan: recomputed units run as plain jax.checkpoint (unfenced) "
+                         "in 1 of 1 compiled plans, behind the lax.cond fence in 0 (where "
+                         "unfenced exceeded the budget and fenced compiled smaller)")]
+
+
+def test_step_compiler_gpu_fences_a_plan_only_when_needed_and_smaller():
+    sc, built = _gpu_compiler({False: 120, True: 80}, budget=100)
+    assert sc.value_and_grad((1, 2)) == 80 and built == [False, True]
+    assert sc.fence_of((1, 2)) is True and sc.extra_cost((1, 2)) == 7.0
+    assert sc.grad((1, 2)) == 80 and built[-1] is True
+    sc, built = _gpu_compiler({False: 120, True: 130}, budget=100)
+    assert sc.value_and_grad((1, 2)) == 120 and sc.fence_of((1, 2)) is False
+    sc, built = _gpu_compiler({False: 120, True: 80}, budget=100)
+    assert sc.value_and_grad((0, 2)) == 120 and built == [False]   # nothing recomputed
+    assert sc.notes == []
+
+
+def test_search_adds_the_compilers_fence_cost():
+    class Fenced(FakeCompiler):
+        def extra_cost(self, choice):
+            return 1000.0 if choice == (0,) else 0.0
+
+    m = ByteModel([Candidate((0,), Option("store"), 10, 0, 0.0)], [10], 10)
+    assert Search(m, Fenced(m)).cost((0,)) == 1000.0
+    assert Search(m, FakeCompiler(m)).cost((0,)) == 0.0
 
 
 # --- max_batch's search over batch sizes -------------------------------------------------
