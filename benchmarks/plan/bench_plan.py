@@ -132,6 +132,17 @@ def uniform_steps(loss, args):
             "save_only_these_names(block outputs) on the loss": boundary}
 
 
+def uniform_predicted_time(loss, args):
+    """The planner's static time estimate (1 + recomputed FLOPs / (3 * step FLOPs), no fence:
+    plain ``jax.checkpoint``) of the per-block uniform policies whose recomputation is known:
+    ``nothing_saveable`` recomputes every unit's FLOPs, ``dots_saveable`` its non-matmul ones."""
+    from jaxmem.planner.candidates import profile_units
+    prof = profile_units(T.trace(loss, args))
+    f3 = 3.0 * max(prof.total_flops, 1.0)
+    return {"nothing_saveable per block": 1.0 + sum(f[0] for f in prof.flops) / f3,
+            "dots_saveable per block": 1.0 + sum(f[1] for f in prof.flops) / f3}
+
+
 def total(fn, args, target="cpu"):
     return compiled_memory(jax.value_and_grad(fn), *args, target=target).total_bytes
 
@@ -159,6 +170,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
         default = total(loss, args, target)
         uni = uniform_steps(loss, args)
         uni_bytes = {k: total(f, args, target) for k, f in uni.items()}
+        uni_pred = uniform_predicted_time(loss, args)
         print(name, "default", default / MIB, {k: v / MIB for k, v in uni_bytes.items()},
               flush=True)
         runs = [(f, False) for f in fractions]
@@ -177,6 +189,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
             row["plan_seconds"] = time.perf_counter() - t0
             fitting = [k for k, b in uni_bytes.items() if b <= budget]
             row["uniform_fitting"] = {k: uni_bytes[k] for k in fitting}
+            row["uniform_predicted_time"] = {k: uni_pred[k] for k in fitting if k in uni_pred}
             fns = [jax.value_and_grad(loss)] + ([p.value_and_grad()] if p else []) + [
                 jax.value_and_grad(uni[k]) for k in fitting]
             ts = times(fns, args, 3 if quick else 5) if timed else None
@@ -205,7 +218,8 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
             row["uniform_time_ratio"] = {k: ratio(off + i) for i, k in enumerate(fitting)}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "error"}), flush=True)
-        rows.append({"model": name, "uniform_bytes": uni_bytes, "default_bytes": default})
+        rows.append({"model": name, "uniform_bytes": uni_bytes, "default_bytes": default,
+                     "uniform_predicted_time": uni_pred})
         print(f"{name}: {time.perf_counter() - t_case:.0f} s", flush=True)
     return rows
 
@@ -233,7 +247,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
          "machine without a GPU: the plan is made and checked against it, nothing runs (no "
          "times), no autotuning (cuBLAS/cuDNN workspaces not counted: read bytes as a lower "
          "bound). Only exact options are asked for (no few-bit rows); `plan.notes` in plan.json "
-         "say whether recomputed units run fenced on this target."), ""]
+         "say whether recomputed units run fenced on this target (plain `jax.checkpoint` "
+         "unless that exceeds the budget and the fence compiles smaller). The uniform column "
+         "gives its bytes and the planner's static time estimate (1 + recomputed FLOPs / (3 x "
+         "step FLOPs), no fence) for `nothing_saveable` / `dots_saveable` per block."), ""]
     lines = [head, "", *gpu,
              ("Compiled bytes (temp + output + argument - alias) of `value_and_grad(loss)`; "
               "time = median step time / default's, measured side by side. Uniform = the "
@@ -259,6 +276,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
         uni = r.get("uniform_time_ratio", {})
         best = min(uni.items(), key=lambda kv: (kv[1] is None, kv[1] or 0.0)) if uni else None
         ustr = f"{best[0]} ({_fmt_time(best[1])})" if best else "none"
+        upred = r.get("uniform_predicted_time", {})
+        if best and target != "cpu" and upred:   # no times: the least predicted one
+            k = min(upred, key=upred.get)
+            ustr = f"{k} {r['uniform_fitting'][k] / MIB:.2f} MiB (predicted {upred[k]:.2f}x)"
         pct = f"{int(r['fraction'] * 100)} %" + (" approx." if r.get("allow_approximate")
                                                   else "")
         if r.get("met"):
@@ -279,8 +300,8 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
     lines += ["", ("`smallest` of an unmet budget is the least compiled total of a plan the "
                    "search compiled (a budget `plan` then meets), not the arguments + outputs "
                    "lower bound. `time (predicted)`: measured ratio, and the planner's static "
-                   "estimate (recomputed FLOPs + `fence_cost` 0.1 of a step per checkpointed "
-                   "item). `plan` lists the units not stored; `a..b: segment` recomputes units "
+                   "estimate (recomputed FLOPs + `fence_cost` 0.1 of a step per fenced "
+                   "checkpointed item). `plan` lists the units not stored; `a..b: segment` recomputes units "
                    "a to b as one chunk; `scope` = run under `jaxmem.scope()` (selective "
                    "differentiation), which the planner picks when it compiles smaller; "
                    "`fewbit b bit` = the unit stored with b-bit GELU codes (rows marked "
@@ -292,8 +313,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "would), compiled MiB (default in brackets):"), ""]
     for r in rows:
         if "uniform_bytes" in r:
+            pred = r.get("uniform_predicted_time", {})
             lines.append(f"- {r['model']} [{r['default_bytes'] / MIB:.2f}]: " + ", ".join(
-                f"{k} {v / MIB:.2f}" for k, v in r["uniform_bytes"].items()))
+                f"{k} {v / MIB:.2f}" + (f" (predicted {pred[k]:.2f}x)" if k in pred else "")
+                for k, v in r["uniform_bytes"].items()))
     return "\n".join(lines) + "\n"
 
 
