@@ -79,13 +79,6 @@ def _wrap_method(fn, transform_options, label):
     return method
 
 
-def transform_options(opts) -> dict:
-    """The :func:`jaxmem.transform` arguments a conversion with ``opts`` runs with."""
-    return {"fewbit": opts.fewbit, "attention": opts.attention, "products": opts.selective,
-            "activations": opts.selective or opts.fewbit is not None,
-            "norms": opts.selective, "dropout": opts.selective, "pools": opts.selective}
-
-
 def _reduce_ex(self, protocol):
     """Pickle as the base class's state plus ``_converted_class(base, options)``."""
     sub = type(self)
@@ -96,7 +89,7 @@ def _reduce_ex(self, protocol):
 @functools.cache
 def _converted_class(cls, opts):
     """The converted subclass of the Linen class ``cls`` under ``opts`` (one per pair)."""
-    topts = transform_options(opts)
+    topts = opts.transform_options()
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
           "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls,
           "__reduce_ex__": _reduce_ex}
@@ -118,7 +111,7 @@ def options_of(model):
 def convert(model, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True) -> nn.Module:
     """A Linen Module with the same fields and parameter tree as ``model`` whose every method
-    call runs through ``jaxmem.transform`` (see :func:`transform_options`).
+    call runs through ``jaxmem.transform`` (see ``Options.transform_options``).
 
     selective: exact selective-differentiation layers, 1-bit ReLU-family masks.
     fewbit: ``None`` (exact techniques only) or 1..4: few-bit residuals for smooth

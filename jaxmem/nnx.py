@@ -47,11 +47,10 @@ def _reduce_ex(self, protocol):
 @functools.cache
 def _converted_class(cls, opts):
     """The converted subclass of the NNX class ``cls`` under ``opts`` (one per pair)."""
-    from jaxmem.linen import transform_options
     from jaxmem.transform import transform
     from jaxmem.transform.report import warn_if_nothing_converted
 
-    topts = transform_options(opts)
+    topts = opts.transform_options()
     holder = []
 
     def transformed(name):
@@ -59,7 +58,9 @@ def _converted_class(cls, opts):
             # NNX objects among the arguments (an Rngs, a shared module) are split with the
             # module, so what the call sets on them (RNG counts) is written back too
             leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_nnx_object)
-            at = [i for i, x in enumerate(leaves) if _is_nnx_object(x)]
+            # leaf index -> its place in `objects` (self is place 0)
+            at = {i: n for n, i in enumerate(
+                (i for i, x in enumerate(leaves) if _is_nnx_object(x)), 1)}
             objects = (self, *(leaves[i] for i in at))
             graphdef, state = _nnx.split(objects)
             plain = [x for i, x in enumerate(leaves) if i not in at]
@@ -68,9 +69,8 @@ def _converted_class(cls, opts):
             def pure(state, plain):
                 old = {p: v.get_value() for p, v in _nnx.to_flat_state(state)}
                 merged = _nnx.merge(graphdef, state)  # shares the Variables of `state`
-                full, it = list(leaves), iter(plain)
-                for i in range(len(full)):
-                    full[i] = merged[1 + at.index(i)] if i in at else next(it)
+                it = iter(plain)
+                full = [merged[at[i]] if i in at else next(it) for i in range(len(leaves))]
                 a, k = jax.tree_util.tree_unflatten(tree, full)
                 y = getattr(super(holder[0], merged[0]), name)(*a, **k)
                 new = [(p, v) for p, v in _nnx.to_flat_state(_nnx.state(merged))

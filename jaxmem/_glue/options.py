@@ -62,6 +62,15 @@ class Options:
             return True
         return name in self.only or any(p in self.only for p in parts)
 
+    def transform_options(self) -> dict:
+        """The :func:`jaxmem.transform` arguments a conversion with these options runs with
+        (``selective`` maps to products, norms, dropout, pools and the exact activation
+        rules)."""
+        sel = self.selective
+        return {"fewbit": self.fewbit, "attention": self.attention, "products": sel,
+                "activations": sel or self.fewbit is not None, "norms": sel, "dropout": sel,
+                "pools": sel}
+
     def public(self) -> dict:
         return {"selective": self.selective, "fewbit": self.fewbit,
                 "attention": self.attention}

@@ -35,6 +35,22 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, core.Tracer))
 
 
+def _array_leaves(fn: Callable, args: tuple, kwargs: dict):
+    """The array leaves of ``(args, kwargs)``, and ``call(vals)``: ``fn`` applied to the
+    arguments with those leaves replaced by ``vals`` (every other leaf as given)."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def call(vals):
+        full = list(leaves)
+        for i, x in zip(dyn, vals):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(tree, full)
+        return fn(*a, **k)
+
+    return [leaves[i] for i in dyn], call
+
+
 def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
               dropout: bool = True, pools: bool = True) -> Callable:
@@ -82,20 +98,14 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
 
     @functools.wraps(f)
     def wrapped(*args, **kwargs):
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
+        dyn_vals, call = _array_leaves(f, args, kwargs)
         out_tree: list = []
 
         def flat_f(*dyn_vals):
-            vals = list(leaves)
-            for i, x in zip(dyn, dyn_vals):
-                vals[i] = x
-            a, k = jax.tree_util.tree_unflatten(tree, vals)
-            outs, t = jax.tree_util.tree_flatten(f(*a, **k))
+            outs, t = jax.tree_util.tree_flatten(call(dyn_vals))
             out_tree.append((t, [None if _is_array(o) else o for o in outs]))
             return [o for o in outs if _is_array(o)]
 
-        dyn_vals = [leaves[i] for i in dyn]
         with tracing():
             closed = jax.make_jaxpr(flat_f)(*dyn_vals)
             arrays = iter(interp.run(closed, dyn_vals))
@@ -104,18 +114,11 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
             t, [next(arrays) if o is None else o for o in static])
 
     def _report(*args, **kwargs) -> Report:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        dyn = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-        def traced(*dyn_vals):  # only arrays are abstract; a Python bool stays a bool
-            vals = list(leaves)
-            for i, x in zip(dyn, dyn_vals):
-                vals[i] = x
-            a, k = jax.tree_util.tree_unflatten(tree, vals)
-            return wrapped(*a, **k)
-
-        with collect() as rows:  # a fresh function: no trace cache may skip the recording
-            jax.eval_shape(traced, *[leaves[i] for i in dyn])
+        # only arrays are abstract (a Python bool stays a bool); a fresh function each
+        # time, so no trace cache may skip the recording
+        dyn_vals, call = _array_leaves(wrapped, args, kwargs)
+        with collect() as rows:
+            jax.eval_shape(lambda *d: call(d), *dyn_vals)
         return Report(tuple(rows))
 
     wrapped.report = _report
