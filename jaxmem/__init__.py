@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench",
                "linen", "nnx", "distributed", "planner")
-_ATTRS = {"scope": ("jaxmem._glue.patch", "deprecated_scope"),
+_ATTRS = {"scope": ("jaxmem.linen", "deprecated_scope"),
           "plan": ("jaxmem.planner", "plan"),
           "transform": ("jaxmem.transform", "transform"),
           "report": ("jaxmem._glue.report", "report"),

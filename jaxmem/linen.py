@@ -16,14 +16,17 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import flax.linen as nn
 
 from jaxmem._glue import options as _options
 from jaxmem._glue import pickling as _pickling
 
-__all__ = ["convert", "is_converted", "options_of"]
+__all__ = ["call_converted", "convert", "is_converted", "options_of", "scope"]
 
 _BASE_METHODS = frozenset(dir(nn.Module)) - {"__call__"}
 
@@ -66,10 +69,18 @@ def _lifted(transform_options: dict, label: str):
     return make
 
 
-def _wrap_method(fn, transform_options, label):
+@functools.cache
+def _lifted_method(fn, options, label):
+    """``fn`` (a Linen method, as its class holds it) run as the lifted transformation under
+    ``options`` (an :class:`~jaxmem._glue.options.Options`): ``lifted(module, *args)``."""
     from flax.linen import transforms
 
-    lifted = transforms.decorator_lift_transform(_lifted(transform_options, label), fn)
+    return transforms.decorator_lift_transform(_lifted(options.transform_options(), label),
+                                               fn)
+
+
+def _wrap_method(fn, opts, label):
+    lifted = _lifted_method(fn, opts, label)
 
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
@@ -89,12 +100,11 @@ def _reduce_ex(self, protocol):
 @functools.cache
 def _converted_class(cls, opts):
     """The converted subclass of the Linen class ``cls`` under ``opts`` (one per pair)."""
-    topts = opts.transform_options()
     ns = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
           "__doc__": cls.__doc__, "_jaxmem_options": opts, "_jaxmem_base": cls,
           "__reduce_ex__": _reduce_ex}
     for name in _method_names(cls):
-        ns[name] = _wrap_method(getattr(cls, name), topts, cls.__name__)
+        ns[name] = _wrap_method(getattr(cls, name), opts, cls.__name__)
     return type(cls)(cls.__name__, (cls,), ns)
 
 
@@ -202,3 +212,117 @@ def _release_name(model):
             reservations[name] = held
 
     return restore
+
+
+# ------------------------------------------------------------------ converting calls in place
+def call_converted(module, method_name: str, args: tuple, kwargs: dict, opts,
+                   label: str = "") -> object:
+    """Run ``module.<method_name>(*args, **kwargs)`` (a bound Linen module, called from a
+    method interceptor) as the lifted :func:`jaxmem.transform` under ``opts`` (an
+    :class:`~jaxmem._glue.options.Options`): the same values, jaxmem's residuals."""
+    fn = getattr(type(module), method_name)
+    name = type(module).__name__
+    return _lifted_method(fn, opts, f"{label}: {name}" if label else name)(module, *args,
+                                                                          **kwargs)
+
+
+#: set while a call converted by :func:`scope` runs (its inner module calls are part of it)
+_IN_CONVERTED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxmem_in_converted",
+                                                                    default=False)
+
+
+#: the scopes active in this context, innermost last
+_SCOPES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxmem_linen_scopes",
+                                                               default=())
+
+
+def _interceptor(opts, marker, label):
+    def intercept(next_fun, args, kwargs, context):
+        m, name = context.module, context.method_name
+        active = _SCOPES.get()
+        if (_IN_CONVERTED.get() or not active or active[-1] is not marker or name == "setup"
+                or (name.startswith("_") and name != "__call__") or is_converted(m)
+                or not _is_bound(m) or m.is_initializing()):
+            return next_fun(*args, **kwargs)
+        token = _IN_CONVERTED.set(True)
+        try:
+            return call_converted(m, name, args, kwargs, opts, label)
+        finally:
+            _IN_CONVERTED.reset(token)
+    return intercept
+
+
+def _is_bound(m) -> bool:
+    return getattr(m, "scope", None) is not None
+
+
+@contextlib.contextmanager
+def scope_options(opts, label: str = "jaxmem.scope") -> Iterator[object]:
+    """Within the block (this thread), each outermost Flax Linen method call traced outside
+    ``init`` runs as ``jaxmem.linen.convert(module, **opts)`` would run it: the lifted
+    :func:`jaxmem.transform` (Flax's own ``intercept_methods``; nothing is patched). The
+    innermost active block decides. ``opts`` is part of ``jax.jit``'s cache key while the
+    block runs, so a function jitted inside is traced again outside. Functions called
+    outside Linen modules, and NNX modules, are left as written (``label`` names the block
+    in the conversion's warnings)."""
+    import flax.linen as nn
+
+    from jaxmem._glue import options as _options
+
+    marker = object()
+    token = _SCOPES.set((*_SCOPES.get(), marker))  # the innermost scope decides
+    try:
+        with _options.using(opts), nn.intercept_methods(_interceptor(opts, marker, label)):
+            yield opts
+    finally:
+        _SCOPES.reset(token)
+
+
+@contextlib.contextmanager
+def scope(*, selective: bool = True, fewbit: int | None = None,
+          attention: bool = True) -> Iterator[object]:
+    """Deprecated: use ``jaxmem.linen.convert(model, ...)`` or ``jaxmem.transform(f, ...)``.
+
+    Flax Linen module calls traced in the ``with`` block run as ``jaxmem.linen.convert``
+    with these options would run them (values and, with exact options, gradients equal the
+    untouched code's). Functions called outside any Linen module, and NNX modules, are not
+    converted (``jaxmem.transform`` / ``jaxmem.nnx.convert`` convert those). Nothing is
+    patched: the block pushes a Flax method interceptor for this thread.
+
+    Args:
+      selective: use the exact selective-differentiation layers and 1-bit masks.
+      fewbit: ``None`` for exact techniques only, or 1..4 bits per smooth activation.
+      attention: exact memory-lean attention.
+
+    Returns:
+      A context manager; ``as`` binds the active options.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> from jaxmem.linen import scope
+      >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+      >>> x = jnp.ones((2, 3))
+      >>> params = model.init(jax.random.key(0), x)
+      >>> loss = lambda p: jnp.sum(model.apply(p, x) ** 2)
+      >>> with scope(fewbit=None) as opts:
+      ...     g = jax.grad(loss)(params)
+      >>> opts.selective, opts.fewbit
+      (True, None)
+      >>> same = jax.tree.map(jnp.allclose, g, jax.grad(loss)(params))
+      >>> all(bool(s) for s in jax.tree.leaves(same))
+      True
+    """
+    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
+    with scope_options(opts):
+        yield opts
+
+
+def deprecated_scope(*, selective: bool = True, fewbit: int | None = None,
+                     attention: bool = True):
+    """``jaxmem.scope``, deprecated: see :func:`scope`."""
+    from jaxmem import _deprecation
+
+    _deprecation.warn("jaxmem.scope", "jaxmem.linen.convert(model, ...) (it converts Linen "
+                      "calls only) or jaxmem.transform(f, ...) (any function)")
+    return scope(selective=selective, fewbit=fewbit, attention=attention)

@@ -9,10 +9,11 @@ For each model (random weights from a config, nothing downloaded) the jitted ste
 (parameters and optimizer state donated) is compiled three times -- the untouched loss,
 ``jaxmem.transform(loss)`` (exact) and ``jaxmem.transform(loss, fewbit=3)`` -- for XLA:CPU and
 for XLA:GPU's H100 plan (``target="h100"``, compiled without a GPU), and
-``jaxmem.measure.compiled_memory`` reports its temp and total bytes.  The CPU step time of
-the default and the exact step is the median of ``--repeats`` runs after one warm-up, as
-wall seconds and as the process's CPU seconds (the work done, less sensitive to other jobs
-on a shared machine).
+``jaxmem.measure.compiled_memory`` reports its temp and total bytes.  CPU step times: the
+three steps run in turn in each of ``--repeats`` rounds after one warm-up call each; the
+table gives the median wall seconds and process CPU seconds (the work done, less sensitive
+to other jobs on a shared machine) and, as the ratio, the median of the per-round ratios to
+the default step.
 
 Size (``--size moderate``, the default): hidden 256, 4 layers, 4 heads, MLP 1024, batch 8,
 sequence 128 (ViT: 176 x 176 images, patch 16: 122 tokens; T5: 4 encoder + 4 decoder
@@ -174,20 +175,32 @@ def train_step(loss):
     return opt, step
 
 
-def _time(step, params, opt_state, batch, r, repeats):
-    """Median wall seconds and median process CPU seconds (all threads) of one step.  The CPU
-    seconds are the work done: on a machine shared with other jobs the wall time also counts
-    the time the step waited for a core."""
-    f = jax.jit(step)
-    out = f(params, opt_state, batch, r)
-    jax.block_until_ready(out)
-    times, cpu = [], []
-    for _ in range(repeats):
-        t, c = time.perf_counter(), time.process_time()
+def _time_side_by_side(steps: dict, params, opt_state, batch, r, repeats):
+    """Per variant: median wall seconds, median process CPU seconds (all threads) and the
+    median of the per-round ratios to ``default``.  The variants run in turn within each of
+    ``repeats`` rounds (after one warm-up call each), so a change of load on a shared machine
+    hits all of them alike; CPU seconds are the work done, which waiting for a core does not
+    inflate."""
+    fns = {k: jax.jit(s) for k, s in steps.items()}
+    for f in fns.values():
         jax.block_until_ready(f(params, opt_state, batch, r))
-        times.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    return statistics.median(times), statistics.median(cpu)
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for i in range(repeats):
+        order = list(fns) if i % 2 == 0 else list(reversed(fns))
+        for k in order:
+            t, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fns[k](params, opt_state, batch, r))
+            wall[k].append(time.perf_counter() - t)
+            cpu[k].append(time.process_time() - c)
+    out = {}
+    for k in fns:
+        out[k] = {"step_s": statistics.median(wall[k]), "step_cpu_s": statistics.median(cpu[k]),
+                  "step_ratio": statistics.median(a / b for a, b in zip(wall[k],
+                                                                         wall["default"])),
+                  "step_cpu_ratio": statistics.median(a / b for a, b in zip(cpu[k],
+                                                                             cpu["default"]))}
+    return out
 
 
 def run(models, targets, size, repeats):
@@ -207,22 +220,27 @@ def run(models, targets, size, repeats):
         for row in rep:
             k = f"{row.kind} {'converted' if row.converted else 'kept'}"
             counts[k] = counts.get(k, 0) + 1
+        steps = {}
         for vname, fn in variants.items():
             opt, step = train_step(fn)
             opt_state = opt.init(params)
+            steps[vname] = step
             for target in targets:
                 t0 = time.perf_counter()
                 cm = compiled_memory(step, params, opt_state, batch, r, target=target,
                                      donate_argnums=(0, 1))
                 row = {"model": name, "variant": vname, "target": target, "temp": cm.temp_bytes,
                            "total": cm.total_bytes, "compile_s": round(time.perf_counter() - t0, 1)}
-                if target == "cpu" and vname != "transform(fewbit=3)" and repeats:
-                    row["step_s"], row["step_cpu_s"] = _time(step, params, opt_state, batch,
-                                                             r, repeats)
                 if vname == "transform(fewbit=3)" and target == targets[0]:
                     row["report"] = counts
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        if "cpu" in targets and repeats:
+            times = _time_side_by_side(steps, params, opt_state, batch, r, repeats)
+            for row in rows:
+                if row["model"] == name and row["target"] == "cpu":
+                    row.update(times[row["variant"]])
+            print(json.dumps({"model": name, "times": times}), flush=True)
     return rows
 
 
@@ -239,11 +257,9 @@ def markdown(rows, size) -> str:
     for r in rows:
         b = base[(r["model"], r["target"])]
         step = f"{r['step_s']:.3f}" if "step_s" in r else ""
-        sratio = (f"{r['step_s'] / b['step_s']:.2f}x" if "step_s" in r and "step_s" in b
-                  else "")
+        sratio = f"{r['step_ratio']:.2f}x" if "step_ratio" in r else ""
         work = f"{r['step_cpu_s']:.3f}" if "step_cpu_s" in r else ""
-        wratio = (f"{r['step_cpu_s'] / b['step_cpu_s']:.2f}x"
-                  if "step_cpu_s" in r and "step_cpu_s" in b else "")
+        wratio = f"{r['step_cpu_ratio']:.2f}x" if "step_cpu_ratio" in r else ""
         out.append(f"| {r['model']} | {r['variant']} | {r['target']} | "
                    f"{r['temp'] / mib:.1f} | {r['temp'] / b['temp']:.2f}x | "
                    f"{r['total'] / mib:.1f} | {r['total'] / b['total']:.2f}x | {step} | "
@@ -256,7 +272,7 @@ def main(argv=None):
     ap.add_argument("--models", default="bert,gpt2,vit")
     ap.add_argument("--targets", default="cpu,h100")
     ap.add_argument("--size", default="moderate", choices=sorted(SIZES))
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()

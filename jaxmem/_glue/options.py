@@ -1,19 +1,16 @@
-"""The active conversion options of the current context (a ``contextvars.ContextVar``).
+"""The options of a Flax conversion, and the conversion options active in this thread.
 
-``using(options)`` pushes ``options`` for the duration of a ``with`` block; ``current()``
-returns the innermost pushed options (``None`` outside every scope). The stack is a JAX
+:class:`Options` are what ``jaxmem.linen.convert`` / ``jaxmem.nnx.convert`` (and the
+deprecated scopes) run with; ``transform_options()`` maps them onto :func:`jaxmem.transform`'s
+arguments. ``using(options)`` pushes ``options`` for the duration of a ``with`` block;
+``current()`` returns the innermost pushed options (``None`` outside every scope). The stack
+is a JAX
 configuration state that is part of JAX's trace context and of ``jax.jit``'s cache key
 (``include_in_jit_key``/``include_in_trace_context``, like ``jax.set_mesh``): a function
 jitted inside a scope is traced again when it is called outside it (or inside other
 options), so it never keeps a trace made under options that are no longer active. The state
 is thread-local: another thread tracing at the same time sees its own (usually empty) stack
 and gets plain JAX/Flax.
-
-A layer or function named ``name`` is decided by the innermost options that *cover* it
-(:func:`lookup`): options built by :func:`jaxmem.scope` cover everything (inner overrides
-outer); the deprecated narrow switches (``fewbit.patch_activations(activations=...)``,
-``fewbit.patch_softmax``, ``selective.linen.convert``, ...) cover only their own names, so
-they compose with the scopes around them.
 """
 from __future__ import annotations
 
@@ -23,25 +20,22 @@ from collections.abc import Iterator
 
 from jaxmem._compat import jax_config as _jax_config
 
-__all__ = ["Options", "current", "keyed", "lookup", "stack", "using"]
+__all__ = ["Options", "current", "keyed", "stack", "using"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What a scope converts.
+    """What a conversion converts.
 
     selective: exact selective-differentiation layers and 1-bit ReLU-family masks.
     fewbit: ``None`` (exact techniques only) or 1..4 bits per element for the stored codes of
       smooth activations (approximate gradients, opt-in).
-    attention: exact memory-efficient attention / softmax for Flax's attention.
-    only: ``None`` (covers everything) or the names / parts (``'selective'``, ``'fewbit'``,
-      ``'attention'``) these options decide; others are decided by enclosing options.
+    attention: exact memory-lean attention (no ``T x S`` residual).
     """
 
     selective: bool = True
     fewbit: int | None = None
     attention: bool = True
-    only: frozenset | None = None
 
     def __post_init__(self):
         if not isinstance(self.selective, bool):
@@ -53,14 +47,6 @@ class Options:
                                or not 1 <= fb <= 4):
             raise ValueError(f"fewbit must be None (exact only) or an int in 1..4 (bits per "
                              f"element), got {fb!r}")
-        if self.only is not None and not isinstance(self.only, frozenset):
-            object.__setattr__(self, "only", frozenset(self.only))
-
-    def covers(self, name: str, parts=()) -> bool:
-        """Whether these options decide ``name`` (belonging to ``parts``)."""
-        if self.only is None:
-            return True
-        return name in self.only or any(p in self.only for p in parts)
 
     def transform_options(self) -> dict:
         """The :func:`jaxmem.transform` arguments a conversion with these options runs with
@@ -100,14 +86,6 @@ def current() -> Options | None:
     """The innermost active options, ``None`` outside every scope."""
     s = _STACK.value
     return s[-1] if s else None
-
-
-def lookup(name: str, parts=()) -> Options | None:
-    """The innermost active options that cover ``name`` (see :class:`Options`)."""
-    for o in reversed(_STACK.value):
-        if o.covers(name, parts):
-            return o
-    return None
 
 
 @contextlib.contextmanager

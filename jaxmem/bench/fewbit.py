@@ -179,9 +179,11 @@ def methods(bits_list, quick: bool = False, attention_row: bool | None = None
 
 def _patched(bits, attn):
     """Few-bit GELU (the models' one smooth activation) and / or exact attention."""
-    from jaxmem._glue.patch import scope  # jaxmem.scope without its deprecation warning
+    from jaxmem._glue import options as _options
+    from jaxmem.linen import scope_options  # the Linen calls traced inside, converted
 
-    return scope(selective=False, fewbit=bits, attention=attn)
+    return scope_options(_options.Options(selective=False, fewbit=bits, attention=attn),
+                         label="jaxmem bench fewbit")
 
 
 def _total_bytes(compiled) -> int:

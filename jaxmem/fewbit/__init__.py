@@ -9,8 +9,8 @@ named ops (:func:`gelu`, :func:`silu`, ...), :func:`make_activation` (any elemen
 The exact ReLU family (1-bit mask) is ``jaxmem.selective.relu`` & co. (:func:`leaky_relu`
 here also takes an array or traced slope); exact attention is
 :mod:`jaxmem.selective.attention`. Models get few-bit activations without edits through
-``jaxmem.linen.convert(model, fewbit=bits)`` / ``jaxmem.nnx.convert`` /
-``jaxmem.scope(fewbit=bits)`` (rules registered by :mod:`jaxmem.fewbit.linen`).
+``jaxmem.transform(f, fewbit=bits)`` / ``jaxmem.linen.convert(model, fewbit=bits)`` /
+``jaxmem.nnx.convert``.
 
 Registries: :data:`TABLE_ACTIVATIONS` (name -> :class:`~jaxmem.fewbit.activations.Activation`,
 the activations with shipped tables)

@@ -19,20 +19,16 @@ key is stored and the mask is regenerated in the backward pass.
 A fully masked query row has uniform weights ``1 / S`` (its scores all equal the fill value),
 ``dq = 0`` and no ``dk`` contribution, as in Flax and JAX.
 
-What cannot be reproduced exactly runs Flax's own function (a *fallback*, recorded with its
-reason for :func:`jaxmem.report`): ``module=`` (sowing the weights), custom einsums
+What cannot be reproduced exactly runs Flax's own function (a *fallback*): ``module=`` (sowing the weights), custom einsums
 (``einsum_dot_general``, ``qk_attn_weights_einsum``, ``attn_weights_value_einsum``),
 grouped-query attention (nnx, query heads != key heads), non-float inputs, non-concrete
 ``deterministic`` / ``dropout_rate``, and dropout without a ``dropout_rng``.
 
-Module hooks: :func:`linen_attention_handler` (``nn.MultiHeadDotProductAttention`` /
-``nn.SelfAttention`` calls) and :func:`nnx_convert_attention` (``nnx.MultiHeadAttention``).
-Only Flax's default ``attention_fn`` is replaced; a custom one is left alone and reported.
-``decode=True`` (autoregressive cache, inference) and ``sow_weights=True`` keep Flax's code.
+Pass either as a module's ``attention_fn``; :func:`jaxmem.transform` (and the Flax
+conversions over it) finds attention by what it computes, whichever function computes it.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import numbers
 
@@ -46,8 +42,7 @@ from flax.nnx.nn import dtypes as _nnx_dtypes
 
 from jaxmem.selective.attention import AttentionSpec, attention_core
 
-__all__ = ["dot_product_attention", "linen_attention_handler", "nnx_convert_attention",
-           "nnx_dot_product_attention"]
+__all__ = ["dot_product_attention", "nnx_dot_product_attention"]
 
 # Flax's own functions, taken from the modules' field defaults (never a patched attribute)
 FLAX_LINEN_ATTENTION = nn.MultiHeadDotProductAttention.__dataclass_fields__[
@@ -55,17 +50,6 @@ FLAX_LINEN_ATTENTION = nn.MultiHeadDotProductAttention.__dataclass_fields__[
 FLAX_NNX_ATTENTION = inspect.signature(nnx.MultiHeadAttention.__init__).parameters[
     "attention_fn"].default
 
-_LINEN_TARGET = "flax.linen.dot_product_attention"
-_NNX_TARGET = "flax.nnx.dot_product_attention"
-_TECHNIQUE = "attention"
-
-
-def _record(**kw):
-    try:
-        from jaxmem._glue import report
-    except ImportError:  # the report module is optional for these hooks
-        return
-    report.record(**kw)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -177,8 +161,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                                 dropout_rng, dropout_rate, deterministic, dtype, precision,
                                 module, force_fp32_for_softmax, einsum_dot_general,
                                 qk_attn_weights_einsum, attn_weights_value_einsum)
-    _record(kind="function", target=_LINEN_TARGET, technique=_TECHNIQUE,
-            status="fallback" if reason else "converted", reason=reason or "")
     return out
 
 
@@ -259,101 +241,4 @@ def nnx_dot_product_attention(query, key, value, bias=None, mask=None,
     out, reason = _nnx_attend(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
                               dropout_rate, deterministic, dtype, precision, module,
                               promote_dtype, is_causal)
-    _record(kind="function", target=_NNX_TARGET, technique=_TECHNIQUE,
-            status="fallback" if reason else "converted", reason=reason or "")
     return out
-
-
-# ------------------------------------------------------------------------- module hooks
-
-def _module_path(m) -> str | None:
-    try:
-        path = m.path
-    except (AttributeError, ValueError, TypeError):  # unbound module: no path
-        return None
-    return "/".join(str(p) for p in path)
-
-
-def _fn_name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def _linen_module_fn(target: str, path):
-    """``attention_fn`` used for one Linen module call: the drop-in, recorded per module."""
-    @functools.wraps(dot_product_attention)
-    def attention_fn(*args, **kwargs):
-        out, reason = _linen_attend(*args, **kwargs)
-        _record(kind="module", target=target, technique=_TECHNIQUE,
-                status="fallback" if reason else "converted", reason=reason or "", path=path)
-        return out
-    return attention_fn
-
-
-def linen_attention_handler(m, next_fun, args, kwargs):
-    """Run one ``nn.MultiHeadDotProductAttention`` (or ``nn.SelfAttention``) call with its
-    ``attention_fn`` set to :func:`dot_product_attention` for the duration of the call.
-
-    Only when ``m.attention_fn`` is Flax's default: a custom one is left alone (status
-    ``unsupported``).  ``decode=True`` and ``sow_weights=True`` run Flax's code (``fallback``).
-    ``args``/``kwargs`` are passed on unchanged.
-    """
-    target = f"{type(m).__module__}.{type(m).__qualname__}"
-    path = _module_path(m)
-    fn = getattr(m, "attention_fn", None)
-    if fn is not FLAX_LINEN_ATTENTION:
-        _record(kind="module", target=target, technique=_TECHNIQUE, status="unsupported",
-                reason=f"custom attention_fn={_fn_name(fn)} is left as is", path=path)
-        return next_fun(*args, **kwargs)
-    if getattr(m, "decode", False):
-        _record(kind="module", target=target, technique=_TECHNIQUE, status="fallback",
-                reason="decode=True (autoregressive cache, inference): Flax's code",
-                path=path)
-        return next_fun(*args, **kwargs)
-    if kwargs.get("sow_weights", False):
-        _record(kind="module", target=target, technique=_TECHNIQUE, status="fallback",
-                reason="sow_weights=True (the weights are an output): Flax's code",
-                path=path)
-        return next_fun(*args, **kwargs)
-    object.__setattr__(m, "attention_fn", _linen_module_fn(target, path))
-    try:
-        return next_fun(*args, **kwargs)
-    finally:
-        object.__setattr__(m, "attention_fn", fn)
-
-
-@functools.wraps(nnx_dot_product_attention)
-def _nnx_module_fn(*args, **kwargs):
-    """``attention_fn`` of converted ``nnx.MultiHeadAttention`` modules (recorded per call)."""
-    out, reason = _nnx_attend(*args, **kwargs)
-    _record(kind="module", target="flax.nnx.MultiHeadAttention", technique=_TECHNIQUE,
-            status="fallback" if reason else "converted", reason=reason or "")
-    return out
-
-
-def nnx_convert_attention(module):
-    """Set ``attention_fn`` of every ``nnx.MultiHeadAttention`` in ``module``'s graph whose
-    ``attention_fn`` is Flax's default to :func:`nnx_dot_product_attention` (in place;
-    returns ``module``).  Custom ``attention_fn``s and ``decode=True`` modules are left
-    alone and reported.  The sub-modules' Variables are untouched.
-    """
-    if not isinstance(module, nnx.Module):
-        raise TypeError(f"nnx_convert_attention: module must be a flax.nnx.Module, got "
-                        f"{type(module).__module__}.{type(module).__name__}")
-    target = "flax.nnx.MultiHeadAttention"
-    for path, sub in nnx.iter_graph(module):
-        if not isinstance(sub, nnx.MultiHeadAttention):
-            continue
-        where = "/".join(str(p) for p in path)
-        fn = sub.attention_fn
-        if fn is _nnx_module_fn:
-            continue
-        if fn is not FLAX_NNX_ATTENTION:
-            _record(kind="module", target=target, technique=_TECHNIQUE, status="unsupported",
-                    reason=f"custom attention_fn={_fn_name(fn)} is left as is", path=where)
-        elif sub.decode:
-            _record(kind="module", target=target, technique=_TECHNIQUE, status="fallback",
-                    reason="decode=True (autoregressive cache, inference): Flax's code",
-                    path=where)
-        else:
-            sub.attention_fn = _nnx_module_fn
-    return module

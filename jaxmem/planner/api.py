@@ -181,11 +181,12 @@ def _plan_finer(step, example_args, budget, settings: _Settings) -> MemoryPlan:
 
 
 def _glue_scope():
-    """The selective-differentiation scope a plan may run under (the mechanism behind the
-    deprecated ``jaxmem.scope``; called here without its warning)."""
-    from jaxmem._glue.patch import scope
+    """The conversion a plan may trace the loss under: each outermost Linen call runs as
+    ``jaxmem.linen.convert(model)`` would run it (exact options)."""
+    from jaxmem._glue import options as _options
+    from jaxmem.linen import scope_options
 
-    return scope()
+    return scope_options(_options.Options(), label="jaxmem.plan")
 
 
 def _baseline(step, args, target, cache):

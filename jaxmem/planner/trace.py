@@ -10,6 +10,7 @@ unchanged, so values and gradients are exactly the untouched loss's.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +66,11 @@ def row_twin(module: Any, rows: int):
     return None
 
 
+#: ``(module path, method)`` of the Linen call a conversion is running (its re-entry)
+_CONVERTING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "jaxmem_plan_converting", default=None)
+
+
 @contextlib.contextmanager
 def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set | None = None):
     """Tag the outputs of every Linen method call (``__call__`` and public methods); a call
@@ -73,11 +79,12 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
     import flax.linen as nn
 
     from jaxmem._glue import options as _options
+    from jaxmem.linen import call_converted
 
     counts: dict[str, int] = {}
     conversions = conversions or {}
 
-    def convert(label, m, next_fun, args, kwargs):
+    def convert(label, m, meth, path, next_fun, args, kwargs):
         conv = conversions.get(label)
         if conv is None:
             return next_fun(*args, **kwargs)
@@ -89,8 +96,14 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
                 applied.add(label)
             return twin.apply({"params": m.variables["params"]}, *args)
         bits = conv.value if conv.kind == "fewbit" else None
-        with _options.using(_options.Options(selective=True, fewbit=bits, attention=True)):
-            out = next_fun(*args, **kwargs)
+        # the call runs as jaxmem.linen.convert would run it (the lifted jaxmem.transform);
+        # the converted call re-enters this interceptor for the same module: not a new unit
+        token = _CONVERTING.set((path, meth))
+        try:
+            out = call_converted(m, meth, args, kwargs,
+                                 _options.Options(selective=True, fewbit=bits, attention=True))
+        finally:
+            _CONVERTING.reset(token)
         if applied is not None and bits is not None:
             applied.add(label)
         return out
@@ -106,14 +119,14 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
             path = "/".join(str(p) for p in m.scope.path)
         except Exception:  # noqa: BLE001  # pragma: no cover - unbound modules
             return next_fun(*args, **kwargs)
-        if not path:
+        if not path or _CONVERTING.get() == (path, meth):
             return next_fun(*args, **kwargs)
         label = path if meth == "__call__" else f"{path}.{meth}"
         k = counts.get(label, 0)
         counts[label] = k + 1
         if k:
             label = f"{label}#{k}"
-        return tag(convert(label, m, next_fun, args, kwargs), label)
+        return tag(convert(label, m, meth, path, next_fun, args, kwargs), label)
 
     with nn.intercept_methods(interceptor):
         yield

@@ -56,19 +56,31 @@ def _body(eqn) -> core.ClosedJaxpr:
     return j
 
 
-def bind_eqn(eqn, invals: Sequence[Any], prefix: siu.NameStack | None = None) -> list:
-    """``eqn`` applied to ``invals`` unchanged, under the equation's own source location."""
+def bind_eqn(eqn, invals: Sequence[Any], prefix: siu.NameStack | None = None,
+             traceback=None) -> list:
+    """``eqn`` applied to ``invals`` unchanged, under the equation's own source location
+    (``traceback``, the calling equation's, where ``eqn``'s own has no user frame)."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    with _context(eqn, prefix), eqn.ctx.manager:
+    with _context(eqn, prefix, traceback), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _context(eqn, prefix: siu.NameStack | None):
+def _has_user_frame(tb) -> bool:
+    try:
+        return tb is not None and siu.user_frame(tb) is not None
+    except (AttributeError, TypeError, ValueError):  # a traceback JAX cannot read
+        return False
+
+
+def _context(eqn, prefix: siu.NameStack | None, traceback=None):
     ns = siu.current_name_stack() + eqn.source_info.name_stack
     if prefix is not None:
         ns = siu.NameStack(prefix.stack + ns.stack)
-    return siu.user_context(eqn.source_info.traceback, name_stack=ns)
+    tb = eqn.source_info.traceback
+    if traceback is not None and not _has_user_frame(tb):
+        tb = traceback
+    return siu.user_context(tb, name_stack=ns)
 
 
 def context(eqn, prefix: siu.NameStack | None = None):
@@ -76,7 +88,10 @@ def context(eqn, prefix: siu.NameStack | None = None):
     return _context(eqn, prefix)
 
 
-def _eval_inlined(jaxpr: core.Jaxpr, consts, args, prefix: siu.NameStack) -> list:
+def _eval_inlined(jaxpr: core.Jaxpr, consts, args, prefix: siu.NameStack,
+                  traceback=None) -> list:
+    """Bind ``jaxpr``'s equations with plain calls inlined; an inlined body's equations
+    without a user frame of their own (a library's cached ``jit``) take the call's."""
     env: dict = {}
 
     def read(v):
@@ -93,9 +108,11 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, args, prefix: siu.NameStack) -> lis
             inner = siu.NameStack(prefix.stack + eqn.source_info.name_stack.stack)
             if eqn.primitive.name in ("jit", "pjit"):
                 inner = inner.extend(eqn.params.get("name", "jit"))
-            outs = _eval_inlined(body.jaxpr, body.consts, invals, inner)
+            tb = eqn.source_info.traceback
+            outs = _eval_inlined(body.jaxpr, body.consts, invals, inner,
+                                 tb if _has_user_frame(tb) else traceback)
         else:
-            outs = bind_eqn(eqn, invals, prefix)
+            outs = bind_eqn(eqn, invals, prefix, traceback)
         for v, x in zip(eqn.outvars, outs):
             if not isinstance(v, core.DropVar):
                 env[v] = x
@@ -117,14 +134,39 @@ def inline_calls(closed: core.ClosedJaxpr, args: Sequence[Any]) -> core.ClosedJa
     return jax.make_jaxpr(run)(*args)
 
 
+def _library_dirs() -> tuple:
+    """Folders of the libraries between the user's code and JAX (Flax, optax, jaxmem):
+    a frame inside them is where a layer is implemented, not where the user calls it."""
+    import os
+
+    dirs = []
+    for name in ("flax", "optax", "jaxmem"):
+        mod = __import__(name) if name == "jaxmem" else _imported(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            dirs.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
+    return tuple(dirs)
+
+
+def _imported(name: str):
+    import sys
+
+    return sys.modules.get(name)
+
+
 def location(eqn) -> str:
-    """``file:line (function)`` of the user frame that produced ``eqn`` ('' if unknown)."""
+    """``file:line (function)`` of the user's frame that produced ``eqn`` ('' if unknown): the
+    innermost frame outside JAX and outside the libraries of :func:`_library_dirs` (a
+    ``Dense`` layer's product is reported where the model calls the layer), else JAX's own
+    user frame."""
     try:
-        frame = siu.user_frame(eqn.source_info.traceback)
+        tb = eqn.source_info.traceback
+        frames = list(siu.user_frames(tb)) if tb is not None else []
     except (AttributeError, TypeError, ValueError):  # a traceback JAX cannot read
-        frame = None
-    if frame is None:
+        frames = []
+    if not frames:
         return ""
+    libs = _library_dirs()
+    frame = next((f for f in frames if not f.file_name.startswith(libs)), frames[0])
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 

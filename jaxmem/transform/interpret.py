@@ -177,8 +177,8 @@ class Interpreter:
                                               "unchanged"), location(eqn),
                            name_stack(eqn), path))
             return bind_eqn(eqn, invals)
-        record(Row("higher-order", name + _named(eqn), "entered", True, "", location(eqn),
-                   name_stack(eqn), path))
+        record(Row("higher-order", name + _named(eqn), "entered", True, _entered_note(eqn),
+                   location(eqn), name_stack(eqn), path))
         with context(eqn):
             return method(eqn, invals, _join(path, name))
 
@@ -207,7 +207,7 @@ class Interpreter:
             out = self.run(body, [*consts, *carry, *x], path)
             return out[:ncar], out[ncar:]
 
-        if not body.effects and not has_remat(body.jaxpr):
+        if _scan_policy_applies(body):
             # stacked residuals cost their full size: recompute the cheap ones (scan_policy);
             # a body with effects, or already under a checkpoint, runs as written
             step = jax.checkpoint(step, policy=scan_policy, prevent_cse=False)
@@ -257,3 +257,21 @@ def _named(eqn) -> str:
 
 def _join(path: str, name: str) -> str:
     return f"{path}/{name}" if path else name
+
+
+def _scan_policy_applies(body) -> bool:
+    """Whether a scan body is re-run under ``jax.checkpoint(policy=scan_policy)``."""
+    return not body.effects and not has_remat(body.jaxpr)
+
+
+def _entered_note(eqn) -> str:
+    """What entering ``eqn`` did beyond converting its body (scans: the scan policy)."""
+    if eqn.primitive.name != "scan":
+        return ""
+    body = eqn.params["jaxpr"]
+    if _scan_policy_applies(body):
+        return "body under jax.checkpoint(policy=scan_policy)"
+    if body.effects:
+        return "body has effects: runs as written (no scan policy, each effect once per step)"
+    return "body already under a checkpoint: its own policy kept"
+

@@ -13,7 +13,12 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
-__all__ = ["Report", "Row", "collect", "record"]
+__all__ = ["NothingConvertedWarning", "Report", "Row", "collect", "record"]
+
+
+class NothingConvertedWarning(UserWarning):
+    """A converted model or function traced computations jaxmem knows but converted none of
+    them (nothing saved); :func:`jaxmem.report` says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +178,6 @@ def warn_if_nothing_converted(label: str) -> Iterator[None]:
         yield
     if rows and not any(r.converted for r in rows) and label not in _warned:
         import warnings
-
-        from jaxmem._glue.report import NothingConvertedWarning
 
         _warned.add(label)
         kept = sorted({r.kind for r in rows})

@@ -11,7 +11,7 @@ import pytest
 ENTRY_POINTS = [
     ("jaxmem.linen", "convert"),
     ("jaxmem.nnx", "convert"),
-    ("jaxmem._glue.patch", "scope"),
+    ("jaxmem.transform.api", "transform"),
     ("jaxmem._glue.report", "report"),
     ("jaxmem.selective.subset", "grad"),
     ("jaxmem.selective.subset", "train_step"),

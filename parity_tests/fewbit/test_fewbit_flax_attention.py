@@ -240,99 +240,47 @@ def test_under_jit_vmap_scan_checkpoint():
     close(grads(scanned(fa.dot_product_attention)), grads(scanned(nn.dot_product_attention)))
 
 
-# ------------------------------------------------------------------------- module hooks
-
-def _interceptor(next_fun, args, kwargs, context):
-    if (isinstance(context.module, nn.MultiHeadDotProductAttention)
-            and context.method_name == "__call__"):
-        return fa.linen_attention_handler(context.module, next_fun, args, kwargs)
-    return next_fun(*args, **kwargs)
-
+# ------------------------------------------------------------- as a module's attention_fn
 
 def _cores(fn, *args):
-    """Number of custom_vjp calls in a fresh trace of ``fn`` (a new function object each
-    time: JAX caches traces per function, and the interceptor is not part of the key)."""
-    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args)).count("custom_vjp")
+    """Number of custom_vjp calls in a trace of ``fn``."""
+    return str(jax.make_jaxpr(fn)(*args)).count("custom_vjp")
 
 
-def test_linen_handler_converts_default_attention_with_dropout():
+def test_linen_module_with_the_drop_in_and_dropout_equals_flax():
     x = _rand(0, (2, 6, 8))
-    m = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.3, deterministic=False)
-    p = m.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x)
+    kw = {"num_heads": 2, "dropout_rate": 0.3, "deterministic": False}
+    m0 = nn.MultiHeadDotProductAttention(**kw)
+    m1 = nn.MultiHeadDotProductAttention(**kw, attention_fn=fa.dot_product_attention)
+    p = m0.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x)
     mask = nn.make_causal_mask(x[..., 0])
 
-    def loss(p):
-        return jnp.sum(m.apply(p, x, mask=mask, rngs={"dropout": jax.random.PRNGKey(2)}) ** 2)
+    def loss(m):
+        return lambda p: jnp.sum(m.apply(p, x, mask=mask,
+                                         rngs={"dropout": jax.random.PRNGKey(2)}) ** 2)
 
-    def value_and_grad(p):       # a fresh function: traced inside or outside the scope
-        return jax.jit(jax.value_and_grad(lambda p: loss(p)))(p)
-
-    y0, g0 = value_and_grad(p)
-    before = _cores(loss, p)
-    with nn.intercept_methods(_interceptor):
-        assert _cores(loss, p) == before + 1
-        y, g = value_and_grad(p)
-    assert _cores(loss, p) == before
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
-    assert jax.tree.structure(g) == jax.tree.structure(g0)
-    assert_tree_close(g, g0, rtol=1e-5, atol=1e-5)
-    assert m.attention_fn is nn.dot_product_attention
+    y0, g0 = jax.jit(jax.value_and_grad(loss(m0)))(p)
+    y1, g1 = jax.jit(jax.value_and_grad(loss(m1)))(p)
+    assert _cores(loss(m1), p) == _cores(loss(m0), p) + 1
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+    assert_tree_close(g1, g0, rtol=1e-5, atol=1e-5)
 
 
-def test_linen_handler_leaves_custom_attention_fn_decode_and_sow():
-    x = _rand(0, (2, 6, 8))
-    calls = []
-
-    def custom(q, k, v, **kw):
-        calls.append(1)
-        return nn.dot_product_attention(q, k, v, **kw)
-
-    for m, kw in [(nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=custom), {}),
-                  (nn.MultiHeadDotProductAttention(num_heads=2), {"sow_weights": True})]:
-        p = m.init(jax.random.PRNGKey(0), x)
-
-        def run(p, m=m, kw=kw):
-            return m.apply(p, x, mutable=["intermediates"], **kw)[0]
-
-        before = _cores(run, p)
-        with nn.intercept_methods(_interceptor):
-            assert _cores(run, p) == before
-    assert calls
-
-
-def test_nnx_convert_attention():
+def test_nnx_module_with_the_drop_in_and_dropout_equals_flax():
     x = _rand(0, (2, 6, 8))
 
-    def custom(*args, **kwargs):
-        return nnx.dot_product_attention(*args, **kwargs)
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a = nnx.MultiHeadAttention(2, 8, dropout_rate=0.2, decode=False,
-                                            keep_rngs=False, rngs=rngs)
-            self.custom = nnx.MultiHeadAttention(2, 8, decode=False,
-                                                 attention_fn=custom,
-                                                 rngs=rngs)
-            self.c = nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs)
-
-        def __call__(self, x, key):
-            y = self.a(x, deterministic=False, rngs=nnx.Rngs(dropout=key))
-            return self.c(self.custom(y))
-
-    def grads(net):
+    def grads(fn):
+        net = nnx.MultiHeadAttention(2, 8, dropout_rate=0.2, decode=False, keep_rngs=False,
+                                     attention_fn=fn, rngs=nnx.Rngs(0))
         gd, params, rest = nnx.split(net, nnx.Param, ...)
 
         def loss(params, rest, x):
-            return jnp.sum(nnx.merge(gd, params, rest)(x, jax.random.key(4)) ** 2)
-        return jax.grad(loss)(params, rest, x), jax.make_jaxpr(loss)(params, rest, x)
+            y = nnx.merge(gd, params, rest)(x, deterministic=False,
+                                            rngs=nnx.Rngs(dropout=jax.random.key(4)))
+            return jnp.sum(y ** 2)
+        return jax.grad(loss)(params, rest, x), _cores(loss, params, rest, x)
 
-    net = Net(nnx.Rngs(0))
-    g0, jp0 = grads(net)
-    fa.nnx_convert_attention(net)
-    assert net.custom.attention_fn is custom          # a custom attention_fn: left alone
-    g, jp = grads(net)
-    assert str(jp).count("custom_vjp") == str(jp0).count("custom_vjp") + 2
-    assert jax.tree.structure(g) == jax.tree.structure(g0)
-    assert_tree_close(g, g0, rtol=1e-5, atol=1e-5)
-    with pytest.raises(TypeError, match="flax.nnx.Module"):
-        fa.nnx_convert_attention(nn.Dense(3))
+    g0, n0 = grads(nnx.dot_product_attention)
+    g1, n1 = grads(fa.nnx_dot_product_attention)
+    assert n1 == n0 + 1
+    assert_tree_close(g1, g0, rtol=1e-5, atol=1e-5)

@@ -102,7 +102,8 @@ def test_eval_shape_and_init_calls_are_not_part_of_the_step():
                                         ("", "activation", "converted"): 1,
                                         ("Dense_1", "dot", "converted"): 1}), str(rep)
     whys = {why for _, why in rep.pretrace}
-    assert whys == {"jax.eval_shape (shape inference)", "Linen init"}, whys
+    # an init runs the untouched code (nothing to record); shape inference is discarded
+    assert whys == {"jax.eval_shape (shape inference)"}, whys
     assert "pre-traces" in str(rep)
 
 
@@ -196,9 +197,16 @@ def test_loops_and_imported_names_keep_exact_gradients(cls):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * scale)
 
 
-def test_fori_loop_listed_for_user_code_not_inside_jax():
+def test_fori_loop_reported_as_the_scan_it_lowers_to():
     x = jnp.arange(1.0, 5.0)
-    rep = jaxmem.report(lambda x: jax.lax.fori_loop(0, 2, lambda i, c: c * 2.0, x), x)
-    assert [(e.target, e.status) for e in rep.entries] == [("jax.lax.fori_loop", "unsupported")]
-    mul = jnp.frompyfunc(lambda a, b: a * b, 2, 1)  # JAX runs a fori_loop inside
-    assert jaxmem.report(lambda x: mul.accumulate(x), x).entries == []
+    loop = lambda x: jax.lax.fori_loop(0, 2, lambda i, c: jnp.sin(c), x)  # noqa: E731
+    rep = jaxmem.report(jaxmem.transform(loop), x)
+    assert [(e.kind, e.target, e.status) for e in rep.entries] == [
+        ("higher-order", "scan", "converted"),
+        ("activation", "[scan] elementwise f32[4]: sin", "nothing-to-save")], str(rep)
+    assert "scan_policy" in rep.entries[0].reason
+    # untouched: what the transformation would do, nothing done
+    assert [e.status for e in jaxmem.report(loop, x).entries] == ["fallback",
+                                                                  "nothing-to-save"]
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(jaxmem.transform(loop)(x)))(x),
+                               jax.grad(lambda x: jnp.sum(loop(x)))(x), rtol=1e-6)

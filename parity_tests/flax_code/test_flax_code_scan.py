@@ -2,7 +2,7 @@
 ``nn.scan(nn.remat(...))``): exact gradients, and the per-layer saving kept under scan.
 
 Inside a scope every ``jax.lax.scan`` body (``nn.scan`` and ``nnx.scan`` call it too) runs under
-``jax.checkpoint(policy=jaxmem._glue.patch.scan_policy)``: the stacked residuals are what JAX
+``jax.checkpoint(policy=jaxmem.transform.scan_policy.scan_policy)``: the stacked residuals are what JAX
 keeps minus elementwise results (recomputed in the backward, as XLA's fusion does in an
 unrolled network). Checked here:
 
@@ -28,7 +28,7 @@ from jax.core import ShapedArray
 
 import jaxmem
 from jaxmem._compat import name_p
-from jaxmem._glue.patch import scan_policy
+from jaxmem.transform.scan_policy import scan_policy
 from jaxmem.measure import compiled_memory, residual_bytes
 
 B, T, D, H, V = 2, 8, 16, 2, 16
@@ -195,7 +195,7 @@ class MlpBlock(nn.Module):
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])
-def test_lax_scan_inside_scope_gradients_exact(act):
+def test_lax_scan_transformed_gradients_exact(act):
     blk = MlpBlock(act)
     x = jax.random.normal(jax.random.key(3), (B, T, D))
     stacked = jax.vmap(lambda k: blk.init(k, x)["params"])(jax.random.split(jax.random.key(4),
@@ -205,10 +205,7 @@ def test_lax_scan_inside_scope_gradients_exact(act):
         x, _ = jax.lax.scan(lambda h, p: (blk.apply({"params": p}, h), None), x, params)
         return jnp.sum(jnp.sin(x))
 
-    def conv(params, x):
-        with jaxmem.scope(fewbit=None, attention=False):
-            return body(params, x)
-
+    conv = jaxmem.transform(body, attention=False)
     _assert_same_grads(body, conv, stacked, x, what=f"lax.scan {act}")
     # x differentiated too (an input-optimisation step)
     gr = jax.grad(body, argnums=1)(stacked, x)
@@ -216,15 +213,14 @@ def test_lax_scan_inside_scope_gradients_exact(act):
     _close(gr, gc, "lax.scan input gradient")
 
 
-def test_scan_outside_scope_is_untouched():
-    """A scan traced outside every scope is JAX's own (no checkpoint in its body)."""
+def test_scan_outside_the_transformation_is_untouched():
+    """A scan traced outside ``jaxmem.transform`` is JAX's own (no checkpoint in its body)."""
     def make():  # a fresh function per trace (traces are cached per function)
         def f(c):
             return jax.lax.scan(lambda h, _: (jnp.sin(h), None), c, None, length=2)[0]
         return f
 
-    with jaxmem.scope(fewbit=None):
-        inside = str(jax.make_jaxpr(make())(jnp.ones(3)))
+    inside = str(jax.make_jaxpr(jaxmem.transform(make()))(jnp.ones(3)))
     outside = str(jax.make_jaxpr(make())(jnp.ones(3)))
     assert "checkpoint" in inside or "remat" in inside
     assert "checkpoint" not in outside and "remat" not in outside

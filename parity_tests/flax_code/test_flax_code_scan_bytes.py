@@ -28,7 +28,7 @@ from jax.core import ShapedArray
 
 import jaxmem
 from jaxmem._compat import name_p
-from jaxmem._glue.patch import scan_policy
+from jaxmem.transform.scan_policy import scan_policy
 from jaxmem.measure import compiled_memory
 
 # B * T = 32 rows > 4 * D / 3: the first Dense's output (32 x 64) is larger than its input
@@ -81,10 +81,7 @@ def _lax(form, depth, act="relu"):
                 h = blk.apply({"params": p}, h)
         return jnp.mean(jnp.sin(h @ params["head"]))
 
-    def conv(params, x):
-        with jaxmem.scope(fewbit=None, attention=False):
-            return loss(params, x)
-    return loss, conv, params, x
+    return loss, jaxmem.transform(loss, attention=False), params, x
 
 
 def _slope_ratio(form):

@@ -12,11 +12,16 @@ from jaxmem.planner import trace as T
 
 
 class _GeluBlock(nn.Module):
+    """A wide GELU whose output is summed, not read by a product: its code replaces the
+    input the exact op keeps (a GELU read by a product keeps its input alone, which a code
+    beside the product's ``f(x)`` would not beat)."""
+
     width: int
 
     @nn.compact
     def __call__(self, x):
-        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(x)))
+        h = nn.gelu(nn.Dense(4 * self.width)(x))
+        return x + jnp.sum(h.reshape(*x.shape[:-1], 4, self.width), axis=-2)
 
 
 class _GeluMLP(nn.Module):
@@ -49,7 +54,7 @@ def _rel(a, b):
 @pytest.fixture(scope="module")
 def mlp_plans():
     loss, params, x = _mlp_case()
-    approx = plan(loss, params, x, budget=0.7, allow_approximate=True)
+    approx = plan(loss, params, x, budget=0.9, allow_approximate=True)
     return loss, params, x, approx
 
 

@@ -1,7 +1,7 @@
-"""The Flax glue keeps its promises at the edges: jit's cache never outlives a scope, the
-report lists every call once (also under a profiler), BatchNorm keeps float64, effects in
-a scan body run as often as in plain JAX, converted modules pickle, and ``convert`` works
-inline in a ``@nn.compact`` method."""
+"""The conversions keep their promises at the edges: jit's cache never outlives a scope (or
+a transformation's options), the report lists every computation once (also under a
+profiler), BatchNorm keeps float64, effects in a scan body run as often as in plain JAX,
+converted modules pickle, and ``convert`` works inline in a ``@nn.compact`` method."""
 from __future__ import annotations
 
 import cProfile
@@ -17,29 +17,42 @@ import pytest
 from flax import nnx
 
 import jaxmem
-from jaxmem import fewbit
 
 
 def _x(seed, shape, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
 
 
-def _gelu_loss(x):
-    return jnp.sum(jnp.sin(nn.gelu(x)))
-
-
-def _fewbit_grad(x, bits):
-    return jax.grad(lambda x: jnp.sum(jnp.sin(fewbit.gelu(x, bits=bits,
-                                                          approximate=True))))(x)
-
-
 # ------------------------------------------------------------- 1. jit keys on the options
+class _GeluNet(nn.Module):
+    """No parameters; its GELU feeds a sine, not a product: few-bit coded under fewbit."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.sum(jnp.sin(nn.gelu(x)))
+
+
+_NET = _GeluNet()
+
+
+def _net_grad(model, x):
+    return jax.grad(lambda x: model.apply({}, x))(x)
+
+
+def _approx(x, bits):
+    """The defined few-bit gradient: the same model converted with ``fewbit=bits``."""
+    return _net_grad(jaxmem.linen.convert(_NET, fewbit=bits), x)
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::jaxmem.JaxmemDeprecationWarning")
+
+
 def test_jit_inside_scope_called_outside_is_exact_and_inside_again_fewbit():
     x = _x(0, (4, 16))
-    exact = jax.grad(_gelu_loss)(x)
-    approx = _fewbit_grad(x, 2)
+    exact = _net_grad(_NET, x)
+    approx = _approx(x, 2)
     assert float(jnp.max(jnp.abs(approx - exact))) > 1e-3  # the two really differ
-    f = jax.jit(jax.grad(_gelu_loss))
+    f = jax.jit(jax.grad(lambda x: _NET.apply({}, x)))
     with jaxmem.scope(fewbit=2):
         np.testing.assert_allclose(f(x), approx, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(f(x), exact, rtol=1e-6, atol=1e-6)
@@ -49,22 +62,23 @@ def test_jit_inside_scope_called_outside_is_exact_and_inside_again_fewbit():
 
 def test_jit_nested_scopes_each_get_their_own_trace():
     x = _x(1, (3, 8))
-    f = jax.jit(jax.grad(_gelu_loss))
-    exact = jax.grad(_gelu_loss)(x)
+    f = jax.jit(jax.grad(lambda x: _NET.apply({}, x)))
+    exact = _net_grad(_NET, x)
     with jaxmem.scope(fewbit=1):
-        np.testing.assert_allclose(f(x), _fewbit_grad(x, 1), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(f(x), _approx(x, 1), rtol=1e-6, atol=1e-6)
         with jaxmem.scope(fewbit=None):  # inner exact scope: exact gradient
             np.testing.assert_allclose(f(x), exact, rtol=1e-6, atol=1e-6)
             with jaxmem.scope(fewbit=3):
-                np.testing.assert_allclose(f(x), _fewbit_grad(x, 3), rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(f(x), _fewbit_grad(x, 1), rtol=1e-6, atol=1e-6)
+                np.testing.assert_allclose(f(x), _approx(x, 3), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(f(x), _approx(x, 1), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(f(x), exact, rtol=1e-6, atol=1e-6)
 
 
 def test_jit_traced_in_a_scope_in_one_thread_is_exact_in_another():
     x = _x(2, (4, 8))
-    f = jax.jit(jax.grad(_gelu_loss))
-    exact = jax.grad(_gelu_loss)(x)
+    f = jax.jit(jax.grad(lambda x: _NET.apply({}, x)))
+    exact = _net_grad(_NET, x)
+    want = _approx(x, 2)
     inside = threading.Event()
     done = threading.Event()
     out = {}
@@ -81,8 +95,18 @@ def test_jit_traced_in_a_scope_in_one_thread_is_exact_in_another():
     out["plain"] = f(x)  # this thread has no scope, while the other one is still in its
     done.set()
     t.join(60)
-    np.testing.assert_allclose(out["scoped"], _fewbit_grad(x, 2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out["scoped"], want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out["plain"], exact, rtol=1e-6, atol=1e-6)
+
+
+def test_jit_of_a_transformed_function_keys_on_its_options():
+    x = _x(19, (4, 16))
+    loss = lambda x: _NET.apply({}, x)  # noqa: E731
+    f2 = jax.jit(jax.grad(jaxmem.transform(loss, fewbit=2)))
+    f0 = jax.jit(jax.grad(jaxmem.transform(loss)))
+    np.testing.assert_allclose(f2(x), _approx(x, 2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f0(x), _net_grad(_NET, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f2(x), _approx(x, 2), rtol=1e-6, atol=1e-6)
 
 
 def test_report_sees_the_calls_of_a_function_jitted_before():
@@ -184,7 +208,7 @@ def test_report_chains_a_python_profile_function():
     finally:
         sys.setprofile(None)
     assert after is prof and seen
-    assert [(e.target, e.status) for e in rep.entries] == [("flax.linen.relu", "fallback")]
+    assert [(e.kind, e.status) for e in rep.entries] == [("activation", "fallback")]
 
 
 # ------------------------------------------------------------------ 4. BatchNorm float64
@@ -233,27 +257,26 @@ def _scan_with_callback(count):
 
 def test_scan_body_with_effects_runs_them_as_often_as_plain_jax():
     c, xs = _x(11, (3,)), _x(12, (5, 3))
-    plain_count, scoped_count = [], []
+    plain_count, converted_count = [], []
     g0 = jax.grad(_scan_with_callback(plain_count))(c, xs)
     jax.effects_barrier()
-    with jaxmem.scope():
-        g1 = jax.grad(_scan_with_callback(scoped_count))(c, xs)
+    g1 = jax.grad(jaxmem.transform(_scan_with_callback(converted_count)))(c, xs)
     jax.effects_barrier()
     assert len(plain_count) == 5
-    assert len(scoped_count) == len(plain_count)
+    assert len(converted_count) == len(plain_count)
     np.testing.assert_allclose(g1, g0, rtol=1e-6, atol=1e-6)
-    with jaxmem.scope():
-        rep = jaxmem.report(jax.grad(_scan_with_callback([])), c, xs)
-    scans = [e for e in rep.entries if e.target == "jax.lax.scan"]
-    assert scans and all(e.status != "converted" for e in scans), str(rep)
-    assert "effect" in scans[0].reason
+    rep = jaxmem.report(jax.grad(jaxmem.transform(_scan_with_callback([]))), c, xs)
+    scans = [e for e in rep.entries if e.target == "scan"]
+    assert scans and "effects" in scans[0].reason and "no scan policy" in scans[0].reason, \
+        str(rep)
 
 
-def test_scan_body_without_effects_still_converted():
-    with jaxmem.scope():
-        rep = jaxmem.report(jax.grad(lambda c, xs: jnp.sum(jax.lax.scan(
-            lambda c, x: (jnp.tanh(c * x), None), c, xs)[0])), _x(13, (3,)), _x(14, (4, 3)))
-    assert [e.status for e in rep.entries if e.target == "jax.lax.scan"] == ["converted"]
+def test_scan_body_without_effects_runs_under_the_scan_policy():
+    rep = jaxmem.report(jax.grad(jaxmem.transform(lambda c, xs: jnp.sum(jax.lax.scan(
+        lambda c, x: (jnp.tanh(c * x), None), c, xs)[0]))), _x(13, (3,)), _x(14, (4, 3)))
+    scans = [e for e in rep.entries if e.target == "scan"]
+    assert [e.status for e in scans] == ["converted"]
+    assert "scan_policy" in scans[0].reason
 
 
 # ------------------------------------------------------------------------- 7. pickling

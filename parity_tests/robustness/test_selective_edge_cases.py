@@ -50,11 +50,12 @@ def test_max_pool_grad_of_grad_under_jit_matches_flax(cfg):
     _close(got, want, 1e-4)
 
 
-def test_patched_flax_max_pool_grad_of_grad_under_jit():
-    want = _second_order(lambda x: nn.max_pool(x, (2, 2), (2, 2)))
-    with jaxmem.scope(attention=False):
-        got = _second_order(lambda x: nn.max_pool(x, (2, 2), (2, 2)))
-        jaxpr = str(jax.make_jaxpr(lambda x: nn.max_pool(x, (2, 2)))(jnp.ones((1, 4, 4, 1))))
+def test_transformed_flax_max_pool_grad_of_grad_under_jit():
+    pool = lambda x: nn.max_pool(x, (2, 2), (2, 2))  # noqa: E731
+    want = _second_order(pool)
+    got = _second_order(jaxmem.transform(pool, attention=False))
+    jaxpr = str(jax.make_jaxpr(jaxmem.transform(lambda x: nn.max_pool(x, (2, 2))))(
+        jnp.ones((1, 4, 4, 1))))
     assert "name=_max_pool" in jaxpr  # the selective pool did run
     _close(got, want, 1e-4)
 
@@ -66,8 +67,8 @@ def test_max_pool_default_strides_are_one_like_flax():
         _close(fn(x), nn.max_pool(x, (2, 2)))
         _close(jax.grad(lambda x, fn=fn: jnp.sum(fn(x) ** 2))(x),
                jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2))(x))
-    with jaxmem.scope(attention=False):  # the patched nn.max_pool keeps Flax's default
-        got = jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2))(x)
+    # the transformed nn.max_pool keeps Flax's default
+    got = jax.grad(jaxmem.transform(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2)))(x)
     _close(got, jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2)) ** 2))(x))
 
 
