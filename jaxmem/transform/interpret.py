@@ -32,6 +32,7 @@ from jax import lax
 from jaxmem._compat import core
 from jaxmem.transform.graph import Graph, bind_eqn, context, inline_calls, location, name_stack
 from jaxmem.transform.match import Match
+from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Row, record
 from jaxmem.transform.scan_policy import has_remat, scan_policy
@@ -59,6 +60,7 @@ class Interpreter:
         from jaxmem.transform.match_dot import match_product
         from jaxmem.transform.match_dropout import match_dropout
         from jaxmem.transform.match_elementwise import match_activations
+        from jaxmem.transform.match_fused import fuse_activation_products, in_recomputed_body
         from jaxmem.transform.match_norm import match_norms
 
         opts = self.options
@@ -97,6 +99,8 @@ class Interpreter:
         if opts.activations:
             for item in match_activations(graph, taken, path, opts.fewbit, products):
                 add(item)
+            if products and in_recomputed_body():
+                found = fuse_activation_products(graph, found)
         plan: dict[int, Match] = {}
         for item in found:
             if isinstance(item, Match):
@@ -190,7 +194,9 @@ class Interpreter:
         body = core.ClosedJaxpr(p["jaxpr"], ())
 
         def fn(*a):
-            return self.run(body, a, path)
+            # a body without a policy is recomputed whole in the backward pass
+            with recomputed_body(p["policy"] is None):
+                return self.run(body, a, path)
 
         return list(jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(
             *invals))

@@ -19,7 +19,9 @@ class Match:
     ``emit(*values of inputs)`` returns the values of ``outputs`` (jaxpr variables); it runs
     where the equation ``anchor`` (the last of ``eqns``, the one producing ``outputs``) was,
     so every input is available and every consumer of an output comes later.  Equations in
-    ``eqns`` other than the anchor are dropped: their values are used by ``eqns`` only."""
+    ``eqns`` other than the anchor are dropped: their values are used by ``eqns`` only.
+    ``fn``: for an exact smooth activation, the elementwise function it computes (so a
+    product reading its output can be re-emitted with it, :mod:`.match_fused`)."""
 
     eqns: frozenset[int]
     anchor: int
@@ -27,6 +29,7 @@ class Match:
     outputs: list
     emit: Callable[..., list[Any]]
     row: Row
+    fn: Callable | None = None
 
 
 def aval_str(v) -> str:

@@ -13,9 +13,11 @@ autodiff keeps one or more ``x``-sized float arrays for ``f'``.  It is re-emitte
   equations), backward ``dx = where(M, hi, lo) * dy`` with ``M = [f'(x) == hi]`` computed by
   forward-mode differentiation of the very subgraph (so its own derivative convention at
   the kinks, e.g. ``jax.nn.relu``'s ``f'(0) = 0``, is kept; a bare ``max(x, 0)``, whose
-  derivative at ``x == 0`` is ``1/2``, gets ``lo`` there) and stored packed, 8 per byte.
-  Exact.  The two slopes are found by evaluating ``f'`` in float64 on a probe that covers
-  ``[-10^4, 10^4]`` densely and both sides of every constant of the subgraph.
+  derivative at ``x == 0`` is ``1/2``, gets ``lo`` there) and stored packed, 8 per byte;
+  ``M`` is evaluated as the comparison ``f'`` selects on (``x > 0`` for relu,
+  :mod:`~jaxmem.transform.mask_region`).  Exact.  The two slopes are found by evaluating
+  ``f'`` in float64 on a probe that covers ``[-10^4, 10^4]`` densely and both sides of
+  every constant of the subgraph.
 * **few-bit code** of ``x`` when ``fewbit=b`` is given and ``f`` is smooth:
   :func:`jaxmem.fewbit.fit_function` fits the ``2**b``-level piecewise-constant ``q`` that
   minimises ``E (f'(x) - q(x))^2`` on ``[-10, 10]`` (Gaussian weight) for *this* ``f``
@@ -24,7 +26,9 @@ autodiff keeps one or more ``x``-sized float arrays for ``f'``.  It is re-emitte
   Not where ``f(x)`` is the input of a product re-emitted as a selective bilinear op (and
   nothing else reading it keeps it): that product would keep ``f(x)`` in full beside the
   code, so the exact op below is emitted instead (``x`` kept once, ``f(x)`` recomputed by
-  the product: fewer kept bytes, exact gradient).
+  the product: fewer kept bytes, exact gradient) -- except in the body of a checkpoint
+  without a policy, which the backward pass recomputes whole
+  (:mod:`~jaxmem.transform.match_fused`).
 * **exact, input kept** when ``f`` is smooth and ``fewbit`` is ``None``:
   :func:`jaxmem.selective.smooth_activation` keeps ``x`` only and recomputes JAX's own
   ``vjp`` of the subgraph at ``x`` in the backward (exact), and a selective product fed
@@ -57,6 +61,7 @@ from jaxmem.transform.graph import (
     support,
 )
 from jaxmem.transform.match import Match, aval_str, is_float
+from jaxmem.transform.match_fused import in_recomputed_body
 from jaxmem.transform.report import Row
 
 __all__ = ["ELEMENTWISE", "Subgraph", "match_activations"]
@@ -277,10 +282,15 @@ def two_slopes(sub: Subgraph) -> tuple[float, float] | None:
 def mask_activation(sub: Subgraph):
     """The exact 1-bit op of a two-slope piecewise-linear subgraph."""
     from jaxmem._prims.mask import mask_op
+    from jaxmem.transform.mask_region import mask_predicate
 
     lo, hi = two_slopes(sub)
+    # the comparison f's derivative selects on (``x > 0`` for relu), else the literal rule
+    predicate = mask_predicate(sub, lo, hi)
 
     def region(x):
+        if predicate is not None and x.shape == sub.shape and x.dtype == sub.dtype:
+            return predicate(x)
         d = jax.jvp(sub, (x,), (jnp.ones_like(x),))[1]
         return jnp.abs(d - hi) <= jnp.abs(d - lo)
 
@@ -553,15 +563,17 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None) -> Ma
                   f"keeps x instead of {n} arrays" + (" (f(x) recomputed by the product)"
                                                       if product else ""),
                   where, ns, path)
-        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row)
-    if _product_keeps_output(graph, o, products):
+        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
+                     fn=sub)
+    if _product_keeps_output(graph, o, products) and not in_recomputed_body():
         # the product keeps f(x) beside a few-bit code; the exact op keeps x alone and the
         # product recomputes f(x) from it: fewer bytes, and the gradient is exact
         op = exact_activation(sub)
         row = Row("activation", what, "exact (input kept, f' recomputed)", True,
                   f"fewbit={fewbit} not applied: the following product would keep f(x) "
                   "anyway; keeps x only (f(x) recomputed by the product)", where, ns, path)
-        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row)
+        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
+                     fn=sub)
     try:
         op = fewbit_activation(sub, int(fewbit))
     except _FAILURES as e:
