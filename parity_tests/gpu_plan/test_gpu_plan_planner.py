@@ -29,15 +29,16 @@ def half():
     def loss(p, x):
         return jnp.mean(m.apply(p, x) ** 2)
 
-    return loss, params, x, plan(loss, params, x, budget=0.5, target=TARGET, order=False,
+    # the exact conversion alone reaches 0.47x here: 0.45 needs recomputed units too
+    return loss, params, x, plan(loss, params, x, budget=0.45, target=TARGET, order=False,
                                  max_iterations=3, time_limit=2.0)
 
 
-def test_h100_plan_within_half_of_its_default(half):
+def test_h100_plan_within_045_of_its_default(half):
     loss, params, x, p = half
     default = compiled_memory(jax.value_and_grad(loss), params, x, target=TARGET)
     assert p.target == TARGET and p.default_bytes == default.total_bytes
-    assert p.budget_bytes == int(0.5 * default.total_bytes)
+    assert p.budget_bytes == int(0.45 * default.total_bytes)
     assert any(c.option != "store" for c in p.choices)
     for fn in (jax.value_and_grad(p.step), jax.grad(p.step)):
         assert compiled_memory(fn, params, x, target=TARGET).total_bytes <= p.budget_bytes
