@@ -86,7 +86,11 @@ def _wrap_method(fn, opts, label):
     def method(self, *args, **kwargs):
         if self.is_initializing():  # variables are being created: nothing to save yet
             return fn(self, *args, **kwargs)
-        return lifted(self, *args, **kwargs)
+        token = _IN_CONVERTED.set(True)  # a scope around it leaves its inner calls alone
+        try:
+            return lifted(self, *args, **kwargs)
+        finally:
+            _IN_CONVERTED.reset(token)
     return method
 
 
@@ -226,7 +230,8 @@ def call_converted(module, method_name: str, args: tuple, kwargs: dict, opts,
                                                                           **kwargs)
 
 
-#: set while a call converted by :func:`scope` runs (its inner module calls are part of it)
+#: set while a converted call runs (a converted module's, or one a scope converts): its inner
+#: module calls are part of it
 _IN_CONVERTED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxmem_in_converted",
                                                                     default=False)
 

@@ -5,6 +5,7 @@ functions, NNX) and its warning."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import flax.linen as nn
 import jax
@@ -136,8 +137,11 @@ def test_deprecation_names_what_the_scope_converts():
 
 def test_converted_module_inside_a_scope_keeps_its_own_options():
     conv = jaxmem.linen.convert(NET, fewbit=3)
-    with jaxmem.scope(fewbit=None):
-        assert _jaxpr(conv) == _jaxpr(jaxmem.linen.convert(NET, fewbit=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.NothingConvertedWarning)
+        with jaxmem.scope(selective=False, fewbit=None, attention=False):
+            # its inner calls are not converted again (that would convert nothing: a warning)
+            assert _jaxpr(conv) == _jaxpr(jaxmem.linen.convert(NET, fewbit=3))
 
 
 def test_init_inside_a_scope_gives_the_same_variables():
