@@ -2,11 +2,10 @@
 
 :class:`Options` are what ``jaxmem.linen.convert`` / ``jaxmem.nnx.convert`` (and the
 deprecated scopes) run with; ``transform_options()`` maps them onto :func:`jaxmem.transform`'s
-arguments. ``using(options)`` pushes ``options`` for the duration of a ``with`` block;
-``current()`` returns the innermost pushed options (``None`` outside every scope). The stack
-is a JAX
-configuration state that is part of JAX's trace context and of ``jax.jit``'s cache key
-(``include_in_jit_key``/``include_in_trace_context``, like ``jax.set_mesh``): a function
+arguments. ``using(options)`` pushes ``options`` for the duration of a ``with`` block. The
+stack of pushed options is a JAX configuration state that is part of JAX's trace context
+and of ``jax.jit``'s cache key (``include_in_jit_key``/``include_in_trace_context``, like
+``jax.set_mesh``): a function
 jitted inside a scope is traced again when it is called outside it (or inside other
 options), so it never keeps a trace made under options that are no longer active. The state
 is thread-local: another thread tracing at the same time sees its own (usually empty) stack
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 
 from jaxmem._compat import jax_config as _jax_config
 
-__all__ = ["Options", "current", "keyed", "stack", "using"]
+__all__ = ["Options", "keyed", "using"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +74,6 @@ _STACK = _trace_state("jaxmem_scope_options", ())
 #: a function the reported step jits is traced again for each report (so its calls are
 #: recorded), and a trace made while reporting is not reused outside it
 REPORT_TRACE = _trace_state("jaxmem_report_trace", 0)
-
-
-def stack() -> tuple:
-    """All active options, outermost first."""
-    return _STACK.value
-
-
-def current() -> Options | None:
-    """The innermost active options, ``None`` outside every scope."""
-    s = _STACK.value
-    return s[-1] if s else None
 
 
 @contextlib.contextmanager

@@ -20,10 +20,9 @@ saves residuals according to which inputs are perturbed):
 
 Trainable subsets: :func:`value_and_grad`, :func:`grad`, :func:`partition`,
 :func:`combine`, :func:`train_step`, :func:`nnx_value_and_grad`.
-Flax models: :func:`jaxmem.linen.convert` / :func:`jaxmem.nnx.convert` /
-:func:`jaxmem.scope` (the layer rules live in :mod:`jaxmem.selective.linen` and
-:mod:`jaxmem.selective.nnx`); configurations they cannot convert run Flax's own code with a
-``jaxmem.selective.linen.SelectiveFallbackWarning``. Forward-mode
+Flax models and any JAX function: :func:`jaxmem.linen.convert` / :func:`jaxmem.nnx.convert`
+/ :func:`jaxmem.transform` re-emit these ops where the program's jaxpr computes them; what
+they leave as written is reported by :func:`jaxmem.report` with the reason. Forward-mode
 ``jax.jvp`` through selective primitives raises JAX's custom_vjp TypeError (reverse mode,
 also grad-of-grad, works). Bit packing: :mod:`jaxmem.selective.bits`.
 Every residual is tagged ``checkpoint_name(..., "jaxmem.selective.<op>.<what>")``.
