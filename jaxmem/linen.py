@@ -26,7 +26,7 @@ import flax.linen as nn
 from jaxmem._glue import options as _options
 from jaxmem._glue import pickling as _pickling
 
-__all__ = ["call_converted", "convert", "is_converted", "options_of", "scope"]
+__all__ = ["call_converted", "convert", "is_converted", "options_of"]
 
 _BASE_METHODS = frozenset(dir(nn.Module)) - {"__call__"}
 

@@ -16,6 +16,7 @@ and are not counted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -119,14 +120,19 @@ _AXES_SCAN = os.path.join("flax", "core", "axes_scan.py")
 _LAZY_INIT = os.path.join("flax", "core", "partial_eval.py")
 
 
-def _discarded_trace(frame) -> str | None:
-    """Why rows recorded in ``frame`` (and the frames it was called from, up to
-    :func:`report`) are not part of the traced step, or ``None`` when they are."""
+@functools.cache
+def _eval_shape_code():
     import inspect
 
     import jax
 
-    eval_shape = inspect.unwrap(jax.eval_shape).__code__
+    return inspect.unwrap(jax.eval_shape).__code__
+
+
+def _discarded_trace(frame) -> str | None:
+    """Why rows recorded in ``frame`` (and the frames it was called from, up to
+    :func:`report`) are not part of the traced step, or ``None`` when they are."""
+    eval_shape = _eval_shape_code()
     stop = report.__code__
     f = frame
     while f is not None and f.f_code is not stop:

@@ -135,22 +135,15 @@ def inline_calls(closed: core.ClosedJaxpr, args: Sequence[Any]) -> core.ClosedJa
 
 
 def _library_dirs() -> tuple:
-    """Folders of the libraries between the user's code and JAX (Flax, optax, jaxmem):
-    a frame inside them is where a layer is implemented, not where the user calls it."""
+    """Folders of the libraries between the user's code and JAX (Flax, optax, jaxmem) that
+    are imported: a frame inside them is where a layer is implemented, not where the user
+    calls it."""
     import os
-
-    dirs = []
-    for name in ("flax", "optax", "jaxmem"):
-        mod = __import__(name) if name == "jaxmem" else _imported(name)
-        if mod is not None and getattr(mod, "__file__", None):
-            dirs.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
-    return tuple(dirs)
-
-
-def _imported(name: str):
     import sys
 
-    return sys.modules.get(name)
+    mods = (sys.modules.get(name) for name in ("flax", "optax", "jaxmem"))
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in mods
+                 if m is not None and getattr(m, "__file__", None))
 
 
 def location(eqn) -> str:
