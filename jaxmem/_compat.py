@@ -18,6 +18,7 @@ from jax._src.lib import xla_client
 from jax._src.random import prng
 
 __all__ = [
+    "scan_counts",
     "compilation_cache",
     "core",
     "custom_partitioning_internal",
@@ -30,3 +31,13 @@ __all__ = [
     "xla_bridge",
     "xla_client",
 ]
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """``(consts, carries)`` among a ``scan`` equation's operands: ``num_consts`` /
+    ``num_carry`` before jax 0.11, the groups of its ``ft_in`` tree from jax 0.11 on (the
+    equation's outputs are its carries, then its stacked outputs, in both)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

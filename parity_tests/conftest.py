@@ -6,8 +6,9 @@ Two settings make that a test of the same math:
 * float32 matmuls/convs at full precision on both sides: ``jax_default_matmul_precision``
   ``"highest"`` and torch's TF32 switched off (the GPUs' default TF32 rounds inputs to 10
   mantissa bits; a train-mode BatchNorm net turns that into errors of order 1e-1);
-* tests marked ``xla_cpu`` assert *XLA:CPU's* memory plan (compiled-bytes slopes that
-  depend on CPU fusion decisions): they run on the CPU device wherever they are run.
+* tests marked ``xla_cpu`` assert what *XLA:CPU* compiles (compiled-bytes slopes that
+  depend on CPU fusion decisions; where a NaN cotangent reaches): they run on the CPU device
+  wherever they are run.
   What XLA:GPU plans is measured by the benchmarks (``benchmarks/gpu``), not asserted.
 
 Collection stays cheap: torch is imported here only on a machine with a GPU device node

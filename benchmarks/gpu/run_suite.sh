@@ -5,6 +5,8 @@
 #   FEWBIT=1    benchmarks/gpu/fewbit_packing.py (residual layouts XLA:GPU keeps packed)
 #   SCHED="m:b:o ..."  benchmarks/gpu/schedule_exec.py per model:batch:order (one process each)
 #   BENCH=quick|full|""  `jaxmem bench` (BENCH_ARGS adds flags, e.g. --sections ...)
+#   STEPS=1     benchmarks/gpu/step_times.py all (STEPS_ARGS adds flags): step time and
+#               allocator peak of JAX default vs each technique; runs before the suite
 # Results under $OUT (device tool) or ./gpu-out; at most 8 files come back.
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 source benchmarks/gpu/setup.sh > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
@@ -19,8 +21,12 @@ for cfg in ${SCHED:-}; do   # model:batch:order, one process each (peak counters
   cat /tmp/sched.json >> "$OUT/schedule_exec.jsonl" 2>/dev/null && echo >> "$OUT/schedule_exec.jsonl"
   rm -f /tmp/sched.json
 done
-if [ "${SUITE:-1}" = 1 ]; then
-  timeout ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider -rfE \
+if [ "${STEPS:-0}" = 1 ]; then
+  timeout ${STEPS_TIMEOUT:-340} python3 benchmarks/gpu/step_times.py all "$OUT" ${STEPS_ARGS:-} \
+    2>&1 | grep -v -i warn | tail -30
+fi
+if [ "${SUITE:-1}" = 1 ]; then   # SIGINT at the limit: pytest still prints its summary
+  timeout -s INT -k 20 ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider -rfE \
     --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-parity_tests} 2>&1 | tee "$OUT/suite.log" | tail -40
   echo "suite exit ${PIPESTATUS[0]}"
 fi

@@ -35,6 +35,7 @@ from jaxmem.transform.match import Match
 from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Row, record
+from jaxmem._compat import scan_counts
 from jaxmem.transform.scan_policy import has_remat, scan_policy
 
 __all__ = ["Interpreter"]
@@ -205,7 +206,7 @@ class Interpreter:
 
     def _scan(self, eqn, invals, path):
         p = eqn.params
-        nc, ncar = p["num_consts"], p["num_carry"]
+        nc, ncar = scan_counts(p)
         consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
         body = p["jaxpr"]
 
