@@ -41,3 +41,4 @@ def scan_counts(params) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+

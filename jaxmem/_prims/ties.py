@@ -64,18 +64,8 @@ def _arith(x, dep):
     ``optimization_barrier`` over ``(x, dep)``, which XLA:GPU keeps through scheduling.
     Inside ``shard_map``, ``x`` is first made varying over the mesh axes ``dep`` varies over
     (the arithmetic's result varies over both; the branches must have one type)."""
-    return lax.platform_dependent(_varying_like(x, dep), dep, cpu=_arith_cpu,
+    return lax.platform_dependent(vary_like(x, dep), dep, cpu=_arith_cpu,
                                   default=_arith_barrier)
-
-
-def _varying_like(x, dep):
-    """``x``, marked varying (``lax.pcast``) over the manual axes ``dep`` varies over."""
-    mx = getattr(jax.typeof(x), "manual_axis_type", None)
-    md = getattr(jax.typeof(dep), "manual_axis_type", None)
-    if mx is None or md is None:
-        return x
-    extra = tuple(sorted(set(md.varying) - set(mx.varying)))
-    return lax.pcast(x, extra, to="varying") if extra else x
 
 
 def _arith_barrier(x, dep):

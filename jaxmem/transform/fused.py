@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem._prims.ties import tie
+from jaxmem._prims.ties import tie, vary_like
 
 __all__ = ["activation_product"]
 
@@ -74,8 +75,8 @@ def _apart(spec: _Spec, x, w, g):
     for the weight gradient, then ``f'`` from ``x`` tied to the product's input gradient."""
     fx = spec.f(tie(x, g))
     wl = tie(w, g) if spec.late else w
-    (dfx,) = jax.linear_transpose(lambda a: spec.product(a, wl), spec.fx)(g)
-    (dw,) = jax.linear_transpose(lambda b: spec.product(fx, b), spec.w)(g)
+    (dfx,) = jax.linear_transpose(lambda a: spec.product(a, wl), fx)(g)
+    (dw,) = jax.linear_transpose(lambda b: spec.product(fx, b), w)(g)
     (dx,) = jax.vjp(spec.f, tie(x, dfx))[1](dfx)
     return dx, dw
 
@@ -84,11 +85,17 @@ def _together(spec: _Spec, x, w, g):
     """``f(x)`` and ``f'`` from one ``x`` tied to ``g`` (XLA:GPU fuses them into one
     kernel next to the weight gradient)."""
     fx, vjp_f = jax.vjp(spec.f, tie(x, g))
-    (dw,) = jax.linear_transpose(lambda b: spec.product(fx, b), spec.w)(g)
+    (dw,) = jax.linear_transpose(lambda b: spec.product(fx, b), w)(g)
     wl = tie(w, g) if spec.late else w
-    (dfx,) = jax.linear_transpose(lambda a: spec.product(a, wl), spec.fx)(g)
+    (dfx,) = jax.linear_transpose(lambda a: spec.product(a, wl), fx)(g)
     (dx,) = vjp_f(dfx)
     return dx, dw
+
+
+def _w_like(spec: _Spec, g):
+    """A stand-in for the weight (only its type is read: a transpose's primal), varying over
+    the mesh axes the cotangent varies over inside ``shard_map``."""
+    return vary_like(jnp.zeros(spec.w.shape, spec.w.dtype), g)
 
 
 def _fused_bwd(spec: _Spec, res, g):
@@ -97,7 +104,7 @@ def _fused_bwd(spec: _Spec, res, g):
         return None, None
     if w is None:  # x is not differentiated: the weight gradient alone
         fx = spec.f(tie(x, g))
-        (dw,) = jax.linear_transpose(lambda b: spec.product(fx, b), spec.w)(g)
+        (dw,) = jax.linear_transpose(lambda b: spec.product(fx, b), _w_like(spec, g))(g)
         return None, dw
     # per platform, chosen when the program is lowered (as ``ties.tie`` is): XLA:CPU keeps
     # what is computed early, so the linearisation of f waits for the input gradient there

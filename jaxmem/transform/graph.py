@@ -250,7 +250,8 @@ class Graph:
 
 _UNIFORM_PRIMS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "stop_gradient",
                   "convert_element_type", "neg", "sqrt", "rsqrt", "mul", "div", "add", "sub",
-                  "exp", "log", "copy", "max", "min", "integer_pow"}
+                  "exp", "log", "copy", "max", "min", "integer_pow",
+                  "pvary", "pcast"}  # shard_map's varying-axes casts: the same value
 
 
 def _fold(eqn, vals) -> float | None:
@@ -258,7 +259,7 @@ def _fold(eqn, vals) -> float | None:
     name = eqn.primitive.name
     with np.errstate(all="ignore"):
         if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
-                    "stop_gradient"):
+                    "stop_gradient", "pvary", "pcast"):
             return vals[0]
         if name == "convert_element_type":
             dt = np.dtype(eqn.params["new_dtype"])

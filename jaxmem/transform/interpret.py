@@ -11,15 +11,15 @@ level it
    equation (a reader of a statistic it also produces waits for it); higher-order
    primitives are entered (their bodies go through 1-3 again and
    are re-built with ``lax.scan`` / ``lax.switch`` / ``lax.while_loop`` /
-   ``jax.checkpoint`` / ``jax.jit``; a ``scan`` body without effects or a checkpoint of its
+   ``jax.checkpoint`` / ``jax.shard_map`` (same mesh, specs and manual axes); a ``scan`` body without effects or a checkpoint of its
    own runs under ``jax.checkpoint(policy=scan_policy)``,
    :mod:`~jaxmem.transform.scan_policy`); every other equation is bound unchanged
    (``primitive.bind(*invals, **params)``) under its own source location.
 
 Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
 ``custom_vjp_call`` bodies (their derivative rules must stay theirs; a ``custom_jvp`` with
-an elementwise body is still part of an activation subgraph), ``shard_map`` and ``jit``
-calls with their own shardings or donation (not yet).
+an elementwise body is still part of an activation subgraph) and ``jit`` calls with their
+own shardings or donation (not yet).
 """
 from __future__ import annotations
 
@@ -29,13 +29,12 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxmem._compat import core
+from jaxmem._compat import core, scan_counts
 from jaxmem.transform.graph import Graph, bind_eqn, context, inline_calls, location, name_stack
 from jaxmem.transform.match import Match
 from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Row, record
-from jaxmem._compat import scan_counts
 from jaxmem.transform.scan_policy import has_remat, scan_policy
 
 __all__ = ["Interpreter"]
@@ -43,6 +42,8 @@ __all__ = ["Interpreter"]
 #: higher-order primitives whose bodies are re-emitted unchanged for now
 _NOT_ENTERED = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map",
                 "jit", "pjit", "custom_lin", "custom_transpose_call"}
+#: the parameters of a ``shard_map`` equation that re-building it reads
+_SHARD_MAP_PARAMS = ("mesh", "in_specs", "out_specs", "jaxpr", "check_vma", "newly_manual_axes")
 
 
 class Interpreter:
@@ -174,7 +175,7 @@ class Interpreter:
     # --------------------------------------------------------- higher-order primitives
     def eqn(self, eqn, invals: list, path: str) -> list:
         name = eqn.primitive.name
-        method = getattr(self, "_" + name, None) if name in _ENTERED else None
+        method = getattr(self, "_" + name, None) if _enterable(eqn) else None
         if method is None:
             if name in _NOT_ENTERED or any(True for _ in core.jaxprs_in_params(eqn.params)):
                 record(Row("higher-order", name + _named(eqn), "", False,
@@ -203,6 +204,20 @@ class Interpreter:
             *invals))
 
     _checkpoint = _remat2
+
+    def _shard_map(self, eqn, invals, path):
+        """The body converted per device, inside a ``shard_map`` of the same mesh, specs,
+        manual axes and varying-axes checking."""
+        p = eqn.params
+        body = core.ClosedJaxpr(p["jaxpr"], ())
+
+        def fn(*a):
+            return tuple(self.run(body, a, path))
+
+        f = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                          out_specs=tuple(p["out_specs"]), axis_names=p["newly_manual_axes"],
+                          check_vma=p["check_vma"])
+        return list(f(*invals))
 
     def _scan(self, eqn, invals, path):
         p = eqn.params
@@ -242,7 +257,16 @@ class Interpreter:
         return list(lax.while_loop(cond, body, list(init)))
 
 
-_ENTERED = {"closed_call", "remat2", "checkpoint", "scan", "cond", "while"}
+_ENTERED = {"closed_call", "remat2", "checkpoint", "scan", "cond", "while", "shard_map"}
+
+
+def _enterable(eqn) -> bool:
+    """Whether ``eqn``'s body is converted (a ``shard_map`` only with the parameters this
+    module knows how to re-build it from)."""
+    name = eqn.primitive.name
+    if name not in _ENTERED:
+        return False
+    return name != "shard_map" or all(k in eqn.params for k in _SHARD_MAP_PARAMS)
 
 _CUSTOM = ("its derivative rule is the program's own: re-emitting the body would replace "
            "that rule with the body's autodiff (not sound in general); bound unchanged")
@@ -250,8 +274,8 @@ _CUSTOM = ("its derivative rule is the program's own: re-emitting the body would
 _WHY_NOT = {
     "custom_jvp_call": _CUSTOM, "custom_vjp_call": _CUSTOM, "custom_vjp_call_jaxpr": _CUSTOM,
     "custom_lin": _CUSTOM, "custom_transpose_call": _CUSTOM,
-    "shard_map": "not entered yet (its body would be re-emitted inside a shard_map of the "
-                 "same mesh and specs); bound unchanged",
+    "shard_map": "its parameters are not the ones this version of jaxmem re-builds a "
+                 "shard_map from (another JAX version); bound unchanged",
     "jit": "a jit with its own shardings or donation: not inlined; bound unchanged",
     "pjit": "a jit with its own shardings or donation: not inlined; bound unchanged",
 }

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._compat import core
+from jaxmem._prims.ties import vary_like
 from jaxmem.transform.graph import (
     Graph,
     ancestors,
@@ -161,7 +162,12 @@ class Subgraph:
 
         for eqn in self.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = _generic(eqn, invals, x, self.shape) if generic else bind_eqn(eqn, invals)
+            if eqn.primitive.name in _VARYING_CASTS:     # a constant made to vary like x
+                outs = [vary_like(v, x) for v in invals]
+            elif generic:
+                outs = _generic(eqn, invals, x, self.shape)
+            else:
+                outs = bind_eqn(eqn, invals)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return env[self.out]
@@ -172,9 +178,16 @@ def _cast(val, x):
     return a.astype(x.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else a
 
 
+#: casts of the varying mesh axes (``shard_map``'s type system): the identity on values; a
+#: region re-emitted or evaluated for another ``x`` casts its constants to vary like ``x``
+_VARYING_CASTS = {"pvary", "pcast"}
+
+
 def _generic(eqn, invals, x, shape) -> list:
     name = eqn.primitive.name
     invals = [_cast(v, x) for v in invals]
+    if name in _VARYING_CASTS:
+        return [vary_like(v, x) for v in invals]
     if name in _WRAPPERS:
         body = _body(eqn)
         env = dict(zip(body.invars, invals))

@@ -28,6 +28,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
+from jaxmem._prims.ties import vary_like
 from jaxmem.transform.graph import Graph
 from jaxmem.transform.match import Match
 
@@ -60,7 +61,9 @@ def _product_fn(eqn):
     params = prim.get_bind_params(dict(eqn.params))
 
     def product(a, b):
-        return prim.bind(a, b, **params)
+        # inside shard_map both operands must vary over the same mesh axes (a value the
+        # backward pass makes, such as a cotangent, may not)
+        return prim.bind(vary_like(a, b), vary_like(b, a), **params)
 
     return product
 
