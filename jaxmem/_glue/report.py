@@ -181,8 +181,10 @@ def report(fn, *args, **kwargs) -> Report:
     import jax
 
     from jaxmem._glue import options as _options
-    from jaxmem.transform.api import _array_leaves, transform
-    from jaxmem.transform.report import collect, discarded
+    from jaxmem.transform.api import _array_leaves
+    from jaxmem.transform.interpret import Interpreter
+    from jaxmem.transform.options import Options
+    from jaxmem.transform.report import collect, discarded, tracing
 
     if not callable(fn):
         raise TypeError(f"jaxmem.report: fn must be callable, got {fn!r}")
@@ -191,13 +193,15 @@ def report(fn, *args, **kwargs) -> Report:
     # a number per call in jit's cache key: functions fn jits are traced again (recorded)
     with _options.keyed(_options.REPORT_TRACE, next(_report_calls)):
         with collect() as rows, discarded(lambda: _discarded_trace(sys._getframe(1))) as thrown:
-            jax.make_jaxpr(lambda *d: call(d))(*dyn)
+            closed = jax.make_jaxpr(lambda *d: call(d))(*dyn)
         if rows or thrown:
             rep.entries.extend(entry_of_row(r) for r in rows)
             rep.pretrace.extend((entry_of_row(r), why) for r, why in thrown)
             return rep
-        # fn reaches no transformation: what jaxmem.transform(fn) would do, not done
-        would = transform(fn).report(*args, **kwargs)
+        # fn reaches no transformation: what jaxmem.transform(fn) would do, not done (the
+        # same jaxpr interpreted abstractly; fn is not traced again)
+        with collect() as would, tracing():
+            jax.make_jaxpr(lambda *d: Interpreter(Options()).run(closed, d))(*dyn)
     rep.entries.extend(_not_reached(entry_of_row(r)) for r in would)
     return rep
 

@@ -211,6 +211,20 @@ def test_report_chains_a_python_profile_function():
     assert [(e.kind, e.status) for e in rep.entries] == [("activation", "fallback")]
 
 
+def test_report_of_untouched_code_traces_it_once():
+    """What jaxmem.transform would do is read from the one trace of the untouched code."""
+    calls = []
+
+    def loss(w, x):
+        calls.append(1)
+        return jnp.sum(nn.gelu(x @ w) ** 2)
+
+    rep = jaxmem.report(loss, _x(1, (4, 3)), _x(2, (2, 4)))
+    assert len(calls) == 1
+    assert {(e.kind, e.status) for e in rep.entries} >= {("dot", "fallback"),
+                                                         ("activation", "fallback")}
+
+
 # ------------------------------------------------------------------ 4. BatchNorm float64
 def test_batchnorm_x64_statistics_and_gradients_match_flax():
     with jax.enable_x64(True):
