@@ -163,6 +163,21 @@ def location(eqn) -> str:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
+def call_location(eqn) -> str:
+    """:func:`location` of a higher-order equation; where its own traceback reaches no user
+    frame (JAX keeps a few frames only, and a deep call leaves just the libraries'), the
+    first user location inside its bodies."""
+    where = location(eqn)
+    libs = _library_dirs()
+    if where and not where.startswith(libs):
+        return where
+    for body in core.jaxprs_in_params(eqn.params):
+        inner = first_location(body.eqns)
+        if inner and not inner.startswith(libs):
+            return inner
+    return where
+
+
 def first_location(eqns) -> str:
     """The first known :func:`location` among ``eqns`` (an equation inlined from a library's
     ``jit``, e.g. ``jnp.where``'s select, may have none of its own)."""

@@ -30,7 +30,14 @@ import jax
 from jax import lax
 
 from jaxmem._compat import core, scan_counts
-from jaxmem.transform.graph import Graph, bind_eqn, context, inline_calls, location, name_stack
+from jaxmem.transform.graph import (
+    Graph,
+    bind_eqn,
+    call_location,
+    context,
+    inline_calls,
+    name_stack,
+)
 from jaxmem.transform.match import Match
 from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
@@ -180,11 +187,11 @@ class Interpreter:
             if name in _NOT_ENTERED or any(True for _ in core.jaxprs_in_params(eqn.params)):
                 record(Row("higher-order", name + _named(eqn), "", False,
                            _WHY_NOT.get(name, "not entered yet: its body is re-emitted "
-                                              "unchanged"), location(eqn),
+                                              "unchanged"), call_location(eqn),
                            name_stack(eqn), path))
             return bind_eqn(eqn, invals)
         record(Row("higher-order", name + _named(eqn), "entered", True, _entered_note(eqn),
-                   location(eqn), name_stack(eqn), path))
+                   call_location(eqn), name_stack(eqn), path))
         with context(eqn):
             return method(eqn, invals, _join(path, name))
 

@@ -51,6 +51,9 @@ def test_shard_map_body_converted_and_exact():
     rep = g.report(p, x)
     entered = [r for r in rep.by_kind("higher-order") if r.matched.startswith("shard_map")]
     assert entered and all(r.converted for r in entered)
+    # where the user wrote the per-device step (JAX's short traceback of the shard_map call
+    # itself ends in jaxmem)
+    assert all("test_transform_shard_map.py" in r.where for r in entered), entered
     inside = [r for r in rep.converted() if r.path.startswith("shard_map")]
     kinds = {r.kind for r in inside}
     assert {"normalisation", "activation"} <= kinds or len(inside) >= 3, rep.table()
