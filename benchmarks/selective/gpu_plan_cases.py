@@ -73,8 +73,11 @@ def rows(models, cases, batch, size):
 
 
 def markdown(rs, cmd):
+    import datetime
+
+    import jax
     lines = ["# Selective CNN cases: H100 plan beside CPU", "",
-             f"Command: `{cmd}` (jax 0.10.2; 2026-11-24).", "",
+             f"Command: `{cmd}` (jax {jax.__version__}; {datetime.date.today()}).", "",
              ("compiled = temp + output bytes of the jitted gradient step; ratio = jaxmem / JAX "
              "default on the same plan. H100 plan: XLA:GPU compiled without a GPU (no "
              "autotuning: cuDNN/cuBLAS workspaces not counted, temp a lower bound; no timing). "

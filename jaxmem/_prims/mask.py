@@ -46,6 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from jaxmem._prims.bitpack import pack, shard_blocks, unpack
+from jaxmem._prims.recipes import then
 
 __all__ = ["MASKED", "check_floating", "hard_tanh", "leaky_relu", "mask_op", "relu", "relu6"]
 
@@ -134,8 +135,13 @@ _masked.defvjp(_masked_fwd, _masked_bwd, symbolic_zeros=True)
 @functools.cache
 def _build(spec: _Spec, name: str) -> Callable:
     def apply(x):
+        src = x
         x = check_floating(name, x)
-        return _masked(spec, _blocks(x), x)
+        y = _masked(spec, _blocks(x), x)
+        # ``y = f(x)`` with ``x`` recomputable (a norm's output): so is ``y``, from the same
+        # residuals, and a bilinear layer fed ``y`` keeps those instead of ``y``
+        then(y, spec.fn, src)
+        return y
 
     apply.__name__ = name
     apply.__qualname__ = name

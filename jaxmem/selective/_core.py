@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from jaxmem._prims.checks import as_int, int_tuple, positive_int  # noqa: F401 (re-exported)
+from jaxmem._prims.recipes import recipe, remember  # noqa: F401 (re-exported)
 
 #: Prefix of every ``checkpoint_name`` tag a selective primitive puts on a residual, so remat
 #: policies such as ``jax.checkpoint_policies.save_only_these_names`` can select them.
@@ -25,42 +25,15 @@ def tag(x, what: str):
     return checkpoint_name(x, NAME_PREFIX + what)
 
 
-# Values that a backward rule may recompute instead of storing:
-# ``id(y) -> (ref, fn, args, kept_if)`` with ``y == fn(*args)`` exactly, where the producer's
-# own backward keeps ``args`` whenever one of ``args[i]``, ``i in kept_if``, is differentiated.
-# A normalisation registers its output ``y`` with the tensors its backward keeps (``x``,
-# statistics, parameters: kept if ``x`` or ``scale`` is differentiated), an exact smooth
-# activation (``jaxmem.selective.smooth_activation``) its output with its input; a bilinear
-# layer fed that very ``y`` then keeps those same tensors (one residual shared by both rules)
-# instead of a second input-sized ``y``. XLA recomputes such a ``y`` by fusion in an unrolled
-# network, but under ``lax.scan`` the residuals are stacked per layer as JAX chose them, so
-# both would be kept.
-_recipes: dict = {}
-
-
-def remember(y, fn, args, kept_if=(0, 3)) -> None:
-    """Record that ``y`` equals ``fn(*args)`` bit for bit (until ``y`` is garbage), and that
-    the producer of ``y`` keeps ``args`` for its backward when any ``args[i]``,
-    ``i in kept_if``, is differentiated (the default: a normalisation's ``x`` and ``scale``)."""
-    key = id(y)
-
-    def _drop(_, key=key):
-        _recipes.pop(key, None)
-
-    try:
-        ref = weakref.ref(y, _drop)
-    except TypeError:  # not weak-referenceable (plain numbers): nothing to record
-        return
-    _recipes[key] = (ref, fn, args, tuple(kept_if))
-
-
-def recipe(x):
-    """``(fn, args, kept_if)`` recorded by :func:`remember` for this very object ``x``, else
-    ``None``."""
-    entry = _recipes.get(id(x))
-    if entry is None or entry[0]() is not x:
-        return None
-    return entry[1], entry[2], entry[3]
+# Values that a backward rule may recompute instead of storing (``remember`` / ``recipe``,
+# :mod:`jaxmem._prims.recipes`): a normalisation registers its output ``y`` with the tensors
+# its backward keeps (``x``, statistics, parameters: kept if ``x`` or ``scale`` is
+# differentiated), an exact smooth activation (``jaxmem.selective.smooth_activation``) its
+# output with its input, a 1-bit mask activation applied to such a ``y`` its own output; a
+# bilinear layer fed that very value then keeps those same tensors (one residual shared by
+# both rules) instead of a second input-sized array. Under ``lax.scan`` the residuals are
+# stacked per layer as JAX chose them, so both would be kept; unrolled, XLA:GPU keeps the
+# ReLU output that a convolution reads beside the norm's input (ResNet on the H100 plan).
 
 
 def value(p):

@@ -162,7 +162,8 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     differentiated; ``w`` iff ``x`` is differentiated; nothing if neither. When ``x`` is the
     output of a selective normalisation (``jaxmem.selective.normalize`` and the norms built on
     it) or of an exact smooth activation (``jaxmem.selective.smooth_activation``) whose
-    backward keeps its input, ``x`` is recomputed from those residuals in the backward pass
+    backward keeps its input, or a 1-bit mask activation (``relu`` & co.) of such an output,
+    ``x`` is recomputed from those residuals in the backward pass
     instead of being kept a second time (``dL/dW`` is unchanged: the same
     ``x``, bit for bit). Under ``lax.scan`` this keeps one input-sized tensor per norm and
     layer stacked instead of two.
