@@ -34,9 +34,9 @@ OUT = pathlib.Path(__file__).resolve().parents[1] / "results" / "plan"
 MIB = 2.0**20
 
 
-def gpt_case(quick):
+def gpt_case(quick, batch=None):
     m = models.gpt(n_layer=4, d_model=64, ctx=64)
-    tok = jax.random.randint(jax.random.key(0), (16 if quick else 32, 64), 0, 256)
+    tok = jax.random.randint(jax.random.key(0), (batch or (16 if quick else 32), 64), 0, 256)
     params = m.init(jax.random.key(1), tok)["params"]
 
     def loss(p, t):
@@ -46,9 +46,9 @@ def gpt_case(quick):
     return f"gpt (4x64, ctx 64, b{tok.shape[0]})", loss, (params, tok)
 
 
-def resnet_case(quick):
+def resnet_case(quick, batch=None):
     m = models.resnet50(width=0.125, num_classes=10, stem="cifar")
-    x = jax.random.normal(jax.random.key(2), (4 if quick else 8, 32, 32, 3))
+    x = jax.random.normal(jax.random.key(2), (batch or (4 if quick else 8), 32, 32, 3))
     v = m.init(jax.random.key(3), x, train=False)
 
     def loss(p, x):
@@ -65,11 +65,11 @@ def _xent(logits, labels):
     return -jnp.mean(jnp.take_along_axis(lp, labels[:, None], axis=1))
 
 
-def vit_case(quick):
+def vit_case(quick, batch=None):
     cfg = models.ViTConfig(image_size=32, patch_size=4, d_model=64, n_head=4, n_layer=4,
                            mlp_ratio=4, num_classes=10)
     m = models.ViT(cfg)
-    n = 8 if quick else 16
+    n = batch or (8 if quick else 16)
     x = jax.random.normal(jax.random.key(4), (n, 32, 32, 3))
     y = jax.random.randint(jax.random.key(5), (n,), 0, 10)
     params = m.init(jax.random.key(6), x)["params"]
@@ -80,8 +80,8 @@ def vit_case(quick):
     return f"vit (4x64, patch 4, 32x32, b{n})", loss, (params, x, y)
 
 
-def vgg_case(quick):
-    del quick  # batch 1 at 512x512 in both modes
+def vgg_case(quick, batch=None):
+    del quick, batch  # batch 1 at 512x512 in both modes
     m = models.vgg16(width=0.125, num_classes=10)
     x = jax.random.normal(jax.random.key(7), (1, 512, 512, 3))
     y = jax.random.randint(jax.random.key(8), (1,), 0, 10)
@@ -161,12 +161,12 @@ def times(fns, args, reps):
     return [float(np.median(t)) for t in ts]
 
 
-def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
+def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), batch=None):
     rows = []
     timed = target == "cpu"
     for key in names:
         t_case = time.perf_counter()
-        name, loss, args = CASES[key](quick)
+        name, loss, args = CASES[key](quick, batch)
         default = total(loss, args, target)
         uni = uniform_steps(loss, args)
         uni_bytes = {k: total(f, args, target) for k, f in uni.items()}
@@ -238,7 +238,8 @@ def _fmt_time(x):
     return "–" if x is None else f"{x:.2f}x"   # None: not timed (a GPU target's plan)
 
 
-def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1)):
+def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1),
+             batch=None):
     pcts = "/".join(str(int(f * 100)) for f in fractions)
     head = (f"# jaxmem.plan: budgets of {pcts} % of the default compiled bytes"
             + ("" if target == "cpu" else f", on XLA:GPU's {target} plan"))
@@ -257,7 +258,7 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
               "cheapest uniform JAX remat policy whose compiled bytes fit the budget "
               "(none = no uniform policy fits)."), "",
              "Command: `.venv/bin/python benchmarks/plan/bench_plan.py"
-             + (" --quick" if quick else "")
+             + (" --quick" if quick else "") + (f" --batch {batch}" if batch else "")
              + ("" if tuple(names) == tuple(CASES) else " --models " + ",".join(names))
              + ("" if target == "cpu" else f" --target {target}")
              + ("" if tuple(fractions) == (0.5, 0.25, 0.1)
@@ -365,12 +366,15 @@ def main():
                          "XLA:GPU's plan, compiled here without one; no times)")
     ap.add_argument("--fractions", type=_fractions_arg, default=(0.5, 0.25, 0.1),
                     help="comma-separated budget fractions in (0, 1] (default 0.5,0.25,0.1)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="batch of the gpt / resnet50 / vit cases (default: the mode's)")
     a = ap.parse_args()
-    rows = run(a.quick, a.models, a.target, a.fractions)
+    rows = run(a.quick, a.models, a.target, a.fractions, a.batch)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
-            "models": list(a.models), "target": a.target, "fractions": list(a.fractions)}
-    md = markdown(rows, a.quick, a.models, a.target, a.fractions)
+            "models": list(a.models), "target": a.target, "fractions": list(a.fractions),
+            "batch": a.batch}
+    md = markdown(rows, a.quick, a.models, a.target, a.fractions, a.batch)
     (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (a.out / "plan.md").write_text(md)
     print(md)
