@@ -18,7 +18,6 @@ from jax._src.lib import xla_client
 from jax._src.random import prng
 
 __all__ = [
-    "scan_counts",
     "compilation_cache",
     "core",
     "custom_partitioning_internal",
@@ -27,6 +26,7 @@ __all__ = [
     "name_p",
     "prng",
     "saved_residuals",
+    "scan_counts",
     "source_info_util",
     "xla_bridge",
     "xla_client",

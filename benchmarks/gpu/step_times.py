@@ -307,7 +307,8 @@ def _child(stage, group, small, cache_dir, extra, timeout):
     cmd = [sys.executable, __file__, stage, group, cache_dir, json.dumps(extra)]
     if small:
         cmd.append("--small")
-    fh = open(os.path.join("/tmp", f"step_times_{stage}_{group}.txt"), "w+")
+    # the child's output file stays open until _collect reads and closes it
+    fh = open(os.path.join("/tmp", f"step_times_{stage}_{group}.txt"), "w+")  # noqa: SIM115
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT), fh, timeout
 
@@ -328,7 +329,7 @@ def _collect(p, group, log):
 def run_all(outdir, groups, small, jobs, rounds, compile_timeout, run_timeout):
     os.makedirs(outdir, exist_ok=True)
     cache = os.path.join("/tmp", "jaxmem-step-times-cache")
-    log = open(os.path.join(outdir, "step_times.log"), "w")
+    log = open(os.path.join(outdir, "step_times.log"), "w")  # noqa: SIM115 -- closed below
     compiled, pending = {}, list(groups)
     running, started = [], {}
     t_start = time.time()
@@ -366,6 +367,7 @@ def run_all(outdir, groups, small, jobs, rounds, compile_timeout, run_timeout):
         with open(os.path.join(outdir, "step_times.json"), "w") as fh:
             json.dump({"results": results}, fh, indent=1)
     print(f"total {time.time() - t_start:.0f} s", flush=True)
+    log.close()
 
 
 def _mib(b):
@@ -382,14 +384,16 @@ def _cell(b, base, bound=False):
 
 def markdown(result, plan=None):
     """The results as a table; ratios against each group's baseline."""
-    res = json.load(open(result))["results"]
+    with open(result) as fh:
+        res = json.load(fh)["results"]
     plans = {}
     if plan:
-        for r in json.load(open(plan))["results"]:
-            plans[r["group"]] = r.get("variants", {})
+        with open(plan) as fh:
+            for r in json.load(fh)["results"]:
+                plans[r["group"]] = r.get("variants", {})
     dev = next((r.get("device") for r in res if r.get("device")), "?")
-    lines = ["| group | variant | step ms | time ratio | device plan temp+out MiB | "
-             "allocator peak above arguments MiB | H100 plan, compile-only, temp+out MiB |",
+    lines = [("| group | variant | step ms | time ratio | device plan temp+out MiB | "
+              "allocator peak above arguments MiB | H100 plan, compile-only, temp+out MiB |"),
              "|---|---|---|---|---|---|---|"]
 
     def plan_bytes(v, key):
