@@ -204,7 +204,7 @@ def _gpt(n_layer, **convert):
     if convert:
         model = jaxmem.linen.convert(model, **convert)
     tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, cfg.ctx)))
-    params = model.init(jax.random.PRNGKey(1), tok)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), tok)
 
     def loss(p, tok):
         lp = jax.nn.log_softmax(model.apply(p, tok[:, :-1]))

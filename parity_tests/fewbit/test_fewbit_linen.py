@@ -63,13 +63,13 @@ def test_gpt_patched_without_editing():
     cfg = models.GPTConfig(vocab=64, ctx=16, d_model=32, n_head=2, n_layer=2)
     gpt = models.GPT(cfg)
     tok = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 16)))
-    p = gpt.init(jax.random.PRNGKey(0), tok)
+    p = jax.jit(gpt.init)(jax.random.PRNGKey(0), tok)
 
     def loss(p):
         return -jnp.mean(jax.nn.log_softmax(gpt.apply(p, tok))[..., 0])
 
     r0 = residual_bytes(loss, p)
-    g0 = jax.grad(loss)(p)
+    g0 = jax.jit(jax.grad(loss))(p)
     with _fewbit(3):  # GELU is the GPT's one smooth activation
         r3 = residual_bytes(loss, p)
         g3 = jax.jit(jax.grad(loss))(p)

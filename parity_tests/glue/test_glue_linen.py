@@ -70,7 +70,7 @@ def _grads(model, variables, x, train=False):
                           mutable=["batch_stats"] if train else False)
         y = out[0] if train else out
         return jnp.sum(jnp.sin(y))
-    return jax.value_and_grad(loss)(variables["params"])
+    return jax.jit(jax.value_and_grad(loss))(variables["params"])
 
 
 def test_convert_is_real_module_with_same_tree():

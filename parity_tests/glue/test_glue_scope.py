@@ -46,7 +46,8 @@ PARAMS = NET.init(jax.random.key(0), X)
 
 
 def _grad(model):
-    return jax.grad(lambda p: model.apply(p, X))(PARAMS)
+    # jitted: traced where it is called (inside or outside a scope), one compiled program
+    return jax.jit(jax.grad(lambda p: model.apply(p, X)))(PARAMS)
 
 
 def _jaxpr(model):

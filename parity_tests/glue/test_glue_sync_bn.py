@@ -60,8 +60,9 @@ def test_vmap_axis_name_equals_flax(fast, groups, train):
     # running statistics away from their initial 0 / 1 (eval mode normalises with them)
     v = dict(v, batch_stats=jax.tree.map(lambda a: a * 1.5 + 0.25, v["batch_stats"]))
     conv = jaxmem.linen.convert(model)
-    (y0, u0), g0 = _step(model, v, xs, train)
-    (y1, u1), g1 = _step(conv, v, xs, train)
+    step = jax.jit(_step, static_argnums=(0, 3))
+    (y0, u0), g0 = step(model, v, xs, train)
+    (y1, u1), g1 = step(conv, v, xs, train)
     for a, b in zip(jax.tree.leaves((y1, u1, g1)), jax.tree.leaves((y0, u0, g0))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
     rep = jaxmem.report(lambda xs: _step(conv, v, xs), xs)
@@ -88,7 +89,7 @@ def test_batch_norm_function_axis_name_float64_and_residuals():
         def grads(f):
             def tot(xs, s, b):
                 return jnp.sum(jnp.sin(jax.vmap(f, (0, None, None), axis_name="d")(xs, s, b)))
-            return jax.grad(tot, (0, 1, 2))(xs, scale, bias)
+            return jax.jit(jax.grad(tot, (0, 1, 2)))(xs, scale, bias)
 
         for a, b in zip(grads(ours), grads(ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
@@ -128,8 +129,10 @@ def test_shard_map_four_devices_in_subprocess():
                     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
                                          out_specs=(P(), (P("data"), P())))(p, x)
                 conv = jaxmem.linen.convert(m)
-                r0 = jax.grad(loss, (1, 2), has_aux=True)(m, v["params"], x)
-                r1 = jax.grad(loss, (1, 2), has_aux=True)(conv, v["params"], x)
+                # jitted: one compiled program per model instead of one per eager op
+                step = jax.jit(jax.grad(loss, (1, 2), has_aux=True), static_argnums=0)
+                r0 = step(m, v["params"], x)
+                r1 = step(conv, v["params"], x)
                 for a, b in zip(jax.tree.leaves(r1), jax.tree.leaves(r0)):
                     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
                                                atol=2e-6, err_msg=f"fast={fast} train={train}")

@@ -3,6 +3,7 @@ zoo weights under the paper's cases."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import jax
@@ -130,7 +131,7 @@ def test_jaxmem_matches_torch_ref_on_transferred_resnet(case):
     with jax.enable_x64(True):
         jm = models.resnet18(width=0.125, num_classes=4)
         x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3), dtype=jnp.float64)
-        v = jm.init(jax.random.key(1), x, train=False)
+        v = jax.jit(functools.partial(jm.init, train=False))(jax.random.key(1), x)
         v = jax.tree.map(lambda a: a.astype(jnp.float64), v)
         tmod = ms.convert(jax_to_torch(v, tm.resnet18(width=0.125, num_classes=4))).double()
         tmod.train(True)

@@ -66,9 +66,11 @@ def test_pool_is_exact_with_ties(name):
     f = _loss(pool)
     g = transform(f)
     w, x = jnp.float32(1.0), _ties(shape)
-    close(g(w, x), f(w, x))
-    gx, gw = jax.grad(g, (1, 0))(w, x)
-    fx, fw = jax.grad(f, (1, 0))(w, x)
+    # one compiled program for both sides (not one per eager op)
+    both = jax.jit(lambda w, x: ((g(w, x), jax.grad(g, (1, 0))(w, x)),
+                                 (f(w, x), jax.grad(f, (1, 0))(w, x))))
+    (gv, (gx, gw)), (fv, (fx, fw)) = both(w, x)
+    close(gv, fv)
     # exactly JAX's own gradient: the same positions receive the same sums
     np.testing.assert_array_equal(np.asarray(gx) != 0, np.asarray(fx) != 0)
     close(gx, fx)
@@ -86,7 +88,7 @@ def test_all_equal_windows_send_the_gradient_to_their_first_element():
     def f(x):
         return jnp.sum(nn.max_pool(x, (3, 3), (2, 2), "SAME") * dy)
 
-    got, want = jax.grad(transform(f))(x), jax.grad(f)(x)
+    got, want = jax.jit(lambda x: (jax.grad(transform(f))(x), jax.grad(f)(x)))(x)
     np.testing.assert_array_equal(got, want)
     assert int(jnp.sum(want != 0)) == 4
 
@@ -97,8 +99,10 @@ def test_float64_is_exact(x64):
         f = _loss(pool)
         w, x = jnp.float64(1.0), _ties((2, 9, 9, 4), jnp.float64)
         g = transform(f)
-        assert g(w, x).dtype == jnp.float64
-        close(jax.grad(g, (0, 1))(w, x), jax.grad(f, (0, 1))(w, x), rtol=1e-12, atol=1e-12)
+        v, got, want = jax.jit(lambda w, x: (g(w, x), jax.grad(g, (0, 1))(w, x),
+                                             jax.grad(f, (0, 1))(w, x)))(w, x)
+        assert v.dtype == jnp.float64
+        close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_bfloat16():
@@ -106,9 +110,10 @@ def test_bfloat16():
     f = _loss(pool)
     g = transform(f)
     w, x = jnp.bfloat16(1.0), _ties((2, 9, 9, 4), jnp.bfloat16)
-    assert g(w, x).dtype == jnp.bfloat16
-    close(g(w, x).astype(jnp.float32), f(w, x).astype(jnp.float32), rtol=1e-2, atol=1e-2)
-    gx, fx = jax.grad(g, 1)(w, x), jax.grad(f, 1)(w, x)
+    gv, fv, gx, fx = jax.jit(lambda w, x: (g(w, x), f(w, x), jax.grad(g, 1)(w, x),
+                                           jax.grad(f, 1)(w, x)))(w, x)
+    assert gv.dtype == jnp.bfloat16
+    close(gv.astype(jnp.float32), fv.astype(jnp.float32), rtol=1e-2, atol=1e-2)
     assert gx.dtype == jnp.bfloat16
     # overlapping windows sum in another order: bf16 rounding only
     close(gx.astype(jnp.float32), fx.astype(jnp.float32), rtol=2e-2, atol=2e-2)
@@ -129,18 +134,24 @@ def test_under_jit_vmap_scan_checkpoint_and_second_order():
         return lax.scan(step, 0.0, xs)[0]
 
     g_scan = transform(scanned)
-    close(jax.jit(g_scan)(w, xs), scanned(w, xs))
-    close(jax.jit(jax.grad(g_scan, (0, 1)))(w, xs), jax.grad(scanned, (0, 1))(w, xs))
+    close(jax.jit(g_scan)(w, xs), jax.jit(scanned)(w, xs))
+    close(jax.jit(jax.grad(g_scan, (0, 1)))(w, xs), jax.jit(jax.grad(scanned, (0, 1)))(w, xs))
     assert {r.path for r in _pool_rows(g_scan, w, xs)} == {"scan/remat2"}
 
     g = transform(f)
-    per = jax.vmap(jax.grad(g, 1), in_axes=(None, 0))(w, xs)
-    close(per, jax.vmap(jax.grad(f, 1), in_axes=(None, 0))(w, xs))
-    close(jax.grad(lambda w, xs: jnp.sum(jax.vmap(g, (None, 0))(w, xs)))(w, xs),
-          jax.grad(lambda w, xs: jnp.sum(jax.vmap(f, (None, 0))(w, xs)))(w, xs))
+
+    def uses(fn, remat, w, xs):  # per-example gradients, grad of a vmap, grad of grad
+        return (jax.vmap(jax.grad(fn, 1), in_axes=(None, 0))(w, xs),
+                jax.grad(lambda w, xs: jnp.sum(jax.vmap(fn, (None, 0))(w, xs)))(w, xs),
+                jax.grad(remat(fn), 1)(w, xs[0]),
+                jax.grad(jax.grad(fn))(w, xs[0]))
+
+    # one compiled program per side (not one per eager op)
+    got = jax.jit(lambda w, xs: uses(g, jax.checkpoint, w, xs))(w, xs)
+    want = jax.jit(lambda w, xs: uses(f, lambda fn: fn, w, xs))(w, xs)
+    close(got[:3], want[:3])
     # the transformed function inside the caller's checkpoint and grad of grad in w
-    close(jax.grad(jax.checkpoint(g), 1)(w, xs[0]), jax.grad(f, 1)(w, xs[0]))
-    close(jax.grad(jax.grad(g))(w, xs[0]), jax.grad(jax.grad(f))(w, xs[0]), rtol=1e-4)
+    close(got[3], want[3], rtol=1e-4)
 
 
 def test_generic_reduce_window_with_a_max_body():

@@ -46,6 +46,7 @@ def _loss(model, p, batch):
     return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
 
 
+@functools.cache
 def _compiled(which, mode="tp"):
     base, jm, params, batch = _case()
     model = base if which == "plain" else jm

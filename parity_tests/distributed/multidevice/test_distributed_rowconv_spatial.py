@@ -127,7 +127,7 @@ def test_batch_and_height_mesh_bf16():
                                        batch_axis="data", rows=2))
 
     g = jax.jit(jax.grad(loss))(params, xs)
-    g0 = jax.grad(lambda p: _weighted(rc.apply(layers, p, x)))(params)
+    g0 = jax.jit(jax.grad(lambda p: _weighted(rc.apply(layers, p, x))))(params)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     pb = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
@@ -136,7 +136,8 @@ def test_batch_and_height_mesh_bf16():
                                             batch_axis="data"))(pb, xs.astype(jnp.bfloat16))
     assert yb.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(yb, np.float32),
-                               np.asarray(rc.apply(layers, pb, xb), np.float32),
+                               np.asarray(jax.jit(lambda p, x: rc.apply(layers, p, x))(pb, xb),
+                                          np.float32),
                                rtol=0.05, atol=0.05)
 
 

@@ -25,7 +25,7 @@ MODES = {"dp": {"data": 8}, "fsdp": {"data": 8}, "tp": {"data": 4, "model": 2},
 def _gpt_case():
     model = gpt(vocab=64, ctx=8, d_model=32, n_head=4, n_layer=1)
     tok = jax.random.randint(jax.random.PRNGKey(1), (8, 8), 0, 64)
-    params = model.init(jax.random.PRNGKey(0), tok)["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), tok)["params"]
 
     def loss(m, p, batch):
         logits = m.apply({"params": p}, batch[0])
@@ -39,7 +39,7 @@ def _resnet_case():
                    stem="cifar")
     x = jax.random.normal(jax.random.PRNGKey(2), (8, 8, 8, 3))
     y = jax.random.randint(jax.random.PRNGKey(3), (8,), 0, 8)
-    variables = model.init(jax.random.PRNGKey(0), x)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
 
     def loss(m, p, batch):
         logits = m.apply({"params": p, "batch_stats": variables["batch_stats"]}, batch[0])
