@@ -10,7 +10,6 @@ jaxmem keeps no more. The few-bit packing rows of
 ``run3_fewbit_packing.json`` are checked in ``test_gpu_plan_fewbit.py``."""
 from __future__ import annotations
 
-import functools
 import io
 import json
 import os
@@ -51,7 +50,7 @@ def resnet18_input_case():
     tie of the real run (arithmetic everywhere) and with today's."""
     x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
     model = cnn_models(True)["resnet18"][0]()
-    variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(1), x)
+    variables = model.init(jax.random.key(1), x, train=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ties, "_arith", ties._arith_cpu)
         run = _measure(x, model, variables, ("jax", "jaxmem"))
