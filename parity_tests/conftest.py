@@ -35,6 +35,32 @@ FAST_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CODEGEN}".strip()
 
+#: One persistent XLA compilation cache for the whole run, shared by every process of it (the
+#: xdist workers, the subprocesses tests start: the docs examples, the multi-device suite):
+#: a program compiled a second time -- the same HLO, options and devices, e.g. a jitted
+#: reference that a test also measures with ``compiled_memory``, the same eager op in two
+#: processes -- is loaded instead of compiled. A loaded executable is the compiled one (its
+#: memory analysis and HLO text included). Compile-only GPU plans cannot be loaded back (JAX
+#: warns and compiles again: the warning is filtered in ``pytest_configure``), and a compile
+#: that dumps files (``buffer_assignment``) needs a real compile: ``no_compilation_cache``.
+#: The compile options are unchanged: JAX's extra XLA caches that come with a persistent
+#: cache (GPU autotuning results) stay off. The folder is made by the first process that
+#: imports this file (the one xdist starts workers from) and removed when it exits;
+#: ``JAX_COMPILATION_CACHE_DIR`` set by the caller is used as it is, and
+#: ``JAXMEM_TEST_COMPILATION_CACHE=0`` turns the cache off.
+if (os.environ.get("JAXMEM_TEST_COMPILATION_CACHE", "1") != "0"
+        and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="jaxmem-tests-xla-cache-")
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _cache_dir,
+                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+                       "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"})
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -87,6 +113,9 @@ def torch_has_cuda() -> bool:
 
 
 def pytest_configure(config):
+    # compile-only GPU executables are not deserializable: JAX compiles them again
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning")
     if jax_has_gpu():
         jax.config.update("jax_default_matmul_precision", "highest")
     if torch_has_cuda():
@@ -133,6 +162,15 @@ def jax_device(request):
 @pytest.fixture
 def torch_device(request):
     return request.param
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """Every compile in the test is a real one (e.g. for XLA's dump files)."""
+    before = bool(jax.config.jax_enable_compilation_cache)
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
 
 
 @pytest.fixture

@@ -314,6 +314,7 @@ def test_batch_norm_axis_name_under_nnx_vmap_matches(fast_variance):
     ref, sel = _bn_pair(use_fast_variance=fast_variance)
     x = 2.0 + jax.random.normal(K[2], (4, 3, 5))  # 4 "devices" x 3 rows x 5 features
 
+    @nnx.jit  # one compiled program per model; the running statistics update through it
     @nnx.vmap(in_axes=(None, 0), out_axes=0, axis_name="batch")
     def step(bn, x):
         def loss(bn, x):
@@ -372,7 +373,7 @@ def test_batch_norm_axis_name_gradient_outside_the_vmap():
             return bn(x, use_running_average=False)
         return jnp.sum(jnp.sin(apply(bn, x)) * jnp.arange(5.0))
 
-    vg = nnx.value_and_grad(loss, argnums=(0, 1))
+    vg = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
     g_r = vg(ref, x)
     _close(vg(sel, x), g_r)
 
