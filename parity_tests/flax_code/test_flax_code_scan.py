@@ -107,7 +107,7 @@ def _linen_loss(model):
 def _linen(form, act, depth=2, attention=True):
     model = Net(depth, form, act, attention)
     tok, tgt = _data()
-    params = model.init(jax.random.key(2), tok)["params"]
+    params = jax.jit(model.init)(jax.random.key(2), tok)["params"]
     conv = jaxmem.linen.convert(model, fewbit=None, attention=False)
     return _linen_loss(model), _linen_loss(conv), params, tok, tgt
 
@@ -198,8 +198,8 @@ class MlpBlock(nn.Module):
 def test_lax_scan_transformed_gradients_exact(act):
     blk = MlpBlock(act)
     x = jax.random.normal(jax.random.key(3), (B, T, D))
-    stacked = jax.vmap(lambda k: blk.init(k, x)["params"])(jax.random.split(jax.random.key(4),
-                                                                           3))
+    stacked = jax.jit(jax.vmap(lambda k: blk.init(k, x)["params"]))(
+        jax.random.split(jax.random.key(4), 3))
 
     def body(params, x):
         x, _ = jax.lax.scan(lambda h, p: (blk.apply({"params": p}, h), None), x, params)
@@ -295,7 +295,7 @@ def test_functions_inside_scan_body_are_converted(form):
     exact (a GELU read by a product keeps its input either way)."""
     model = Net(2, form, "gelu", attention=False)
     tok, tgt = _data()
-    params = model.init(jax.random.key(2), tok)["params"]
+    params = jax.jit(model.init)(jax.random.key(2), tok)["params"]
     nbytes = {fb: compiled_memory(jax.grad(_linen_loss(jaxmem.linen.convert(model, fewbit=fb))),
                                   params, tok, tgt).total_bytes for fb in (None, 3)}
     assert nbytes[3] <= nbytes[None], nbytes

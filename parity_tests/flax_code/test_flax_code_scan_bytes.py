@@ -18,6 +18,8 @@ keeps for its weight gradient are recomputed from the first Dense's input. Check
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -58,13 +60,14 @@ class MlpBlock(nn.Module):
         return x + nn.Dense(D, name="fc2")(h)
 
 
+@functools.cache
 def _lax(form, depth, act="relu"):
     """``(loss, converted loss, params, x)`` of a stack applied in a Python loop over
     per-layer trees (``unrolled``) or with stacked parameters in ``jax.lax.scan``."""
     blk = MlpBlock(act)
     x = jax.random.normal(jax.random.key(0), (B, T, D))
-    stacked = jax.vmap(lambda k: blk.init(k, x)["params"])(jax.random.split(jax.random.key(1),
-                                                                           depth))
+    stacked = jax.jit(jax.vmap(lambda k: blk.init(k, x)["params"]))(
+        jax.random.split(jax.random.key(1), depth))
     if form == "unrolled":
         blocks = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(depth)]
     else:

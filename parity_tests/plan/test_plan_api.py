@@ -13,7 +13,7 @@ from jaxmem.planner import trace as T
 def _gpt(n_layer=2, d_model=32, ctx=32, batch=8):
     m = models.gpt(n_layer=n_layer, d_model=d_model, ctx=ctx)
     tok = jax.random.randint(jax.random.key(0), (batch, ctx), 0, 256)
-    params = m.init(jax.random.key(1), tok)["params"]
+    params = jax.jit(m.init)(jax.random.key(1), tok)["params"]
 
     def loss(p, t):
         lg = m.apply({"params": p}, t)

@@ -106,7 +106,7 @@ def test_row_tiled_trunk_exact_and_smaller():
 
     m = models.VGG((8, "M", 8, 8, "M"), 1.0, False, 10, (16,))
     x = jax.random.normal(jax.random.key(4), (2, 32, 32, 3))
-    params = m.init(jax.random.key(5), x)["params"]
+    params = jax.jit(m.init)(jax.random.key(5), x)["params"]
 
     def loss(p, x):
         return jnp.mean(m.apply({"params": p}, x) ** 2)
@@ -149,7 +149,7 @@ def order_plan():
     """A budget the OLLA order alone meets (GPT 1x32, ctx 32, b8 at 95 %)."""
     m = models.gpt(n_layer=1, d_model=32, ctx=32)
     tok = jax.random.randint(jax.random.key(6), (8, 32), 0, 256)
-    params = m.init(jax.random.key(7), tok)["params"]
+    params = jax.jit(m.init)(jax.random.key(7), tok)["params"]
 
     def loss(p, t):
         return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])

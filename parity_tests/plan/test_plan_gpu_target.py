@@ -125,7 +125,7 @@ def gpt_plan_h100():
     from jaxmem import models
     m = models.gpt(n_layer=2, d_model=32, ctx=32)
     tok = jax.random.randint(jax.random.key(0), (8, 32), 0, 256)
-    params = m.init(jax.random.key(1), tok)["params"]
+    params = jax.jit(m.init)(jax.random.key(1), tok)["params"]
 
     def loss(p, t):
         return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])

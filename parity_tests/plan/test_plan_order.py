@@ -46,7 +46,7 @@ def gpt_ordered():
     """A one-layer GPT's ``value_and_grad``: 16 % of its compiled bytes go with the fences."""
     m = models.gpt(n_layer=1, d_model=32, ctx=32)
     tok = jax.random.randint(jax.random.key(0), (4, 32), 0, 256)
-    params = m.init(jax.random.key(1), tok)["params"]
+    params = jax.jit(m.init)(jax.random.key(1), tok)["params"]
 
     def loss(p, t):
         return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])
@@ -66,7 +66,7 @@ def test_ordered_gpt_lowers_bytes_and_keeps_values_and_gradients(gpt_ordered):
     assert r.why.startswith("order lowered compiled bytes") and "MiB" in r.why
     assert r.order_peak <= r.program_peak and 0 < r.reduction < 1
     # fresh parameters and tokens, not the example ones
-    p2 = m.init(jax.random.key(11), tok)["params"]
+    p2 = jax.jit(m.init)(jax.random.key(11), tok)["params"]
     t2 = jax.random.randint(jax.random.key(12), tok.shape, 0, 256)
     want = jax.jit(f)(p2, t2)
     _close(r.fn(p2, t2), want)

@@ -106,7 +106,7 @@ def _x():
 
 
 def _grad(model, variables):
-    return jax.grad(lambda v: jnp.sum(jnp.sin(model.apply(v, _x()))))(variables)
+    return jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(model.apply(v, _x())))))(variables)
 
 
 def test_selective_linen_convert_scope_wrap_equal_the_one_way_in():
@@ -156,7 +156,7 @@ def test_fewbit_patch_context_managers_equal_the_linen_conversion():
     model = Net()
     x = jnp.linspace(-3.0, 3.0, 16).reshape(2, 8)
     v = model.init(jax.random.key(0), x)
-    grad = lambda m: jax.grad(lambda v: m.apply(v, x))(v)  # noqa: E731
+    grad = lambda m: jax.jit(jax.grad(lambda v: m.apply(v, x)))(v)  # noqa: E731
     jaxpr = lambda m: str(jax.make_jaxpr(lambda v: jax.grad(  # noqa: E731
         lambda v: m.apply(v, x))(v))(v))
     want2 = grad(jaxmem.linen.convert(model, selective=False, fewbit=2, attention=False))

@@ -36,7 +36,7 @@ _NET = _GeluNet()
 
 
 def _net_grad(model, x):
-    return jax.grad(lambda x: model.apply({}, x))(x)
+    return jax.jit(jax.grad(lambda x: model.apply({}, x)))(x)
 
 
 def _approx(x, bits):
@@ -247,8 +247,9 @@ def test_batchnorm_x64_statistics_and_gradients_match_flax():
                     y = mod.apply({"params": p, "batch_stats": stats}, x)
                     return jnp.sum(jnp.sin(y) * w)
 
-                g0 = jax.grad(loss, argnums=(0, 1))(v["params"], x, ev)
-                g1 = jax.grad(loss, argnums=(0, 1))(v["params"], x, jaxmem.linen.convert(ev))
+                grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+                g0 = grad(v["params"], x, ev)
+                g1 = grad(v["params"], x, jaxmem.linen.convert(ev))
                 for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
                     assert a.dtype == b.dtype
                     tol = 1e-12 if a.dtype == jnp.float64 else 1e-6  # float32 parameters
@@ -330,7 +331,7 @@ def test_converted_nnx_module_pickles():
     back = pickle.loads(pickle.dumps(conv))
     assert type(back) is type(conv) and jaxmem.nnx.is_converted(back)
     np.testing.assert_array_equal(back(x), conv(x))
-    g = lambda mod: nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(mod)
+    g = lambda mod: nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)))))(mod)
     for a, b in zip(jax.tree.leaves(nnx.state(g(back))), jax.tree.leaves(nnx.state(g(conv)))):
         np.testing.assert_array_equal(a, b)
 

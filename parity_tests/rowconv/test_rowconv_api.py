@@ -111,14 +111,14 @@ def test_under_jit_vmap_scan_checkpoint_and_dtypes():
     ls = STACK
     p = random_params(ls, shape)
     x = _x((3,) + shape[1:])
-    ref = rc.apply(ls, p, x, rows=1)
+    ref = jax.jit(lambda p, x: rc.apply(ls, p, x, rows=1))(p, x)
     f = jax.jit(lambda p, x: rc.apply(ls, p, x, rows=3, mode="share"))
     np.testing.assert_allclose(f(p, x), ref, rtol=1e-5, atol=1e-5)
-    v = jax.vmap(lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x)
+    v = jax.jit(jax.vmap(lambda xi: rc.apply(ls, p, xi[None], rows=3)[0]))(x)
     np.testing.assert_allclose(v, ref, rtol=1e-5, atol=1e-5)
-    gv = jax.grad(lambda p: jnp.sum(jax.vmap(
-        lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x) ** 2))(p)
-    g1 = jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1) ** 2))(p)
+    gv = jax.jit(jax.grad(lambda p: jnp.sum(jax.vmap(
+        lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x) ** 2)))(p)
+    g1 = jax.jit(jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1) ** 2)))(p)
     assert_tree_close(gv, g1, rtol=1e-4, atol=1e-4)
 
     def scan_loss(p):
@@ -127,18 +127,18 @@ def test_under_jit_vmap_scan_checkpoint_and_dtypes():
                 lambda p, xi: rc.apply(ls, p, xi[None], rows=2, mode="share"))(p, xi)), None
         return jax.lax.scan(body, 0.0, x)[0]
 
-    gs = jax.grad(scan_loss)(p)
-    g1 = jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1)))(p)
+    gs = jax.jit(jax.grad(scan_loss))(p)
+    g1 = jax.jit(jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1))))(p)
     assert_tree_close(gs, g1, rtol=1e-4, atol=1e-4)
     for dt in (jnp.bfloat16, jnp.float16):
         pd = jax.tree.map(lambda a, dt=dt: a.astype(dt), p)
-        yt = rc.apply(ls, pd, x.astype(dt), rows=3)
-        yr = rc.apply(ls, pd, x.astype(dt), rows=1)
+        yt, yr = jax.jit(lambda pd, xd: (rc.apply(ls, pd, xd, rows=3),
+                                         rc.apply(ls, pd, xd, rows=1)))(pd, x.astype(dt))
         assert yt.dtype == dt
         np.testing.assert_allclose(np.asarray(yt, np.float32), np.asarray(yr, np.float32),
                                    rtol=5e-2, atol=5e-2)
-        g = jax.grad(lambda pd, dt=dt: jnp.sum(rc.apply(ls, pd, x.astype(dt), rows=3)
-                                              .astype(jnp.float32)))(pd)
+        g = jax.jit(jax.grad(lambda pd, dt=dt: jnp.sum(rc.apply(ls, pd, x.astype(dt), rows=3)
+                                                      .astype(jnp.float32))))(pd)
         assert all(l.dtype == dt for l in jax.tree.leaves(g))
 
 
@@ -147,10 +147,10 @@ def test_grad_wrt_params_only_matches():
     shape = (1, 40, 8, 2)
     p = random_params(STACK, shape)
     x = _x(shape)
+    g1 = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=1)))))(p)
     for mode in rc.MODES:
-        g = jax.grad(lambda p, mode=mode: jnp.sum(jnp.sin(
-            rc.apply(STACK, p, x, rows=3, mode=mode))))(p)
-        g1 = jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=1))))(p)
+        g = jax.jit(jax.grad(lambda p, mode=mode: jnp.sum(jnp.sin(
+            rc.apply(STACK, p, x, rows=3, mode=mode)))))(p)
         assert_tree_close(g, g1, rtol=1e-4, atol=1e-5)
 
 
