@@ -9,6 +9,8 @@ upgrade that moves one of them breaks one file with one clear error.
 """
 from __future__ import annotations
 
+import contextlib
+
 from jax._src import compilation_cache, core, source_info_util, xla_bridge
 from jax._src import config as jax_config
 from jax._src import custom_partitioning as custom_partitioning_internal
@@ -24,6 +26,7 @@ __all__ = [
     "jax_config",
     "lax_internal",
     "name_p",
+    "persistent_cache_off",
     "prng",
     "saved_residuals",
     "scan_counts",
@@ -31,6 +34,26 @@ __all__ = [
     "xla_bridge",
     "xla_client",
 ]
+
+
+@contextlib.contextmanager
+def persistent_cache_off():
+    """Compilations inside neither read nor write JAX's persistent compilation cache (a
+    loaded executable writes none of XLA's dump files, and the cache key ignores the dump
+    options). JAX decides once per process whether the cache is used; that decision is
+    overridden for the duration and restored after."""
+    lock = getattr(compilation_cache, "_cache_initialized_mutex", None)
+    if lock is None or not hasattr(compilation_cache, "_cache_used"):
+        yield
+        return
+    with lock:
+        saved = compilation_cache._cache_checked, compilation_cache._cache_used
+        compilation_cache._cache_checked, compilation_cache._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            compilation_cache._cache_checked, compilation_cache._cache_used = saved
 
 
 def scan_counts(params) -> tuple[int, int]:

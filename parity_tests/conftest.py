@@ -41,8 +41,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 #: reference that a test also measures with ``compiled_memory``, the same eager op in two
 #: processes -- is loaded instead of compiled. A loaded executable is the compiled one (its
 #: memory analysis and HLO text included). Compile-only GPU plans cannot be loaded back (JAX
-#: warns and compiles again: the warning is filtered in ``pytest_configure``), and a compile
-#: that dumps files (``buffer_assignment``) needs a real compile: ``no_compilation_cache``.
+#: warns and compiles again: the warning is filtered in ``pytest_configure``);
+#: ``buffer_assignment`` compiles past the cache (a loaded executable dumps nothing).
 #: The compile options are unchanged: JAX's extra XLA caches that come with a persistent
 #: cache (GPU autotuning results) stay off. The folder is made by the first process that
 #: imports this file (the one xdist starts workers from) and removed when it exits;
@@ -162,15 +162,6 @@ def jax_device(request):
 @pytest.fixture
 def torch_device(request):
     return request.param
-
-
-@pytest.fixture
-def no_compilation_cache():
-    """Every compile in the test is a real one (e.g. for XLA's dump files)."""
-    before = bool(jax.config.jax_enable_compilation_cache)
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
 
 
 @pytest.fixture

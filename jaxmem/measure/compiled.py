@@ -237,7 +237,8 @@ def buffer_assignment(fn: Callable[..., Any], *args: Any,
                       devices: int = 1, gemm: str = "auto") -> str:
     """XLA's buffer assignment for ``fn`` on ``target`` (the ``--xla_dump_to`` listing of
     every allocation, its size and the values that share it; arguments as in
-    :func:`compiled_memory`)."""
+    :func:`compiled_memory`). The program is compiled for the listing even where JAX's
+    persistent compilation cache holds it (a loaded executable dumps nothing)."""
     who = "buffer_assignment"
     lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
                                      devices, gemm, who)

@@ -37,6 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmem._compat import persistent_cache_off
+
 __all__ = [
     "GPU_TARGETS",
     "TARGETS",
@@ -287,6 +289,13 @@ def compile_lowered(lowered: Any, target: str, gemm: str,
     options = dict(options or {})
     if target == "cpu":
         return lowered.compile(compiler_options=options or None), ""
+    # a compile-only GPU executable cannot be loaded back from JAX's persistent compilation
+    # cache: writing it there (serialising it) and failing to read it back cost seconds
+    with persistent_cache_off():
+        return _compile_for_gpu(lowered, gemm, options)
+
+
+def _compile_for_gpu(lowered: Any, gemm: str, options: dict[str, Any]) -> tuple[Any, str]:
     if gemm == "cublas":
         return lowered.compile({**options, "xla_gpu_enable_triton_gemm": False}), "cublas"
     try:
@@ -299,7 +308,8 @@ def compile_lowered(lowered: Any, target: str, gemm: str,
 
 def buffer_assignment_text(lowered: Any, target: str, gemm: str) -> str:
     """XLA's buffer assignment (``--xla_dump_to``) of ``lowered`` compiled for ``target``."""
-    with tempfile.TemporaryDirectory(prefix="jaxmem-dump-") as d:
+    # a persistent-cache hit would load an executable and dump nothing
+    with tempfile.TemporaryDirectory(prefix="jaxmem-dump-") as d, persistent_cache_off():
         compile_lowered(lowered, target, gemm, {"xla_dump_to": d})
         found = sorted(glob.glob(os.path.join(d, "*buffer-assignment.txt")))
         if not found:

@@ -33,19 +33,30 @@ def is_literal(v) -> bool:
     return isinstance(v, core.Literal)
 
 
-def _plain_jit(params: dict) -> bool:
-    """A ``jit`` call with no shardings, donation or layouts of its own (safe to inline)."""
-    for key in ("in_shardings", "out_shardings"):
-        for s in params.get(key, ()):
-            if type(s).__name__ not in ("UnspecifiedValue", "AUTO") and s is not None:
-                return False
-    return not any(params.get("donated_invars", ()))
+def _given(sharding) -> bool:
+    """Whether a ``jit`` sharding entry names a sharding (not unspecified / ``AUTO``)."""
+    return sharding is not None and type(sharding).__name__ not in ("UnspecifiedValue", "AUTO")
+
+
+def _inlinable_jit(params: dict) -> bool:
+    """A ``jit`` call that inlining keeps the meaning of: no layouts or compiler options of its
+    own. Its shardings become sharding constraints on the inlined body's inputs and outputs
+    (what a nested ``jit``'s shardings are to XLA's partitioner) and its donation is dropped
+    (a nested ``jit`` donates nothing: only the outermost call's buffers can be donated)."""
+    layouts = tuple(params.get("in_layouts", ())) + tuple(params.get("out_layouts", ()))
+    return all(x is None for x in layouts) and not params.get("compiler_options_kvs")
+
+
+def _constrained(values: Sequence[Any], shardings: Sequence[Any]) -> list:
+    """``values`` under ``lax.with_sharding_constraint`` where ``shardings`` names one."""
+    return [jax.lax.with_sharding_constraint(x, s) if _given(s) else x
+            for x, s in zip(values, shardings)]
 
 
 def _inlinable(eqn) -> bool:
     name = eqn.primitive.name
     if name in ("jit", "pjit"):
-        return _plain_jit(eqn.params)
+        return _inlinable_jit(eqn.params)
     return name in ("closed_call", "core_call")
 
 
@@ -109,8 +120,12 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, args, prefix: siu.NameStack,
             if eqn.primitive.name in ("jit", "pjit"):
                 inner = inner.extend(eqn.params.get("name", "jit"))
             tb = eqn.source_info.traceback
+            with _context(eqn, prefix, traceback):
+                invals = _constrained(invals, eqn.params.get("in_shardings", ()))
             outs = _eval_inlined(body.jaxpr, body.consts, invals, inner,
                                  tb if _has_user_frame(tb) else traceback)
+            with _context(eqn, prefix, traceback):
+                outs = _constrained(outs, eqn.params.get("out_shardings", ()))
         else:
             outs = bind_eqn(eqn, invals, prefix, traceback)
         for v, x in zip(eqn.outvars, outs):

@@ -4,7 +4,8 @@
 (values or tracers of any enclosing transformation) and returns the outputs.  Per jaxpr
 level it
 
-1. inlines plain ``jit`` / ``closed_call`` bodies (:func:`~jaxmem.transform.graph.inline_calls`),
+1. inlines ``jit`` / ``closed_call`` bodies (:func:`~jaxmem.transform.graph.inline_calls`; a
+   ``jit``'s shardings become sharding constraints on the body's inputs and outputs),
 2. runs the matchers on the flat jaxpr (attention first, then normalisations, dropout,
    max pools, products, then activation subgraphs, each on the equations the earlier ones left),
 3. walks the equations in order: a matched set is re-emitted as its op at its last
@@ -19,7 +20,7 @@ level it
 Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
 ``custom_vjp_call`` bodies (their derivative rules must stay theirs; a ``custom_jvp`` with
 an elementwise body is still part of an activation subgraph) and ``jit`` calls with their
-own shardings or donation (not yet).
+own layouts or compiler options.
 """
 from __future__ import annotations
 
@@ -283,8 +284,8 @@ _WHY_NOT = {
     "custom_lin": _CUSTOM, "custom_transpose_call": _CUSTOM,
     "shard_map": "its parameters are not the ones this version of jaxmem re-builds a "
                  "shard_map from (another JAX version); bound unchanged",
-    "jit": "a jit with its own shardings or donation: not inlined; bound unchanged",
-    "pjit": "a jit with its own shardings or donation: not inlined; bound unchanged",
+    "jit": "a jit with its own layouts or compiler options: not inlined; bound unchanged",
+    "pjit": "a jit with its own layouts or compiler options: not inlined; bound unchanged",
 }
 
 

@@ -151,17 +151,42 @@ def test_gemm_backend_recorded():
 
 
 @needs_plan
-@pytest.mark.usefixtures("no_compilation_cache")  # the listing is a file the compile writes
 def test_buffer_assignment_lists_allocations():
     w, x = _args(6)
+    # the test run's persistent compilation cache (conftest) holds the program once
+    # compiled_memory has compiled it: buffer_assignment still compiles it and lists it
+    compiled_memory(GRAD, w, x)
+    cpu = buffer_assignment(GRAD, w, x)
+    assert re.search(r"^allocation \d+: size", cpu, flags=re.MULTILINE)
     text = buffer_assignment(GRAD, w, x, target="h100")
     allocs = re.findall(r"^allocation \d+: size (\d+)", text, flags=re.MULTILINE)
     assert allocs, text[:1000]
     sizes = [int(s) for s in allocs]
     assert x.nbytes in sizes and w.nbytes in sizes  # the two parameters
     assert re.search(r"parameter 0", text) and re.search(r"parameter 1", text)
-    cpu = buffer_assignment(GRAD, w, x)  # the CPU's assignment too
-    assert re.search(r"^allocation \d+: size", cpu, flags=re.MULTILINE)
+
+
+def _gpu_plan_only_program(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 3)
+
+
+@needs_plan
+@pytest.mark.skipif(not jax.config.jax_compilation_cache_dir,
+                    reason="needs the test run's persistent compilation cache")
+def test_gpu_plan_compiles_skip_the_persistent_cache():
+    """A compile-only GPU executable cannot be loaded back: it is not written to the cache
+    (a CPU compile of the same program is)."""
+    w, x = _args(8)
+    d = jax.config.jax_compilation_cache_dir
+
+    def entries():
+        return [f for f in os.listdir(d) if "gpu_plan_only_program" in f]
+
+    before = entries()
+    compiled_memory(_gpu_plan_only_program, w, x, target="h100")
+    assert entries() == before
+    compiled_memory(_gpu_plan_only_program, w, x)
+    assert len(entries()) == len(before) + 1
 
 
 @needs_plan
