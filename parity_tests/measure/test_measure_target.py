@@ -310,6 +310,7 @@ def test_import_is_silent_and_does_not_load_the_plugin():
         assert "LOADED False" in r.stdout, r.stdout
 
 
+@needs_plan
 def test_custom_partitioning_op_compiles_sharded_on_a_gpu_target():
     """A ``custom_partitioning`` op (jaxmem's tie) in a step sharded over 8 compile-only GPUs:
     the plugin loaded by jaxmem gets JAX's partitioning callbacks, so it compiles."""
