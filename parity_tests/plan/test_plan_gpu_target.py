@@ -92,16 +92,23 @@ def make():
 '''
 
 
-def test_cli_plans_typed_key_in_batch(tmp_path, monkeypatch):
+def _cli_plan(tmp_path, monkeypatch, target):
+    """``jaxmem plan`` of :data:`USER` (budget 0.85, no order) for ``target``: its plan.json,
+    checked for the target and the budget."""
     (tmp_path / "plan_key_user.py").write_text(USER)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "o"
-    rc = cli_main(["plan_key_user:make", "--budget", "0.85", "--no-order", "--target", "cpu",
+    rc = cli_main(["plan_key_user:make", "--budget", "0.85", "--no-order", "--target", target,
                    "--out", str(out)])
     assert rc == 0
     d = json.loads((out / "plan.json").read_text())
-    assert d["target"] == "cpu"
+    assert d["target"] == target
     assert d["compiled_bytes"] <= d["budget_bytes"] < d["default_bytes"]
+    return d
+
+
+def test_cli_plans_typed_key_in_batch(tmp_path, monkeypatch):
+    _cli_plan(tmp_path, monkeypatch, "cpu")
 
 
 def test_cli_target_reaches_the_planner(tmp_path, monkeypatch, key_plan_h100):
@@ -117,17 +124,9 @@ def test_cli_target_reaches_the_planner(tmp_path, monkeypatch, key_plan_h100):
         return key_plan_h100[-1]
 
     monkeypatch.setattr(planner_pkg, "plan", fake_plan)
-    (tmp_path / "plan_key_user.py").write_text(USER)
-    monkeypatch.chdir(tmp_path)
-    out = tmp_path / "o"
-    rc = cli_main(["plan_key_user:make", "--budget", "0.85", "--no-order", "--target", "h100",
-                   "--out", str(out)])
-    assert rc == 0
+    _cli_plan(tmp_path, monkeypatch, "h100")
     assert (seen["target"], seen["budget"], seen["order"], seen["n_args"]) == \
         ("h100", "0.85", False, 2)
-    d = json.loads((out / "plan.json").read_text())
-    assert d["target"] == "h100"
-    assert d["compiled_bytes"] <= d["budget_bytes"] < d["default_bytes"]
 
 
 # --- recomputed units on the H100 plan: plain jax.checkpoint where it fits --------------------
