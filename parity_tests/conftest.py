@@ -40,9 +40,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 #: a program compiled a second time -- the same HLO, options and devices, e.g. a jitted
 #: reference that a test also measures with ``compiled_memory``, the same eager op in two
 #: processes -- is loaded instead of compiled. A loaded executable is the compiled one (its
-#: memory analysis and HLO text included). Compile-only GPU plans cannot be loaded back (JAX
-#: warns and compiles again: the warning is filtered in ``pytest_configure``);
-#: ``buffer_assignment`` compiles past the cache (a loaded executable dumps nothing).
+#: memory analysis and HLO text included). GPU-plan compiles and ``buffer_assignment`` bypass
+#: the cache (``jaxmem.measure``: a compile-only GPU executable cannot be loaded back, and a
+#: loaded executable dumps nothing).
 #: The compile options are unchanged: JAX's extra XLA caches that come with a persistent
 #: cache (GPU autotuning results) stay off. The folder is made by the first process that
 #: imports this file (the one xdist starts workers from) and removed when it exits;
@@ -113,9 +113,6 @@ def torch_has_cuda() -> bool:
 
 
 def pytest_configure(config):
-    # compile-only GPU executables are not deserializable: JAX compiles them again
-    config.addinivalue_line(
-        "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning")
     if jax_has_gpu():
         jax.config.update("jax_default_matmul_precision", "highest")
     if torch_has_cuda():

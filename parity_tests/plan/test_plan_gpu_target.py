@@ -93,8 +93,8 @@ def make():
 
 
 def _cli_plan(tmp_path, monkeypatch, target):
-    """``jaxmem plan`` of :data:`USER` (budget 0.85, no order) for ``target``: its plan.json,
-    checked for the target and the budget."""
+    """``jaxmem plan`` of :data:`USER` (budget 0.85, no order) for ``target``; its plan.json
+    is checked for the target and the budget."""
     (tmp_path / "plan_key_user.py").write_text(USER)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "o"
@@ -104,7 +104,6 @@ def _cli_plan(tmp_path, monkeypatch, target):
     d = json.loads((out / "plan.json").read_text())
     assert d["target"] == target
     assert d["compiled_bytes"] <= d["budget_bytes"] < d["default_bytes"]
-    return d
 
 
 def test_cli_plans_typed_key_in_batch(tmp_path, monkeypatch):
