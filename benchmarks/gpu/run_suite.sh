@@ -26,8 +26,9 @@ if [ "${STEPS:-0}" = 1 ]; then
     2>&1 | grep -v -i warn | tail -30
 fi
 if [ "${SUITE:-1}" = 1 ]; then   # SIGINT at the limit: pytest still prints its summary
-  timeout -s INT -k 20 ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -q -p no:cacheprovider -rfE \
-    --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-parity_tests} 2>&1 | tee "$OUT/suite.log" | tail -40
+  # -v: one line per test as it ends, so the names of failures survive a run cut short
+  timeout -s INT -k 20 ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -v -p no:cacheprovider -rfE \
+    --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-parity_tests} 2>&1 | tee "$OUT/suite.log" | grep -v " PASSED " | tail -40
   echo "suite exit ${PIPESTATUS[0]}"
 fi
 if [ -n "${BENCH:-}" ]; then

@@ -24,9 +24,11 @@ matmuls get XLA's default Triton tiles and cuBLAS/cuDNN workspaces are not count
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import glob
+import hashlib
 import os
 import sys
 import tempfile
@@ -289,10 +291,38 @@ def compile_lowered(lowered: Any, target: str, gemm: str,
     options = dict(options or {})
     if target == "cpu":
         return lowered.compile(compiler_options=options or None), ""
+    key = _gpu_compile_key(lowered, target, gemm) if not options else None
+    if key is not None and key in _GPU_COMPILED:
+        _GPU_COMPILED.move_to_end(key)
+        return _GPU_COMPILED[key]
     # a compile-only GPU executable cannot be loaded back from JAX's persistent compilation
     # cache: writing it there (serialising it) and failing to read it back cost seconds
     with persistent_cache_off():
-        return _compile_for_gpu(lowered, gemm, options)
+        out = _compile_for_gpu(lowered, gemm, options)
+    if key is not None:
+        _GPU_COMPILED[key] = out
+        while len(_GPU_COMPILED) > _GPU_COMPILED_MAX:
+            _GPU_COMPILED.popitem(last=False)
+    return out
+
+
+#: The last compile-only GPU executables, by :func:`_gpu_compile_key`. JAX's persistent
+#: cache cannot hold them (above), and the same program is often compiled for a target more
+#: than once in a process (a planner's chosen step and its check, one default step measured
+#: beside several variants); an XLA:GPU compile takes seconds even for a small step.
+_GPU_COMPILED: collections.OrderedDict[tuple, tuple[Any, str]] = collections.OrderedDict()
+_GPU_COMPILED_MAX = 32
+
+
+def _gpu_compile_key(lowered: Any, target: str, gemm: str) -> tuple:
+    """What a compile-only GPU compile depends on besides the process's ``XLA_FLAGS``: the
+    target, the GEMM choice, the program as lowered (its text holds the shardings, donation
+    and device count) and the JAX options that reach XLA's compile options."""
+    text = lowered.as_text()
+    return (target, gemm, hashlib.sha256(text.encode()).hexdigest(), len(text),
+            jax.config.jax_compiler_enable_remat_pass,
+            jax.config.jax_exec_time_optimization_effort,
+            jax.config.jax_memory_fitting_effort)
 
 
 def _compile_for_gpu(lowered: Any, gemm: str, options: dict[str, Any]) -> tuple[Any, str]:

@@ -4,6 +4,7 @@
 functions, NNX) and its warning."""
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -42,16 +43,21 @@ class _Net(nn.Module):
 
 
 NET = _Net()
-PARAMS = NET.init(jax.random.key(0), X)
+
+
+@functools.cache
+def _params():
+    """The untouched network's variables (made on first use, not when the suite collects)."""
+    return NET.init(jax.random.key(0), X)
 
 
 def _grad(model):
     # jitted: traced where it is called (inside or outside a scope), one compiled program
-    return jax.jit(jax.grad(lambda p: model.apply(p, X)))(PARAMS)
+    return jax.jit(jax.grad(lambda p: model.apply(p, X)))(_params())
 
 
 def _jaxpr(model):
-    return str(jax.make_jaxpr(jax.grad(lambda p: model.apply(p, X)))(PARAMS))
+    return str(jax.make_jaxpr(jax.grad(lambda p: model.apply(p, X)))(_params()))
 
 
 def _same(a, b):
@@ -148,12 +154,12 @@ def test_converted_module_inside_a_scope_keeps_its_own_options():
 def test_init_inside_a_scope_gives_the_same_variables():
     with jaxmem.scope(fewbit=2):
         v = NET.init(jax.random.key(0), X)
-    _same(v, PARAMS)
+    _same(v, _params())
 
 
 def test_report_of_a_scoped_call_lists_the_transformation_rows():
     with jaxmem.scope():
-        rep = jaxmem.report(lambda p: NET.apply(p, X), PARAMS)
+        rep = jaxmem.report(lambda p: NET.apply(p, X), _params())
     kinds = [e.kind for e in rep.converted()]
     assert kinds.count("dot") == 4 and kinds.count("norm") == 2
     assert {e.path for e in rep.by_kind("norm")} == {"_Block_0/LayerNorm_0",

@@ -189,6 +189,34 @@ def test_gpu_plan_compiles_skip_the_persistent_cache():
     assert len(entries()) == len(before) + 1
 
 
+def _memo_program(w, x):
+    return jnp.sum(jnp.sin(x @ w) ** 2)
+
+
+@needs_plan
+def test_gpu_compile_of_the_same_program_is_reused(monkeypatch):
+    """A program compiled for a GPU target again (same text, target and GEMM choice) is not
+    compiled again; another shape, target or GEMM choice is, and a dump is always made."""
+    from jaxmem.measure import target as tgt
+
+    calls = []
+    real = tgt._compile_for_gpu
+    monkeypatch.setattr(tgt, "_compile_for_gpu",
+                        lambda lowered, gemm, options: calls.append(gemm) or
+                        real(lowered, gemm, options))
+    w, x = _args(9)
+    first = compiled_memory(_memo_program, w, x, target="h100")
+    again = compiled_memory(_memo_program, w, x, target="h100")
+    assert len(calls) == 1 and again.total_bytes == first.total_bytes
+    assert compiled_hlo(_memo_program, w, x, target="h100") \
+        and len(calls) == 1                                    # same program: reused
+    compiled_memory(_memo_program, w, x, target="h100", gemm="cublas")
+    compiled_memory(_memo_program, w, x, target="a100")
+    compiled_memory(_memo_program, w[:, :5], x, target="h100")
+    assert len(calls) == 4
+    assert buffer_assignment(_memo_program, w, x, target="h100") and len(calls) == 5
+
+
 @needs_plan
 def test_default_backend_and_devices_unchanged_after_gpu_compile():
     before = (jax.default_backend(), list(jax.devices()))
