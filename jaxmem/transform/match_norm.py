@@ -29,6 +29,27 @@ the normalised axes); what is checked is the function.  Since the subgraph conta
 op is exact (up to float rounding: the statistics are computed in its own order).
 An accepted candidate is extended through following ``+ bias`` / ``* scale`` equations
 while the function still matches.
+
+Statistics pooled over named axes (Flax's ``BatchNorm(axis_name=..., axis_index_groups=...)``
+under ``vmap(axis_name=...)``, ``shard_map`` or ``pmap``)::
+
+    mu  = psum(mean(x, A)) / R          var = psum(mean(x^2, A)) / R - mu^2   (or of (x - mu)^2)
+
+(``lax.pmean`` is ``psum`` and a division by the ``R`` replicas of the axis or of an
+``axis_index_groups`` group; ``psum_invariant`` under ``shard_map``).  The cone also crosses
+these sums and the ``stack`` / ``slice`` / ``pvary`` around them.  A sum over replicas cannot
+be evaluated alone, so such a candidate is checked as a function of several replicas:
+replicas interact only through the sums, and a sum over ``R`` replicas is ``R`` times the
+mean of the summed values over them.  The check draws :data:`_SIMULATED` replicas, each with
+its own ``x``, scale and bias, evaluates every sum as ``R`` times the mean over them (for
+``R`` a multiple of the draws: the function of ``R`` replicas holding them in equal shares),
+and compares each replica's outputs with ``N`` whose statistics are pooled over the draws
+(``mu`` = mean over replicas and ``A``, ``var`` likewise).  A spelling that pools something
+else, e.g. each replica's variance around its own mean, differs there.  An accepted one is
+re-emitted as :func:`jaxmem.selective.batch_norm` with the same ``axis_name`` and
+``axis_index_groups`` (the sums' derivatives are JAX's transposes of ``psum`` on both
+sides).  Only batch norms (statistics over all axes but one, scale / bias along it) are
+re-emitted; other pooled normalisations are reported and left.
 """
 from __future__ import annotations
 
@@ -38,6 +59,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxmem.transform.graph import (
     Graph,
@@ -54,15 +76,23 @@ from jaxmem.transform.report import Row
 
 __all__ = ["match_norms"]
 
+#: sums over named axes a normalisation's statistics may go through (``lax.pmean`` is a
+#: ``psum`` and a division; ``psum_invariant`` under ``shard_map``)
+_COLLECTIVES = {"psum", "psum_invariant"}
+#: primitives that move values between positions (a region with them is compared everywhere)
+_MOVES = {"slice", "stack", "concatenate"}
 #: primitives a normalisation subgraph may consist of (no ``stop_gradient``: a statistic
 #: held constant has another derivative than the normalisation)
 _CONE = (ELEMENTWISE - {"rem", "floor", "ceil", "round", "sign", "nextafter"}) | {
-    "reduce_sum", "broadcast_in_dim", "reshape", "squeeze", "expand_dims"}
+    "reduce_sum", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary",
+    "pcast"} | _MOVES | _COLLECTIVES
 #: most equations followed forward from one candidate input
 _CONE_LIMIT = 160
 #: most candidate outputs checked per candidate input
 _TRIES = 6
 _TOL = 1e-9
+#: replicas simulated when checking a normalisation with pooled statistics
+_SIMULATED = 3
 
 
 def _shape(v) -> tuple:
@@ -177,19 +207,39 @@ class _Region:
                 if v not in self.sides:
                     self.sides.append(v)
         self.const_eqns, self.consts = support(graph, statics)
+        self.collectives = [eqns[j] for j in sorted(self.anc | self.const_eqns)
+                            if eqns[j].primitive.name in _COLLECTIVES]
+        self.moves = any(eqns[j].primitive.name in _MOVES for j in self.anc)
 
-    def evaluate(self, x, sides: list) -> list:
-        """The region's ``[out, *extras]`` for these values (any float dtype)."""
-        g = self.graph
-        env: dict = {self.root: x}
-        env.update(self.consts)
-        env.update(zip(self.sides, sides))
+    def evaluate(self, x, sides: list, replicas: int = 0) -> list:
+        """The region's ``[out, *extras]`` for these values (any float dtype).
+
+        ``replicas = R``: ``x``, the side inputs and the outputs have a leading axis of
+        simulated replicas, evaluated side by side; a sum over the named axes (of ``R``
+        replicas) is ``R`` times the mean over the simulated ones."""
+        k = len(x) if replicas else 1
+        xs = list(x) if replicas else [x]
+        envs = []
+        for r in range(k):
+            env: dict = {self.root: xs[r]}
+            env.update(self.consts)
+            env.update(zip(self.sides, [s[r] for s in sides] if replicas else sides))
+            envs.append(env)
         for j in sorted(self.anc | self.const_eqns):
-            eqn = g.jaxpr.eqns[j]
-            invals = [v.val if is_literal(v) else env[v] for v in eqn.invars]
-            for v, o in zip(eqn.outvars, _generic(eqn, invals, x, _shape(self.root))):
-                env[v] = o
-        return [env[self.out]] + [env[v] for v in self.extras]
+            eqn = self.graph.jaxpr.eqns[j]
+            ins = [[v.val if is_literal(v) else env[v] for v in eqn.invars] for env in envs]
+            if eqn.primitive.name in _COLLECTIVES:
+                if not replicas:
+                    raise NotImplementedError("a sum over named axes")
+                tot = [jnp.asarray(sum(a) * (replicas / k), jnp.result_type(a[0]))
+                       for a in zip(*ins)]
+                outs = [tot] * k
+            else:
+                outs = [_generic(eqn, i, y, _shape(self.root)) for i, y in zip(ins, xs)]
+            for env, o in zip(envs, outs):
+                env.update(zip(eqn.outvars, o))
+        res = [[env[self.out]] + [env[v] for v in self.extras] for env in envs]
+        return [jnp.stack(col) for col in zip(*res)] if replicas else res[0]
 
 
 def _side_source(graph: Graph, v, root):
@@ -275,6 +325,13 @@ def _spec(region: _Region):
         feat |= f
     if group and (feat - {len(shape) - 1}):
         return None, "a group norm's scale / bias is not per channel"
+    pool = _pooling(region)
+    if isinstance(pool, str):
+        return None, pool
+    if pool is not None and (group or len(axes) != len(shape) - 1
+                             or not feat <= set(range(len(shape))) - set(axes)):
+        return None, (f"statistics pooled over {_named(pool)}: only a batch norm (statistics "
+                      "over all axes but one, scale / bias along it) is converted")
     eps_cands = sorted({g.uniform(v) for j in region.anc if eqns[j].primitive.name == "add"
                         for v in eqns[j].invars if g.uniform(v) is not None} - {0.0})
     eps_cands = [e for e in eps_cands if 0 < e < 1] or [0.0]
@@ -287,10 +344,11 @@ def _spec(region: _Region):
         roles = [(0, 1), (1, 0)]
     key = _region_key(region)
     if key is not None:
-        key += (shape, axes, group, tuple(b for _, b in sides), tuple(eps_cands), inv)
+        key += (shape, axes, group, tuple(b for _, b in sides), tuple(eps_cands), inv, pool)
     verdict = _VERDICTS.get(key) if key is not None else None
     if verdict is None:
-        verdict = _verify(region, shape, axes, group, sides, eps_cands, inv, roles)
+        verdict = _verify(region, shape, axes, group, sides, eps_cands, inv, roles,
+                          pool[2] if pool else 0)
         if key is not None:
             if len(_VERDICTS) >= 1024:
                 _VERDICTS.clear()
@@ -299,10 +357,41 @@ def _spec(region: _Region):
     if found is None:
         return None, why
     (sm, eps, sc, bi), stats = found
+    if pool is not None and not sm:
+        return None, f"an RMS norm with statistics pooled over {_named(pool)}: not converted"
     return {"axes": axes, "group": group, "sub_mean": sm, "eps": eps, "inv": inv,
-            "scale": sc, "bias": bi, "sides": sides, "stats": stats,
+            "scale": sc, "bias": bi, "sides": sides, "stats": stats, "pool": pool,
             "feat": tuple(sorted(feat)) or axes,
             "fast": not any(_reduces_reduced(g, e, region.anc) for e in reds)}, ""
+
+
+def _pooling(region: _Region):
+    """``(axis names, axis_index_groups, R)`` of the sums over named axes in ``region``
+    (``R`` replicas take part in each sum), ``None`` without any, or why not supported."""
+    kinds = set()
+    for e in region.collectives:
+        groups = e.params.get("axis_index_groups")
+        kinds.add((tuple(e.params["axes"]),
+                   None if groups is None else tuple(tuple(int(i) for i in g) for g in groups)))
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        return "its statistics are summed over different named axes"
+    ((names, groups),) = kinds
+    if any(isinstance(a, (int, np.integer)) for a in names):
+        return "its statistics are summed over positional axes"
+    if groups:
+        return names, groups, len(groups[0])
+    try:
+        return names, None, math.prod(lax.axis_size(a) for a in names)
+    except (NameError, ValueError, TypeError) as e:
+        return f"the size of axis {names} is unknown here: {e}"
+
+
+def _named(pool) -> str:
+    names, groups, _ = pool
+    out = "axis " + ", ".join(repr(a) for a in names)
+    return out + (f" (axis_index_groups {list(map(list, groups))})" if groups else "")
 
 
 #: verdicts of :func:`_verify` per region structure (a model's repeated layers are checked once)
@@ -334,8 +423,9 @@ def _positions(region: _Region, shape, axes, group, rng):
     reduced axis. A region of the cone's primitives whose constants are all uniform treats
     those positions alike (its side inputs are random along them), so equality there is
     equality everywhere; otherwise, and for group norms, ``None``: every position."""
-    if group or any(np.asarray(c).size > 1 and not np.all(np.asarray(c) == np.asarray(c).flat[0])
-                    for c in region.consts.values()):
+    if group or region.moves or any(
+            np.asarray(c).size > 1 and not np.all(np.asarray(c) == np.asarray(c).flat[0])
+            for c in region.consts.values()):
         return None
     rank = len(shape)
     reduced = {a % rank for a in axes}
@@ -352,17 +442,25 @@ def _take(a, sel):
     return a
 
 
-def _at(sel, x, outs, shape, axes, group):
-    """``x`` and the region's outputs (``y`` and keepdims statistics) at ``sel``."""
-    if sel is None:
-        return x, outs
+def _at(sel, x, outs, shape, axes):
+    """``x`` and the region's outputs (``y`` and keepdims statistics) at ``sel`` (``None``:
+    everywhere)."""
     rank = len(shape)
+    sel = sel or (slice(None),) * rank
     stat_shape = tuple(1 if d in {a % rank for a in axes} else n for d, n in enumerate(shape))
     picked = [_take(outs[0].reshape(shape), sel)]
     for e in outs[1:]:
         picked.append(_take(e.reshape(stat_shape), sel) if e.size == math.prod(stat_shape)
                       else np.full((1,), np.nan))       # a statistic of another shape: no match
     return _take(x, sel), picked
+
+
+def _close_stat(e, m) -> bool:
+    """A statistic of the region equals the model's (``m`` broadcasts over replicas)."""
+    try:
+        return _close(e, np.broadcast_to(m, e.shape))
+    except ValueError:
+        return False
 
 
 def _at_side(sel, s):
@@ -372,40 +470,51 @@ def _at_side(sel, s):
     return _take(s, tuple(slice(None) if n == 1 else q for q, n in zip(sel, s.shape)))
 
 
-def _verify(region: _Region, shape, axes, group, sides, eps_cands, inv, roles):
+def _verify(region: _Region, shape, axes, group, sides, eps_cands, inv, roles,
+            replicas: int = 0):
     """``((sub_mean, eps, scale, bias), stats)`` of the normalisation candidate the region
-    computes in float64 on two random draws, or ``(None, reason)``."""
+    computes in float64 on two random draws, or ``(None, reason)``.
+
+    ``replicas = R`` (statistics summed over named axes of ``R`` replicas): the draws are
+    :data:`_SIMULATED` different replicas (each with its own ``x``, scale and bias) and the
+    model's statistics are pooled over them (see the module docstring)."""
     cands = [(sm, eps, sc, bi) for eps in eps_cands for sm in (True, False)
              for sc, bi in roles]
     rng = np.random.default_rng(0)
     sel = _positions(region, shape, axes, group, rng)
+    lead = (_SIMULATED,) if replicas else ()
+    # per replica: ``shape`` behind the replica axis; the model also reduces over replicas
+    rshape, raxes = lead + shape, tuple(a + len(lead) for a in axes)
+    maxes = (0,) + raxes if replicas else raxes
+    rsel = None if sel is None else (slice(None),) * len(lead) + sel
     try:
         with jax.enable_x64(True), jax.ensure_compile_time_eval():
             for draw in range(2):
                 eps_scale = math.sqrt(max(eps_cands[0], 1e-300)) if draw else 1.0
                 off = 0.7 if draw == 0 else 0.3 * eps_scale
-                x = (rng.standard_normal(shape) * eps_scale * (1.5 if draw else 1.0)
-                     + off * rng.standard_normal(shape[:-1] + (1,)))
-                svals = [rng.standard_normal(b) * 0.5 + 1.0 for _, b in sides]
-                args = [s.reshape(_shape(v)) if src is v else
-                        np.broadcast_to(s.reshape(b), _shape(v))
+                x = (rng.standard_normal(rshape) * eps_scale * (1.5 if draw else 1.0)
+                     + off * rng.standard_normal(rshape[:-1] + (1,)))
+                svals = [rng.standard_normal(lead + b) * 0.5 + 1.0 for _, b in sides]
+                args = [s.reshape(lead + _shape(v)) if src is v else
+                        np.broadcast_to(s.reshape(lead + b), lead + _shape(v))
                         for s, (src, b), v in zip(svals, sides, region.sides)]
                 outs = [np.asarray(o, np.float64) for o in region.evaluate(
-                    jnp.asarray(x, jnp.float64), [jnp.asarray(a, jnp.float64) for a in args])]
-                xs, outs = _at(sel, x, outs, shape, axes, group)
-                sv = [_at_side(sel, s.reshape(b)) for s, (_, b) in zip(svals, sides)]
+                    jnp.asarray(x, jnp.float64), [jnp.asarray(a, jnp.float64) for a in args],
+                    replicas)]
+                xs, outs = _at(rsel, x, outs, rshape, raxes)
+                sv = [_at_side(rsel, s.reshape(lead + b)) for s, (_, b) in zip(svals, sides)]
                 keep = []
                 for c in cands:
                     sm, eps, sc, bi = c
-                    y, mu, var = _model(xs, axes, group, sm, eps, inv,
+                    y, mu, var = _model(xs, maxes, group, sm, eps, inv,
                                         None if sc is None else sv[sc],
                                         None if bi is None else sv[bi])
                     if not _close(outs[0], y):
                         continue
                     stats = []
                     for e in outs[1:]:
-                        which = ("mu" if sm and not group and _close(e, mu) else
-                                 "var" if not group and _close(e, var) else None)
+                        which = ("mu" if sm and not group and _close_stat(e, mu) else
+                                 "var" if not group and _close_stat(e, var) else None)
                         stats.append(which)
                     if None in stats:
                         continue
@@ -415,7 +524,7 @@ def _verify(region: _Region, shape, axes, group, sides, eps_cands, inv, roles):
                     return None, ("computes no LayerNorm / RMSNorm / BatchNorm / GroupNorm "
                                   "of x with these statistics")
     except (ValueError, TypeError, ArithmeticError, KeyError, IndexError, RuntimeError,
-            NotImplementedError) as e:  # a subgraph that cannot be evaluated: left as it was
+            NotImplementedError, NameError) as e:  # cannot be evaluated: left as it was
         return None, f"could not be evaluated: {e}"
     return (cands[0], keep[0][4]), ""
 
@@ -438,7 +547,7 @@ def _kind(spec) -> str:
 
 
 def _emitter(spec, root, out, extras):
-    from jaxmem.selective import group_norm, normalize
+    from jaxmem.selective import batch_norm, group_norm, normalize
 
     axes, group, eps = spec["axes"], spec["group"], spec["eps"]
     sides, sc, bi = spec["sides"], spec["scale"], spec["bias"]
@@ -459,9 +568,17 @@ def _emitter(spec, root, out, extras):
                            None if bias is None else bias.reshape(-1), num_groups=group,
                            eps=eps, dtype=dtype)
             return [y]
-        y, mu, var = normalize(x, scale, bias, axes=axes, feature_axes=feat, eps=eps,
-                               subtract_mean=spec["sub_mean"], fast_variance=spec["fast"],
-                               dtype=dtype, inv_mode=spec["inv"])
+        if spec["pool"] is not None:   # statistics pooled over named axes (a batch norm)
+            names, groups, _ = spec["pool"]
+            (chan,) = set(range(len(shape))) - set(axes)
+            y, mu, var = batch_norm(x, scale, bias, train=True, axis=chan, eps=eps,
+                                    dtype=dtype, fast_variance=spec["fast"],
+                                    inv_mode=spec["inv"], axis_index_groups=groups,
+                                    axis_name=names[0] if len(names) == 1 else names)
+        else:
+            y, mu, var = normalize(x, scale, bias, axes=axes, feature_axes=feat, eps=eps,
+                                   subtract_mean=spec["sub_mean"], fast_variance=spec["fast"],
+                                   dtype=dtype, inv_mode=spec["inv"])
         outs = [y]
         for e, which in zip(extras, spec["stats"]):
             s = mu if which == "mu" else var
@@ -537,12 +654,15 @@ def _make_match(graph: Graph, region: _Region, spec, path: str) -> Match:
         parts.append("scale")
     if spec["bias"] is not None:
         parts.append("bias")
+    if spec["pool"] is not None:
+        parts.append("statistics pooled over " + _named(spec["pool"]))
     if region.extras:
         parts.append("statistics used elsewhere: " + ", ".join(spec["stats"]))
     what = f"{kind} {aval_str(region.root)} [{', '.join(parts)}]"
     where = first_location([last] + [eqns[j] for j in sorted(region.anc, reverse=True)])
-    row = Row("norm", what, "jaxmem.selective." + ("group_norm" if spec["group"] else
-                                                  "normalize"), True,
+    op = ("group_norm" if spec["group"] else
+          "batch_norm" if spec["pool"] is not None else "normalize")
+    row = Row("norm", what, "jaxmem.selective." + op, True,
               "keeps x and its statistics (a following product shares them)",
               where, name_stack(last), path)
     return Match(frozenset(region.anc), anchor, [region.root, *side_vars],

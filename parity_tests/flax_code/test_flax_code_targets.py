@@ -62,13 +62,6 @@ def _per_layer(measure):
     return (measure(2) - measure(1)) / (D * B * H * H * C)
 
 
-_SYNC_BN = pytest.mark.xfail(
-    strict=True, reason="jaxmem.transform's norm matcher does not cross lax.pmean: a BatchNorm "
-    "with axis_name keeps what Flax's autodiff keeps (exact, no saving); the glue's layer "
-    "rule did, the transformation does not yet")
-
-
-@_SYNC_BN
 @pytest.mark.parametrize("fast", [True, False])
 def test_sync_batch_norm_keeps_one_input_sized_residual_per_layer(fast):
     def res(convert):
@@ -82,7 +75,6 @@ def test_sync_batch_norm_keeps_one_input_sized_residual_per_layer(fast):
     assert ours <= 4.0 + 0.1, f"{ours:.2f} B/element per layer"
 
 
-@_SYNC_BN
 def test_sync_batch_norm_compiled_slope_keeps_the_saving():
     def comp(convert):
         def m(depth):
