@@ -16,7 +16,9 @@ and ``<.>`` the mean over ``axes``, the exact vector-Jacobian products are
     dL/dscale = sum(g * xhat)          dL/dbias = sum(g)       (over non-parameter axes)
 
 Residuals: ``x`` (tagged ``jaxmem.selective.norm.input``) plus the per-group ``mu`` and
-``rstd`` iff ``x`` or ``scale`` is differentiated; ``xhat`` is recomputed from them in the
+``rstd`` (``sqrt(var + eps)`` for the ``1/sqrt`` spelling with ``x`` differentiated, so the
+forward's ``rstd`` is JAX's bit for bit: see ``_inv_std_kept``) iff ``x`` or ``scale`` is
+differentiated; ``xhat`` is recomputed from them in the
 backward pass. That is one input-sized tensor (4 B/element in f32) where JAX's autodiff keeps
 8-12 B/element, and nothing input-sized when only ``bias`` is trained. Storing ``x`` rather
 than ``xhat`` lets XLA share the buffer with any other residual that is the same array.
@@ -80,6 +82,32 @@ def _inv_std(var, eps, inv_mode):
     return jnp.reciprocal(jnp.sqrt(var + eps))
 
 
+def _inv_std_kept(var, eps, inv_mode, differentiated):
+    """``(rstd, kept)``: ``1/sqrt(var+eps)`` as :func:`_inv_std`, and what the backward keeps
+    to have it again (``rstd`` itself, or ``sqrt(var+eps)`` -- same size -- see below).
+
+    ``1/sqrt`` with ``var`` differentiated: JAX's autodiff of that spelling keeps
+    ``sqrt(var+eps)`` for its backward, so XLA computes ``rstd`` as ``divide(1, sqrt)``;
+    where the ``sqrt`` has no other use, XLA rewrites ``1/sqrt`` to ``rsqrt``, which differs
+    in the last bit (XLA:CPU). One ulp in ``rstd`` moves the forward by rounding, but a ReLU
+    mask downstream flips where its input is that close to 0, and the gradient with it (a
+    converted ResNet-50's gradients were 3e-2 off JAX's). Keeping ``sqrt(var+eps)`` (used
+    again by the backward, so it has two uses) gives the forward JAX's ``rstd`` bit for bit."""
+    if inv_mode == "rsqrt" or not differentiated:
+        return (rstd := _inv_std(var, eps, inv_mode)), rstd
+    sd = jnp.sqrt(var + eps)
+    return jnp.reciprocal(sd), sd
+
+
+def _rstd_from_kept(kept, sqrt_kept, dep):
+    """The backward's ``rstd`` from :func:`_inv_std_kept`'s ``kept`` (tied to ``dep``: a
+    ``1/sqrt`` of the forward's ``sqrt`` that XLA must not merge with the forward's, which
+    would leave that ``sqrt`` one use again)."""
+    if kept is None or not sqrt_kept:
+        return kept
+    return jnp.reciprocal(kept if dep is None else tie(kept, dep))
+
+
 def _affine_out(x, mu, rstd, scale, bias, out_dtype):
     mul = rstd if scale is None else rstd * scale
     y = (x - mu) * mul
@@ -107,20 +135,21 @@ def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale,
     eps, inv_mode = eps
     xv, sv, bv = value(x), value(scale), value(bias)
     mu, var = _stats(xv, axes, subtract_mean, fast_variance)
-    rstd = _inv_std(var, eps, inv_mode)
-    y = _affine_out(xv, mu, rstd, sv, bv, out_dtype)
     need_x = perturbed(x) or perturbed(scale)
+    # ``var`` is differentiated exactly when ``x`` is
+    rstd, kept = _inv_std_kept(var, eps, inv_mode, perturbed(x))
+    y = _affine_out(xv, mu, rstd, sv, bv, out_dtype)
     res = (
         # ``x`` arrives tagged ``norm.input`` (see ``normalize``); stored as is, it is the
         # same residual as the one a following bilinear layer keeps (``_core.recipe``).
         xv if need_x else None,
         mu if need_x else None,
-        rstd if need_x else None,
+        kept if need_x else None,
         sv if perturbed(x) else None,
         jax.ShapeDtypeStruct(xv.shape, xv.dtype),
         None if sv is None else jax.ShapeDtypeStruct(sv.shape, sv.dtype),
         None if bv is None else jax.ShapeDtypeStruct(bv.shape, bv.dtype),
-        perturbed(x), perturbed(scale), perturbed(bias),
+        perturbed(x), perturbed(scale), perturbed(bias), kept is not rstd,
     )
     # ShapeDtypeStructs / bools are not valid residuals; move them to a static closure.
     statics = res[4:]
@@ -138,8 +167,8 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.v), lambda v, _: _S
 
 
 def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts):
-    (xv, mu, rstd, sv), static = res
-    x_s, s_s, b_s, px, ps, pb = static.v
+    (xv, mu, kept, sv), static = res
+    x_s, s_s, b_s, px, ps, pb, sqrt_kept = static.v
     g, g_mu, g_var = cts
     n = math.prod(x_s.shape[a] for a in axes)
     dx = dscale = dbias = None
@@ -149,6 +178,7 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
         dbias = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if px or ps:
         dep = next((c for c in cts if not is_zero(c)), None)
+        rstd = _rstd_from_kept(kept, sqrt_kept, dep)
         xl = xv.astype(mu.dtype)
         xhat = ((xl if dep is None else tie(xl, dep)) - mu) * rstd
         if ps and not g_zero:
@@ -181,7 +211,7 @@ def _affine(eps, out_dtype, x, mean, var, scale, bias):
 
 def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     xv, mv, vv, sv, bv = map(value, (x, mean, var, scale, bias))
-    rstd = _inv_std(vv, *eps)
+    rstd, kept = _inv_std_kept(vv, *eps, perturbed(var))
     y = _affine_out(xv, mv, rstd, sv, bv, out_dtype)
     need_x = perturbed(scale) or perturbed(var)
     res = (
@@ -189,18 +219,18 @@ def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
         # same residual as the one the cross-replica moments (``_moments``) keep.
         xv if need_x else None,
         mv if need_x else None,
-        rstd if (need_x or perturbed(x) or perturbed(mean)) else None,
+        kept if (need_x or perturbed(x) or perturbed(mean)) else None,
         sv if (perturbed(x) or perturbed(mean) or perturbed(var)) else None,
     )
     structs = tuple(None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)
                     for v in (xv, mv, vv, sv, bv))
     flags = tuple(perturbed(p) for p in (x, mean, var, scale, bias))
-    return y, (res, _Static((structs, flags)))
+    return y, (res, _Static((structs, flags, kept is not rstd)))
 
 
 def _affine_bwd(eps, out_dtype, res, g):
-    (xv, mv, rstd, sv), static = res
-    structs, (px, pm, pv, ps, pb) = static.v
+    (xv, mv, kept, sv), static = res
+    structs, (px, pm, pv, ps, pb), sqrt_kept = static.v
     x_s, m_s, v_s, s_s, b_s = structs
     if is_zero(g):
         return None, None, None, None, None
@@ -208,7 +238,8 @@ def _affine_bwd(eps, out_dtype, res, g):
     # the per-channel residuals tied to ``g``: untied, XLA shares their input-sized
     # broadcasts (``rstd * scale``) with the forward pass and keeps those until here
     # (measured: 3 input-sized f32 arrays per batch norm under ``vmap(axis_name=...)``)
-    mv, rstd, sv = tie((mv, rstd, sv), g)
+    mv, kept, sv = tie((mv, kept, sv), g)
+    rstd = _rstd_from_kept(kept, sqrt_kept, None)
     dx = dm = dv = ds = db = None
     mul = None
     if px or pm or pv:
@@ -383,8 +414,18 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
 
 def _recompute_out(eps, out_dtype, x, mu, var, scale, bias):
     """The forward output of ``_normalize`` from its input and statistics, bit for bit:
-    ``(x - mu) * (rsqrt(var + eps) * scale) + bias``."""
-    return _affine_out(x, mu, _inv_std(var, *eps), scale, bias, out_dtype)
+    ``(x - mu) * (rsqrt(var + eps) * scale) + bias``.
+
+    ``1/sqrt``: as the forward computes it when ``x`` is differentiated (``divide(1, sqrt)``,
+    see :func:`_inv_std_kept`); the ``sqrt`` is tied (to ``mu``, exact) so that XLA does not
+    rewrite it to ``rsqrt`` here, where it has one use. (With only ``scale`` differentiated
+    the forward's ``rstd`` may differ from this in the last bit: f32 rounding of ``dW``.)"""
+    e, inv_mode = eps
+    if inv_mode == "rsqrt":
+        rstd = _inv_std(var, e, inv_mode)
+    else:
+        rstd = jnp.reciprocal(tie(jnp.sqrt(var + e), mu))
+    return _affine_out(x, mu, rstd, scale, bias, out_dtype)
 
 
 def _check_inv_mode(inv_mode):
