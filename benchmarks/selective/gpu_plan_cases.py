@@ -7,9 +7,14 @@ Command: .venv/bin/python benchmarks/selective/gpu_plan_cases.py
 For each model (width 0.25, 10 classes) and case, the jitted gradient step of JAX default
 (differentiating only the case's leaves) and of
 ``jaxmem.linen.convert(model, attention=False)`` is compiled for the H100 plan and for the
-CPU; compiled = temp + output bytes. The column ``h100_jaxmem_arith_tie`` compiles jaxmem's step for the H100 plan once more with the tie's
-CPU lowering forced everywhere (``x - isnan(g_0) * 0``, which XLA:GPU folds away), to show
-what the per-platform tie (an ``optimization_barrier`` on GPU) is worth there.
+CPU; compiled = temp + output bytes. The column ``h100_jaxmem_arith_tie`` compiles jaxmem's
+step for the H100 plan once more with the tie's CPU lowering forced everywhere
+(``x - isnan(g_0) * 0``, which XLA:GPU folds away), to show what the per-platform tie (an
+``optimization_barrier`` on GPU) is worth there. The columns ``*_jaxmem_adds_apart`` compile
+jaxmem's step once more without recording the residual adds
+(``jaxmem.transform.interpret._record_add`` off: the ResNet block output
+``relu(bn3(c3) + shortcut)`` kept for the next block's kernel gradient), to show what
+recording them is worth.
 Writes benchmarks/results/gpu_plan/selective_cases.{json,md}.
 """
 from __future__ import annotations
@@ -34,6 +39,18 @@ def _arith_tie():
         yield
     finally:
         ties._arith = saved
+
+
+@contextlib.contextmanager
+def _adds_apart():
+    """The transformation without recording ``add`` of two recomputable values."""
+    from jaxmem.transform import interpret
+    saved = interpret._record_add
+    interpret._record_add = lambda outs, invals: None
+    try:
+        yield
+    finally:
+        interpret._record_add = saved
 
 
 def _bytes(step, params, x, target):
@@ -67,6 +84,12 @@ def rows(models, cases, batch, size):
                 row["h100_jaxmem_arith_tie"], _ = _bytes(make_step(conv, v, case), v["params"],
                                                          x, "h100")
             row["h100_arith_tie_ratio"] = row["h100_jaxmem_arith_tie"] / row["h100_jax"]
+            for target in ("h100", "cpu"):
+                with _adds_apart():
+                    row[f"{target}_jaxmem_adds_apart"], _ = _bytes(make_step(conv, v, case),
+                                                                   v["params"], x, target)
+                row[f"{target}_adds_apart_ratio"] = (row[f"{target}_jaxmem_adds_apart"]
+                                                     / row[f"{target}_jax"])
             print(json.dumps(row), flush=True)
             out.append(row)
     return out
@@ -82,16 +105,20 @@ def markdown(rs, cmd):
              "default on the same plan. H100 plan: XLA:GPU compiled without a GPU (no "
              "autotuning: cuDNN/cuBLAS workspaces not counted, temp a lower bound; no timing). "
              "`arith tie`: jaxmem with the tie lowered in its CPU form on the GPU too (folded "
-             "by XLA:GPU)."), "",
+             "by XLA:GPU). `adds apart`: jaxmem without recording the residual adds (the ResNet "
+             "block output kept for the next block's kernel gradient instead of recomputed from "
+             "the norms' residuals)."), "",
              ("| model | case | batch | H100 JAX MiB | H100 jaxmem MiB | H100 ratio | H100 ratio, "
-             "arith tie | CPU JAX MiB | CPU jaxmem MiB | CPU ratio | GEMM |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "arith tie | H100 ratio, adds apart | CPU JAX MiB | CPU jaxmem MiB | CPU ratio "
+             "| CPU ratio, adds apart | GEMM |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         lines.append(
             f"| {r['model']} | {r['case']} | {r['batch']} | {r['h100_jax'] / MiB:.2f} | "
             f"{r['h100_jaxmem'] / MiB:.2f} | {r['h100_ratio']:.2f}x | "
-            f"{r['h100_arith_tie_ratio']:.2f}x | {r['cpu_jax'] / MiB:.2f} | "
-            f"{r['cpu_jaxmem'] / MiB:.2f} | {r['cpu_ratio']:.2f}x | {r['gemm']} |")
+            f"{r['h100_arith_tie_ratio']:.2f}x | {r['h100_adds_apart_ratio']:.2f}x | "
+            f"{r['cpu_jax'] / MiB:.2f} | {r['cpu_jaxmem'] / MiB:.2f} | {r['cpu_ratio']:.2f}x | "
+            f"{r['cpu_adds_apart_ratio']:.2f}x | {r['gemm']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,27 +4,50 @@
 of ``y`` keeps ``args`` for its own backward whenever one of ``args[i]``, ``i in kept_if``, is
 differentiated. A normalisation registers its output with the tensors its backward keeps
 (``x``, statistics, parameters), an exact smooth activation its output with its input, and a
-1-bit mask activation (:mod:`jaxmem._prims.mask`) applied to a recorded value registers its
-own output as ``f(fn(*args))`` with the same ``args``. A bilinear layer fed such a value
-(``jaxmem.selective.linear``) then keeps those same tensors (one residual shared by both
-rules) instead of a second input-sized array, and recomputes its input elementwise in the
-backward pass. XLA would not do this by itself: it keeps what the rules store.
+1-bit mask activation (:mod:`jaxmem._prims.mask`) applied to a recorded value registers its own output as ``f(fn(*args))`` with the same ``args`` (:func:`then`).
+:func:`combine` records an elementwise function of *several* recorded values (the residual
+add ``bn3(c3) + shortcut`` of a ResNet block, whose ReLU then records the block output): its
+``args`` are all of theirs, kept only when every producer keeps its own (``kept_if`` holds
+one group of indices per producer, :func:`kept`). A bilinear layer fed such a value
+(``jaxmem.selective.linear``) then keeps those same tensors (one residual shared by all the
+rules) instead of a second input-sized array, and recomputes its input in the backward pass.
+XLA would not do this by itself: it keeps what the rules store. The recomputation is the
+forward's own arithmetic; XLA may still fuse it differently (a multiply-add contracted in one
+fusion and not in the other), so a kernel gradient computed from it can differ from the
+stored-input one at f32 rounding level (bit-identical for the ResNets measured, CPU).
 """
 from __future__ import annotations
 
 import functools
 import weakref
 
-__all__ = ["recipe", "remember", "then"]
+__all__ = ["combine", "kept", "recipe", "remember", "then"]
 
-# ``id(y) -> (ref, fn, args, kept_if)``; an entry goes when ``y`` is garbage.
+# ``id(y) -> (ref, fn, args, groups)``; an entry goes when ``y`` is garbage.
 _recipes: dict = {}
+
+#: the most arguments a recipe may collect (:func:`combine` chains grow with the depth of
+#: a residual stage; past this the value is simply stored)
+MAX_ARGS = 64
+
+
+def _groups(kept_if) -> tuple:
+    """``kept_if`` as a tuple of index groups: ``(0, 3)`` is one group, ``((0, 3), (5,))``
+    two (every group must have a differentiated member)."""
+    kept_if = tuple(kept_if)
+    if not kept_if:  # no argument differentiated can make the producer keep them
+        return ((),)
+    if all(isinstance(g, tuple) for g in kept_if):
+        return tuple(tuple(int(i) for i in g) for g in kept_if)
+    return (tuple(int(i) for i in kept_if),)
 
 
 def remember(y, fn, args, kept_if=(0, 3)) -> None:
     """Record that ``y`` equals ``fn(*args)`` bit for bit (until ``y`` is garbage), and that
     the producer of ``y`` keeps ``args`` for its backward when any ``args[i]``,
-    ``i in kept_if``, is differentiated (the default: a normalisation's ``x`` and ``scale``)."""
+    ``i in kept_if``, is differentiated (the default: a normalisation's ``x`` and ``scale``).
+    ``kept_if`` may also be a tuple of such groups: the ``args`` are kept when every group
+    has a differentiated member (:func:`combine`)."""
     key = id(y)
 
     def _drop(_, key=key):
@@ -34,16 +57,22 @@ def remember(y, fn, args, kept_if=(0, 3)) -> None:
         ref = weakref.ref(y, _drop)
     except TypeError:  # not weak-referenceable (plain numbers): nothing to record
         return
-    _recipes[key] = (ref, fn, args, tuple(kept_if))
+    _recipes[key] = (ref, fn, tuple(args), _groups(kept_if))
 
 
 def recipe(x):
-    """``(fn, args, kept_if)`` recorded by :func:`remember` for this very object ``x``, else
-    ``None``."""
+    """``(fn, args, groups)`` recorded by :func:`remember` for this very object ``x``, else
+    ``None``; ``groups`` is a tuple of index groups (see :func:`kept`)."""
     entry = _recipes.get(id(x))
     if entry is None or entry[0]() is not x:
         return None
     return entry[1], entry[2], entry[3]
+
+
+def kept(args, groups, perturbed) -> bool:
+    """Whether the producers keep ``args`` for their own backward: every group of indices
+    has a member ``args[i]`` for which ``perturbed(args[i])`` holds."""
+    return all(any(perturbed(args[i]) for i in g) for g in groups)
 
 
 def _composed(outer, inner, *args):
@@ -52,9 +81,42 @@ def _composed(outer, inner, *args):
 
 def then(y, outer, x) -> None:
     """Record ``y == outer(x)`` as ``outer(fn(*args))`` when ``x`` has a recipe
-    ``(fn, args, kept_if)`` (same ``args`` and ``kept_if``); nothing otherwise. ``outer`` must
-    be elementwise and deterministic, so the recomputation is ``y`` bit for bit."""
+    ``(fn, args, groups)`` (same ``args`` and ``groups``); nothing otherwise. ``outer`` must
+    be deterministic and exact (elementwise, or a max pool), so the recomputation is ``y``
+    bit for bit."""
     r = recipe(x)
     if r is not None:
-        fn, args, kept_if = r
-        remember(y, functools.partial(_composed, outer, fn), args, kept_if)
+        fn, args, groups = r
+        remember(y, functools.partial(_composed, outer, fn), args, groups)
+
+
+def _combined(op, parts, *args):
+    vals = [fn(*args[lo:hi]) if fn is not None else args[lo] for fn, lo, hi in parts]
+    return op(*vals)
+
+
+def combine(y, op, *xs) -> bool:
+    """Record ``y == op(*xs)`` when every array in ``xs`` has a recipe: ``op`` applied to
+    their recomputations, from all of their ``args`` (concatenated), kept when every one of
+    their producers keeps its own (their index groups, shifted). ``op`` must be elementwise,
+    deterministic and exact as computed (``y`` bit for bit). Python scalars in ``xs`` are
+    constants of ``op``; anything else without a recipe records nothing. Returns whether
+    ``y`` was recorded."""
+    parts, args, groups = [], [], []
+    for x in xs:
+        if isinstance(x, (int, float, bool, complex)):
+            parts.append((None, len(args), len(args) + 1))
+            args.append(x)
+            continue
+        r = recipe(x)
+        if r is None:
+            return False
+        fn, a, gs = r
+        lo = len(args)
+        parts.append((fn, lo, lo + len(a)))
+        args.extend(a)
+        groups.extend(tuple(lo + i for i in g) for g in gs)
+    if not groups or len(args) > MAX_ARGS:
+        return False
+    remember(y, functools.partial(_combined, op, tuple(parts)), tuple(args), tuple(groups))
+    return True

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from jaxmem._prims.checks import as_int, int_tuple, positive_int  # noqa: F401 (re-exported)
-from jaxmem._prims.recipes import recipe, remember  # noqa: F401 (re-exported)
+from jaxmem._prims.recipes import kept, recipe, remember  # noqa: F401 (re-exported)
 
 #: Prefix of every ``checkpoint_name`` tag a selective primitive puts on a residual, so remat
 #: policies such as ``jax.checkpoint_policies.save_only_these_names`` can select them.
@@ -29,9 +29,10 @@ def tag(x, what: str):
 # :mod:`jaxmem._prims.recipes`): a normalisation registers its output ``y`` with the tensors
 # its backward keeps (``x``, statistics, parameters: kept if ``x`` or ``scale`` is
 # differentiated), an exact smooth activation (``jaxmem.selective.smooth_activation``) its
-# output with its input, a 1-bit mask activation applied to such a ``y`` its own output; a
-# bilinear layer fed that very value then keeps those same tensors (one residual shared by
-# both rules) instead of a second input-sized array. Under ``lax.scan`` the residuals are
+# output with its input, a 1-bit mask activation or a max pool applied to such a ``y`` its
+# own output, ``recipes.combine`` an elementwise op of several such values (a residual add);
+# a bilinear layer fed that very value then keeps those same tensors (one residual shared by
+# the rules) instead of a second input-sized array. Under ``lax.scan`` the residuals are
 # stacked per layer as JAX chose them, so both would be kept; unrolled, XLA:GPU keeps the
 # ReLU output that a convolution reads beside the norm's input (ResNet on the H100 plan).
 

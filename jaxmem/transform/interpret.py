@@ -15,7 +15,8 @@ level it
    ``jax.checkpoint`` / ``jax.shard_map`` (same mesh, specs and manual axes); a ``scan`` body without effects or a checkpoint of its
    own runs under ``jax.checkpoint(policy=scan_policy)``,
    :mod:`~jaxmem.transform.scan_policy`); every other equation is bound unchanged
-   (``primitive.bind(*invals, **params)``) under its own source location.
+   (``primitive.bind(*invals, **params)``) under its own source location (an ``add`` of two
+   values a selective op can recompute is recorded as recomputable too).
 
 Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
 ``custom_vjp_call`` bodies (their derivative rules must stay theirs; a ``custom_jvp`` with
@@ -190,7 +191,10 @@ class Interpreter:
                            _WHY_NOT.get(name, "not entered yet: its body is re-emitted "
                                               "unchanged"), call_location(eqn),
                            name_stack(eqn), path))
-            return bind_eqn(eqn, invals)
+            outs = bind_eqn(eqn, invals)
+            if name == "add" and self.options.products:
+                _record_add(outs, invals)
+            return outs
         record(Row("higher-order", name + _named(eqn), "entered", True, _entered_note(eqn),
                    call_location(eqn), name_stack(eqn), path))
         with context(eqn):
@@ -266,6 +270,18 @@ class Interpreter:
 
 
 _ENTERED = {"closed_call", "remat2", "checkpoint", "scan", "cond", "while", "shard_map"}
+
+
+def _record_add(outs: list, invals: list) -> None:
+    """``a + b`` of two values a selective op can recompute (a ResNet block's
+    ``bn3(c3) + shortcut``) is recorded as recomputable too
+    (:func:`jaxmem._prims.recipes.combine`): the ReLU after it then records the block output,
+    and the next block's convolution recomputes its input for its kernel gradient from the
+    norms' residuals instead of keeping it (exact: the same ``add`` of bit-identical
+    values). Anything else records nothing."""
+    from jaxmem._prims.recipes import combine
+    if len(outs) == 1 and len(invals) == 2:
+        combine(outs[0], lax.add, *invals)
 
 
 def _enterable(eqn) -> bool:

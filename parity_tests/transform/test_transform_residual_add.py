@@ -1,0 +1,85 @@
+"""A residual add of two values a selective op can recompute (a ResNet block's
+``bn2(conv2(h)) + x``, then ReLU) is recorded by the transformation: the next block's first
+convolution recomputes its input for its kernel gradient from the norms' residuals instead
+of keeping it. Gradients are the untouched function's; residual bytes drop by one block
+output per block that feeds another."""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from jaxmem.measure import residual_bytes
+from jaxmem.transform import interpret, transform
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import close, normal
+
+N, S, C, BLOCKS = 4, 8, 8, 3
+
+
+def _bn(h, g, b):
+    mu = jnp.mean(h, (0, 1, 2), keepdims=True)
+    var = jnp.mean(jnp.square(h - mu), (0, 1, 2), keepdims=True)
+    return (h - mu) * lax.rsqrt(var + 1e-5) * g + b
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def loss(params, x):
+    x = jax.nn.relu(_bn(_conv(x, params["stem"]), *params["stem_bn"]))
+    for w1, n1, w2, n2 in params["blocks"]:
+        h = jax.nn.relu(_bn(_conv(x, w1), *n1))
+        x = jax.nn.relu(_bn(_conv(h, w2), *n2) + x)
+    return jnp.mean(jnp.square(x))
+
+
+def _params():
+    def norm():
+        return (1.0 + 0.2 * normal((C,)), 0.2 * normal((C,)))
+    return {"stem": normal((3, 3, 3, C), scale=0.3), "stem_bn": norm(),
+            "blocks": [(normal((3, 3, C, C), scale=0.2), norm(),
+                        normal((3, 3, C, C), scale=0.2), norm()) for _ in range(BLOCKS)]}
+
+
+def _record_nothing(outs, invals):
+    """Stands in for ``interpret._record_add``: the transformation without add recording."""
+
+
+def test_recorded_add_keeps_no_block_output_and_gradients_are_exact(monkeypatch):
+    params, x = _params(), normal((N, S, S, 3))
+    want = jax.jit(jax.grad(loss))(params, x)
+    close(jax.jit(jax.grad(transform(loss)))(params, x), want)
+    recorded = residual_bytes(transform(loss), params, x).activation_bytes
+    with monkeypatch.context() as m:
+        m.setattr(interpret, "_record_add", _record_nothing)
+        apart = residual_bytes(transform(loss), params, x).activation_bytes
+        close(jax.jit(jax.grad(transform(loss)))(params, x), want)
+    block_output, stats = N * S * S * C * 4, 2 * C * 4
+    # every block output but the last feeds the next block's first conv (the stem's output,
+    # a ReLU of a norm, is recorded either way); each recomputation keeps the norm's
+    # mean and variance of the add's other operand instead
+    assert apart - recorded >= (BLOCKS - 1) * (block_output - stats), \
+        (apart, recorded, block_output)
+
+
+@pytest.mark.parametrize("products", [True, False])
+def test_add_of_values_without_recipes_records_nothing(products, monkeypatch):
+    """An add of plain arrays (no selective op in front) is left alone, and with products
+    off nothing is recorded at all: the same residuals with and without the recording."""
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w + x) ** 2)
+
+    w, x = normal((8, 8)), normal((4, 8))
+    g = transform(f, products=products)
+    before = residual_bytes(g, w, x).activation_bytes
+    with monkeypatch.context() as m:
+        m.setattr(interpret, "_record_add", _record_nothing)
+        assert residual_bytes(g, w, x).activation_bytes == before
+    close(jax.grad(g)(w, x), jax.grad(f)(w, x))
