@@ -4,7 +4,8 @@
 of ``y`` keeps ``args`` for its own backward whenever one of ``args[i]``, ``i in kept_if``, is
 differentiated. A normalisation registers its output with the tensors its backward keeps
 (``x``, statistics, parameters), an exact smooth activation its output with its input, and a
-1-bit mask activation (:mod:`jaxmem._prims.mask`) applied to a recorded value registers its own output as ``f(fn(*args))`` with the same ``args`` (:func:`then`).
+1-bit mask activation (:mod:`jaxmem._prims.mask`) applied to a recorded value registers its
+own output as ``f(fn(*args))`` with the same ``args`` (:func:`then`).
 :func:`combine` records an elementwise function of *several* recorded values (the residual
 add ``bn3(c3) + shortcut`` of a ResNet block, whose ReLU then records the block output): its
 ``args`` are all of theirs, kept only when every producer keeps its own (``kept_if`` holds
@@ -82,8 +83,7 @@ def _composed(outer, inner, *args):
 def then(y, outer, x) -> None:
     """Record ``y == outer(x)`` as ``outer(fn(*args))`` when ``x`` has a recipe
     ``(fn, args, groups)`` (same ``args`` and ``groups``); nothing otherwise. ``outer`` must
-    be deterministic and exact (elementwise, or a max pool), so the recomputation is ``y``
-    bit for bit."""
+    be elementwise and deterministic, so the recomputation is ``y`` bit for bit."""
     r = recipe(x)
     if r is not None:
         fn, args, groups = r

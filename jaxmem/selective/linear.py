@@ -147,9 +147,10 @@ def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, res,
         # tied to ``g``: the recomputation runs in the backward pass. One producer (a
         # norm): its ``x`` is tied. Several (``recipes.combine``: a ResNet block output):
         # every argument is, or XLA computes the untied parts in the forward pass and keeps
-        # them. Measured on ResNet-50 "All", H100 plan, adds recorded: 11.94 MiB so; 14.46
-        # tying the first argument only, 12.73 tying each producer's ``x`` only; tying all
-        # arguments of a one-producer recipe too costs 0.16 MiB without adds recorded.
+        # them. Measured on ResNet-50 "All", H100 plan, adds recorded (with a max-pool recipe
+        # since left out): 11.94 MiB so; 14.46 tying the first argument only, 12.73 tying
+        # each producer's ``x`` only; tying all arguments of a one-producer recipe too costs
+        # 0.16 MiB without adds recorded.
         if len(kept_if) > 1:
             res_x = rec_fn(*tie(res_rec, g))
         else:
@@ -171,8 +172,8 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     differentiated; ``w`` iff ``x`` is differentiated; nothing if neither. When ``x`` is the
     output of a selective normalisation (``jaxmem.selective.normalize`` and the norms built on
     it) or of an exact smooth activation (``jaxmem.selective.smooth_activation``) whose
-    backward keeps its input, or a 1-bit mask activation (``relu`` & co.) or max pool of such
-    an output, or an elementwise op of several such values recorded with
+    backward keeps its input, or a 1-bit mask activation (``relu`` & co.) of such an output,
+    or an elementwise op of several such values recorded with
     ``jaxmem._prims.recipes.combine`` (a ResNet block output), and every producer keeps its
     residuals, ``x`` is recomputed from those residuals in the backward pass
     instead of being kept a second time (``dL/dW`` is unchanged: the same
