@@ -15,9 +15,17 @@ and ``<.>`` the mean over ``axes``, the exact vector-Jacobian products are
                 + g_mu / N + g_var * 2 (x - mu) / N            (cotangents of mu, var)
     dL/dscale = sum(g * xhat)          dL/dbias = sum(g)       (over non-parameter axes)
 
+``inv_mode`` picks the forward's spelling (the gradients are the same):
+``'rsqrt'`` (above), ``'recip_sqrt'`` (``rstd = 1/sqrt(var + eps)``), and the dividing ones
+``'divide'``: ``y = (x - mu) / sqrt(var + eps) * scale + bias`` and ``'scale_divide'``:
+``y = (x - mu) * scale / sqrt(var + eps) + bias``, and ``'rsqrt_then_scale'`` /
+``'recip_sqrt_then_scale'``: ``y = ((x - mu) * rstd) * scale + bias`` (Equinox's
+``LayerNorm`` / ``RMSNorm``: ``rstd`` applied to the centred input first, then the scale),
+each rounding as that expression does.
+
 Residuals: ``x`` (tagged ``jaxmem.selective.norm.input``) plus the per-group ``mu`` and
-``rstd`` (``sqrt(var + eps)`` for the ``1/sqrt`` spelling with ``x`` differentiated, so the
-forward's ``rstd`` is JAX's bit for bit: see ``_inv_std_kept``) iff ``x`` or ``scale`` is
+``rstd`` (or, same size, ``sqrt(var + eps)`` or ``var``, so that the forward rounds as JAX's
+program of that spelling does: see ``_inv_std_kept``) iff ``x`` or ``scale`` is
 differentiated; ``xhat`` is recomputed from them in the
 backward pass. That is one input-sized tensor (4 B/element in f32) where JAX's autodiff keeps
 8-12 B/element, and nothing input-sized when only ``bias`` is trained. Storing ``x`` rather
@@ -75,42 +83,88 @@ def _stats(x, axes, subtract_mean, fast_variance):
     return mu, var
 
 
+#: ``inv_mode`` values; the dividing ones divide by ``sqrt(var + eps)``; the ``_then_scale``
+#: ones multiply ``x - mu`` by ``rstd`` (as their base mode computes it), then by ``scale``
+_INV_MODES = ("rsqrt", "recip_sqrt", "divide", "scale_divide", "rsqrt_then_scale",
+              "recip_sqrt_then_scale")
+_DIVIDING = ("divide", "scale_divide")
+_THEN_SCALE = "_then_scale"
+
+
+def _base_mode(inv_mode):
+    """How ``rstd`` is computed: ``'rsqrt_then_scale'`` as ``'rsqrt'``, etc."""
+    return inv_mode.removesuffix(_THEN_SCALE)
+
+
 def _inv_std(var, eps, inv_mode):
-    """``1/sqrt(var+eps)``: ``lax.rsqrt`` (flax) or ``1/sqrt`` (torch-exact twins)."""
+    """The forward's factor: ``1/sqrt(var+eps)`` as ``lax.rsqrt`` (flax) or ``1/sqrt``
+    (torch-exact twins); ``sqrt(var+eps)`` for the dividing modes (see :func:`_affine_out`)."""
+    inv_mode = _base_mode(inv_mode)
     if inv_mode == "rsqrt":
         return lax.rsqrt(var + eps)
+    if inv_mode in _DIVIDING:
+        return jnp.sqrt(var + eps)
     return jnp.reciprocal(jnp.sqrt(var + eps))
 
 
 def _inv_std_kept(var, eps, inv_mode, differentiated):
-    """``(rstd, kept)``: ``1/sqrt(var+eps)`` as :func:`_inv_std`, and what the backward keeps
-    to have it again (``rstd`` itself, or ``sqrt(var+eps)`` -- same size -- see below).
+    """``(r, kept, how)``: the forward's factor ``r`` (:func:`_inv_std`) and what the
+    backward keeps to have ``rstd = 1/sqrt(var+eps)`` again (same size): ``how`` is
+    ``'rstd'`` (``r`` itself), ``'sqrt'`` (``sqrt(var+eps)``) or ``'var'`` (``var``).
 
-    ``1/sqrt`` with ``var`` differentiated: JAX's autodiff of that spelling keeps
-    ``sqrt(var+eps)`` for its backward, so XLA computes ``rstd`` as ``divide(1, sqrt)``;
-    where the ``sqrt`` has no other use, XLA rewrites ``1/sqrt`` to ``rsqrt``, which differs
-    in the last bit (XLA:CPU). One ulp in ``rstd`` moves the forward by rounding, but a ReLU
-    mask downstream flips where its input is that close to 0, and the gradient with it (a
-    converted ResNet-50's gradients were 3e-2 off JAX's). Keeping ``sqrt(var+eps)`` (used
-    again by the backward, so it has two uses) gives the forward JAX's ``rstd`` bit for bit."""
+    XLA rewrites ``1/sqrt`` to ``rsqrt`` (and ``a / broadcast(b)`` to
+    ``a * broadcast(1/b)``) where the ``sqrt`` has no other use; ``rsqrt`` differs from
+    ``1/sqrt`` in the last bit (XLA:CPU). JAX's autodiff of the ``1/sqrt`` and dividing
+    spellings keeps ``sqrt(var+eps)`` for its backward exactly when ``differentiated`` (for
+    ``1/sqrt``: ``var`` has a tangent; dividing: the numerator or the denominator has one),
+    so XLA keeps JAX's forward a division. Keeping ``sqrt(var+eps)`` then, and otherwise
+    ``rstd`` or ``var`` (from which the backward takes the ``sqrt`` again), gives the
+    ``sqrt`` as many uses as in JAX's program and the forward JAX's rounding, bit for bit.
+    One ulp matters: a ReLU mask downstream flips where its input is that close to 0, and
+    the gradient with it (a converted ResNet-50's gradients were 3e-2 off JAX's)."""
+    inv_mode = _base_mode(inv_mode)
+    if inv_mode in _DIVIDING:
+        sd = jnp.sqrt(var + eps)
+        return (sd, sd, "sqrt") if differentiated else (sd, var, "var")
     if inv_mode == "rsqrt" or not differentiated:
-        return (rstd := _inv_std(var, eps, inv_mode)), rstd
+        return (rstd := _inv_std(var, eps, inv_mode)), rstd, "rstd"
     sd = jnp.sqrt(var + eps)
-    return jnp.reciprocal(sd), sd
+    return jnp.reciprocal(sd), sd, "sqrt"
 
 
-def _rstd_from_kept(kept, sqrt_kept, dep):
-    """The backward's ``rstd`` from :func:`_inv_std_kept`'s ``kept`` (tied to ``dep``: a
-    ``1/sqrt`` of the forward's ``sqrt`` that XLA must not merge with the forward's, which
-    would leave that ``sqrt`` one use again)."""
-    if kept is None or not sqrt_kept:
+def _rstd_from_kept(kept, how, eps, dep):
+    """The backward's ``rstd = 1/sqrt(var+eps)`` from :func:`_inv_std_kept`'s ``kept``
+    (tied to ``dep``: XLA must not merge it with the forward's ``sqrt``, which would leave
+    that one use again)."""
+    if kept is None or how == "rstd":
         return kept
-    return jnp.reciprocal(kept if dep is None else tie(kept, dep))
+    if dep is not None:
+        kept = tie(kept, dep)
+    if how == "var":
+        return lax.rsqrt(kept + eps)
+    return jnp.reciprocal(kept)
 
 
-def _affine_out(x, mu, rstd, scale, bias, out_dtype):
-    mul = rstd if scale is None else rstd * scale
-    y = (x - mu) * mul
+def _affine_out(x, mu, r, scale, bias, out_dtype, inv_mode="rsqrt"):
+    """``y`` in the spelling's order of operations, ``r`` from :func:`_inv_std`:
+    ``(x - mu) * (r * scale) + bias`` (``r = 1/sqrt(var+eps)``); ``'divide'``:
+    ``(x - mu) / r * scale + bias``; ``'scale_divide'``: ``(x - mu) * scale / r + bias``
+    (``r = sqrt(var+eps)``); ``'*_then_scale'``: ``((x - mu) * r) * scale + bias``."""
+    if inv_mode == "divide":
+        y = (x - mu) / r
+        if scale is not None:
+            y = y * scale
+    elif inv_mode == "scale_divide":
+        y = x - mu
+        if scale is not None:
+            y = y * scale
+        y = y / r
+    elif inv_mode.endswith(_THEN_SCALE):
+        y = (x - mu) * r
+        if scale is not None:
+            y = y * scale
+    else:
+        y = (x - mu) * (r if scale is None else r * scale)
     if bias is not None:
         y = y + bias
     return y.astype(out_dtype)
@@ -127,8 +181,8 @@ def _sum_to(a, shape):
 def _normalize(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale, bias):
     eps, inv_mode = eps
     mu, var = _stats(x, axes, subtract_mean, fast_variance)
-    rstd = _inv_std(var, eps, inv_mode)
-    return _affine_out(x, mu, rstd, scale, bias, out_dtype), mu, var
+    r = _inv_std(var, eps, inv_mode)
+    return _affine_out(x, mu, r, scale, bias, out_dtype, inv_mode), mu, var
 
 
 def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale, bias):
@@ -136,9 +190,11 @@ def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale,
     xv, sv, bv = value(x), value(scale), value(bias)
     mu, var = _stats(xv, axes, subtract_mean, fast_variance)
     need_x = perturbed(x) or perturbed(scale)
-    # ``var`` is differentiated exactly when ``x`` is
-    rstd, kept = _inv_std_kept(var, eps, inv_mode, perturbed(x))
-    y = _affine_out(xv, mu, rstd, sv, bv, out_dtype)
+    # ``var`` (and ``x - mu``) is differentiated exactly when ``x`` is; 'scale_divide''s
+    # numerator ``(x - mu) * scale`` when ``scale`` is too
+    r, kept, how = _inv_std_kept(var, eps, inv_mode, perturbed(x) or (
+        inv_mode == "scale_divide" and perturbed(scale)))
+    y = _affine_out(xv, mu, r, sv, bv, out_dtype, inv_mode)
     res = (
         # ``x`` arrives tagged ``norm.input`` (see ``normalize``); stored as is, it is the
         # same residual as the one a following bilinear layer keeps (``_core.recipe``).
@@ -149,7 +205,7 @@ def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale,
         jax.ShapeDtypeStruct(xv.shape, xv.dtype),
         None if sv is None else jax.ShapeDtypeStruct(sv.shape, sv.dtype),
         None if bv is None else jax.ShapeDtypeStruct(bv.shape, bv.dtype),
-        perturbed(x), perturbed(scale), perturbed(bias), kept is not rstd,
+        perturbed(x), perturbed(scale), perturbed(bias), how,
     )
     # ShapeDtypeStructs / bools are not valid residuals; move them to a static closure.
     statics = res[4:]
@@ -168,7 +224,7 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.v), lambda v, _: _S
 
 def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts):
     (xv, mu, kept, sv), static = res
-    x_s, s_s, b_s, px, ps, pb, sqrt_kept = static.v
+    x_s, s_s, b_s, px, ps, pb, how = static.v
     g, g_mu, g_var = cts
     n = math.prod(x_s.shape[a] for a in axes)
     dx = dscale = dbias = None
@@ -178,7 +234,7 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
         dbias = _sum_to(gf, b_s.shape).astype(b_s.dtype)
     if px or ps:
         dep = next((c for c in cts if not is_zero(c)), None)
-        rstd = _rstd_from_kept(kept, sqrt_kept, dep)
+        rstd = _rstd_from_kept(kept, how, eps[0], dep)
         xl = xv.astype(mu.dtype)
         xhat = ((xl if dep is None else tie(xl, dep)) - mu) * rstd
         if ps and not g_zero:
@@ -205,14 +261,17 @@ _normalize.defvjp(_normalize_fwd, _normalize_bwd, symbolic_zeros=True)
 # ------------------------------------------------------------ given (running) statistics
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _affine(eps, out_dtype, x, mean, var, scale, bias):
-    rstd = _inv_std(var, *eps)
-    return _affine_out(x, mean, rstd, scale, bias, out_dtype)
+    r = _inv_std(var, *eps)
+    return _affine_out(x, mean, r, scale, bias, out_dtype, eps[1])
 
 
 def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     xv, mv, vv, sv, bv = map(value, (x, mean, var, scale, bias))
-    rstd, kept = _inv_std_kept(vv, *eps, perturbed(var))
-    y = _affine_out(xv, mv, rstd, sv, bv, out_dtype)
+    # JAX's autodiff of a dividing spelling keeps ``sqrt(var + eps)`` when its numerator
+    # (``x - mean``, times ``scale`` for 'scale_divide') has a tangent too (_inv_std_kept)
+    num = perturbed(x) or perturbed(mean) or (eps[1] == "scale_divide" and perturbed(scale))
+    r, kept, how = _inv_std_kept(vv, *eps, perturbed(var) or (eps[1] in _DIVIDING and num))
+    y = _affine_out(xv, mv, r, sv, bv, out_dtype, eps[1])
     need_x = perturbed(scale) or perturbed(var)
     res = (
         # ``x`` arrives tagged ``norm.input`` (see ``batch_norm``); stored as is, it is the
@@ -225,12 +284,12 @@ def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     structs = tuple(None if v is None else jax.ShapeDtypeStruct(v.shape, v.dtype)
                     for v in (xv, mv, vv, sv, bv))
     flags = tuple(perturbed(p) for p in (x, mean, var, scale, bias))
-    return y, (res, _Static((structs, flags, kept is not rstd)))
+    return y, (res, _Static((structs, flags, how)))
 
 
 def _affine_bwd(eps, out_dtype, res, g):
     (xv, mv, kept, sv), static = res
-    structs, (px, pm, pv, ps, pb), sqrt_kept = static.v
+    structs, (px, pm, pv, ps, pb), how = static.v
     x_s, m_s, v_s, s_s, b_s = structs
     if is_zero(g):
         return None, None, None, None, None
@@ -239,7 +298,7 @@ def _affine_bwd(eps, out_dtype, res, g):
     # broadcasts (``rstd * scale``) with the forward pass and keeps those until here
     # (measured: 3 input-sized f32 arrays per batch norm under ``vmap(axis_name=...)``)
     mv, kept, sv = tie((mv, kept, sv), g)
-    rstd = _rstd_from_kept(kept, sqrt_kept, None)
+    rstd = _rstd_from_kept(kept, how, eps[0], None)
     dx = dm = dv = ds = db = None
     mul = None
     if px or pm or pv:
@@ -383,7 +442,12 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
               inv_mode: str = "rsqrt") -> jax.Array:
     """Normalise ``x`` over ``axes`` and apply ``scale``/``bias`` along ``feature_axes``.
 
-    ``inv_mode``: ``'rsqrt'`` (flax) or ``'recip_sqrt'`` (``1/sqrt``, torch-exact twins).
+    ``inv_mode``: the forward's spelling, rounding as it does: ``'rsqrt'`` (flax:
+    ``(x - mu) * (rsqrt(var + eps) * scale) + bias``), ``'recip_sqrt'`` (``1/sqrt``,
+    torch-exact twins), ``'divide'`` (``(x - mu) / sqrt(var + eps) * scale + bias``),
+    ``'scale_divide'`` (``(x - mu) * scale / sqrt(var + eps) + bias``) or
+    ``'rsqrt_then_scale'`` / ``'recip_sqrt_then_scale'`` (``((x - mu) * rstd) * scale +
+    bias``, Equinox's order; ``rstd`` as in ``'rsqrt'`` / ``'recip_sqrt'``).
     Returns ``(y, mean, var)``; ``mean``/``var`` keep the reduced axes (size 1) and are
     differentiable outputs too. See the module docstring for the math and residuals.
     """
@@ -413,24 +477,30 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
 
 
 def _recompute_out(eps, out_dtype, x, mu, var, scale, bias):
-    """The forward output of ``_normalize`` from its input and statistics, bit for bit:
-    ``(x - mu) * (rsqrt(var + eps) * scale) + bias``.
+    """The forward output of ``_normalize`` / ``_affine`` from its input and statistics, bit
+    for bit: ``(x - mu) * (rsqrt(var + eps) * scale) + bias`` or the other ``inv_mode``'s
+    spelling (:func:`_affine_out`).
 
-    ``1/sqrt``: as the forward computes it when ``x`` is differentiated (``divide(1, sqrt)``,
-    see :func:`_inv_std_kept`); the ``sqrt`` is tied (to ``mu``, exact) so that XLA does not
-    rewrite it to ``rsqrt`` here, where it has one use. (With only ``scale`` differentiated
-    the forward's ``rstd`` may differ from this in the last bit: f32 rounding of ``dW``.)"""
+    ``1/sqrt`` and the dividing modes: as the forward computes them when ``x`` is
+    differentiated (a division by the kept ``sqrt``, see :func:`_inv_std_kept`); the
+    ``sqrt`` is tied (to ``mu``, exact) so that XLA does not rewrite it to ``rsqrt`` here,
+    where it has one use. (With only ``scale`` differentiated the forward's factor may
+    differ from this in the last bit: f32 rounding of ``dW``.)"""
     e, inv_mode = eps
-    if inv_mode == "rsqrt":
-        rstd = _inv_std(var, e, inv_mode)
+    base = _base_mode(inv_mode)
+    if base == "rsqrt":
+        r = _inv_std(var, e, base)
     else:
-        rstd = jnp.reciprocal(tie(jnp.sqrt(var + e), mu))
-    return _affine_out(x, mu, rstd, scale, bias, out_dtype)
+        r = tie(jnp.sqrt(var + e), mu)
+        if base not in _DIVIDING:
+            r = jnp.reciprocal(r)
+    return _affine_out(x, mu, r, scale, bias, out_dtype, inv_mode)
 
 
 def _check_inv_mode(inv_mode):
-    if inv_mode not in ("rsqrt", "recip_sqrt"):
-        raise ValueError(f"inv_mode must be 'rsqrt' or 'recip_sqrt', got {inv_mode!r}")
+    if inv_mode not in _INV_MODES:
+        raise ValueError(f"inv_mode must be one of {', '.join(map(repr, _INV_MODES))}, "
+                         f"got {inv_mode!r}")
 
 
 def layer_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
@@ -460,9 +530,10 @@ def rms_norm(x: ArrayLike, scale: ArrayLike | None = None, *, axis: int | Sequen
 
 def group_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
                *, num_groups: int, eps: float = 1e-6, dtype: Any = None,
-               fast_variance: bool = True) -> jax.Array:
+               fast_variance: bool = True, inv_mode: str = "rsqrt") -> jax.Array:
     """Group norm of channel-last ``x`` ``(N, *spatial, C)``: statistics per sample over the
     spatial axes and ``C // num_groups`` channels of each group; ``scale``/``bias`` ``(C,)``.
+    ``inv_mode``: the forward's spelling, as for :func:`normalize`.
     """
     check_float("group_norm: x", x)
     x = jnp.asarray(x)
@@ -480,7 +551,7 @@ def group_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | N
     y = normalize(xg, None if scale is None else jnp.asarray(scale).reshape(-1),
                   None if bias is None else jnp.asarray(bias).reshape(-1),
                   axes=axes, feature_axes=(xg.ndim - 2, xg.ndim - 1), eps=eps,
-                  dtype=out_dtype, fast_variance=fast_variance)[0]
+                  dtype=out_dtype, fast_variance=fast_variance, inv_mode=inv_mode)[0]
     return y.reshape(x.shape)
 
 

@@ -156,6 +156,7 @@ class Subgraph:
         generic = x.shape != self.shape or x.dtype != self.dtype
         env = {self.root: x}
         env.update(self.consts)
+        varying = {self.root}          # values computed from x
 
         def read(v):
             return v.val if is_literal(v) else env[v]
@@ -164,13 +165,35 @@ class Subgraph:
             invals = [read(v) for v in eqn.invars]
             if eqn.primitive.name in _VARYING_CASTS:     # a constant made to vary like x
                 outs = [vary_like(v, x) for v in invals]
+            elif generic and not any(not is_literal(v) and v in varying for v in eqn.invars):
+                # a constant: as traced (a uniform one of x's traced shape is read below
+                # as that value in x's shape, whatever shape x has)
+                with jax.ensure_compile_time_eval():
+                    outs = bind_eqn(eqn, invals)
             elif generic:
+                invals = [v if not is_literal(u) and u in varying else
+                          _uniform_as(v, self.shape, x) for u, v in zip(eqn.invars, invals)]
                 outs = _generic(eqn, invals, x, self.shape)
             else:
                 outs = bind_eqn(eqn, invals)
+            if any(not is_literal(v) and v in varying for v in eqn.invars):
+                varying.update(eqn.outvars)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return env[self.out]
+
+
+def _uniform_as(val, shape, x):
+    """A constant ``val`` of the traced ``shape`` whose elements are all equal (``x +
+    skip`` with ``skip`` a closed-over ``jnp.zeros(shape)``: the subgraph is elementwise
+    because it is uniform) as that value in ``x``'s shape; anything else unchanged."""
+    if tuple(getattr(val, "shape", ())) != tuple(shape) or x.shape == tuple(shape) or \
+            isinstance(val, core.Tracer):
+        return val
+    a = np.asarray(val)
+    flat = a.reshape(-1)
+    return np.full(x.shape, flat[0], a.dtype) if flat.size and np.all(flat == flat[0]) \
+        else val
 
 
 def _cast(val, x):

@@ -30,6 +30,15 @@ op is exact (up to float rounding: the statistics are computed in its own order)
 An accepted candidate is extended through following ``+ bias`` / ``* scale`` equations
 while the function still matches.
 
+Equal functions are not equal roundings: a one-ulp difference in a norm's output flips a
+following ReLU's mask where its input is that close to 0, and the gradient with it.  So an
+accepted candidate must also be spelled in an order of operations some ``inv_mode`` of
+:func:`jaxmem.selective.normalize` reproduces bit for bit (:func:`_spelling`: Flax's
+``(x - mu) * (rstd * scale) + bias``, Equinox's ``((x - mu) * rstd) * scale + bias``, the
+dividing ``(x - mu) / sqrt(var + eps) * scale + bias`` and ``(x - mu) * scale /
+sqrt(var + eps) + bias``; ``rstd`` as ``rsqrt`` or ``1/sqrt``), with no cast to a narrower
+dtype before its output; other candidates are left, reported with why.
+
 Statistics pooled over named axes (Flax's ``BatchNorm(axis_name=..., axis_index_groups=...)``
 under ``vmap(axis_name=...)``, ``shard_map`` or ``pmap``)::
 
@@ -335,8 +344,6 @@ def _spec(region: _Region):
     eps_cands = sorted({g.uniform(v) for j in region.anc if eqns[j].primitive.name == "add"
                         for v in eqns[j].invars if g.uniform(v) is not None} - {0.0})
     eps_cands = [e for e in eps_cands if 0 < e < 1] or [0.0]
-    names = {eqns[j].primitive.name for j in region.anc}
-    inv = "rsqrt" if "rsqrt" in names else "recip_sqrt"
     roles = [(None, None)]
     if len(sides) == 1:
         roles = [(0, None), (None, 0)]
@@ -344,10 +351,10 @@ def _spec(region: _Region):
         roles = [(0, 1), (1, 0)]
     key = _region_key(region)
     if key is not None:
-        key += (shape, axes, group, tuple(b for _, b in sides), tuple(eps_cands), inv, pool)
+        key += (shape, axes, group, tuple(b for _, b in sides), tuple(eps_cands), pool)
     verdict = _VERDICTS.get(key) if key is not None else None
     if verdict is None:
-        verdict = _verify(region, shape, axes, group, sides, eps_cands, inv, roles,
+        verdict = _verify(region, shape, axes, group, sides, eps_cands, None, roles,
                           pool[2] if pool else 0)
         if key is not None:
             if len(_VERDICTS) >= 1024:
@@ -359,10 +366,219 @@ def _spec(region: _Region):
     (sm, eps, sc, bi), stats = found
     if pool is not None and not sm:
         return None, f"an RMS norm with statistics pooled over {_named(pool)}: not converted"
+    # a normalisation: is it spelled as one the conversion reproduces bit for bit?
+    inv, why = _spelling(region)
+    if inv is None:
+        return None, _Unfaithful(why)
     return {"axes": axes, "group": group, "sub_mean": sm, "eps": eps, "inv": inv,
             "scale": sc, "bias": bi, "sides": sides, "stats": stats, "pool": pool,
             "feat": tuple(sorted(feat)) or axes,
             "fast": not any(_reduces_reduced(g, e, region.anc) for e in reds)}, ""
+
+
+#: what a ``sqrt`` / ``rstd`` reaches its use through (exact: moves or identical values)
+_RESHAPES = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "pvary", "pcast"}
+
+
+def _producer(graph: Graph, v, anc, through=frozenset()):
+    """The equation of ``anc`` computing ``v``, looking through ``through`` ones, or None."""
+    eqns = graph.jaxpr.eqns
+    while not is_literal(v):
+        i = graph.producer.get(v)
+        if i is None or i not in anc:
+            return None
+        if eqns[i].primitive.name not in through:
+            return eqns[i]
+        v = eqns[i].invars[0]
+    return None
+
+
+def _is_x(region: _Region, v) -> bool:
+    """``v`` is ``x``, ``x`` cast up to the statistics' dtype (an exact cast), or either
+    reshaped (a group norm's grouping)."""
+    g = region.graph
+    e = _producer(g, v, region.anc)
+    if e is not None and e.primitive.name in _RESHAPES and e.primitive.name != \
+            "broadcast_in_dim" and _size(v) == _size(region.root):
+        v = e.invars[0]
+    if v is region.root:
+        return True
+    e = _producer(g, v, region.anc)
+    return (e is not None and e.primitive.name == "convert_element_type"
+            and e.invars[0] is region.root
+            and v.aval.dtype == jnp.promote_types(region.root.aval.dtype, jnp.float32))
+
+
+def _is_centered(region: _Region, v) -> bool:
+    """``v`` is ``x - mu`` (or ``x``: an RMS norm)."""
+    if _is_x(region, v):
+        return True
+    e = _producer(region.graph, v, region.anc)
+    return e is not None and e.primitive.name == "sub" and _is_x(region, e.invars[0])
+
+
+def _outside(region: _Region, v) -> bool:
+    """``v`` does not depend on ``x`` (a scale / bias)."""
+    return not is_literal(v) and region.graph.producer.get(v) not in region.anc
+
+
+def _narrowing(region: _Region):
+    """A cast in ``region`` to a less precise float dtype whose result the region computes
+    on (the output's own cast is fine: the conversion casts its output too), or None."""
+    eqns = region.graph.jaxpr.eqns
+    for j in sorted(region.anc):
+        e = eqns[j]
+        if e.primitive.name not in ("convert_element_type", "reduce_precision") or \
+                e.outvars[0] is region.out:
+            continue
+        src, dst = e.invars[0].aval.dtype, e.outvars[0].aval.dtype
+        if e.primitive.name == "reduce_precision":
+            return e
+        if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
+            continue
+        fs, fd = jnp.finfo(src), jnp.finfo(dst)
+        if fd.nmant < fs.nmant or fd.nexp < fs.nexp:
+            return e
+    return None
+
+
+def _inv_kind(region: _Region, v):
+    """``'rsqrt'`` if ``v`` is ``rsqrt(.)``, ``'recip_sqrt'`` if ``1 / sqrt(.)`` (or
+    ``sqrt(.) ** -1``), looking through broadcasts and reshapes; else None."""
+    g, anc = region.graph, region.anc
+    e = _producer(g, v, anc, _RESHAPES)
+    if e is None:
+        return None
+    name = e.primitive.name
+    if name == "rsqrt":
+        return "rsqrt"
+    if name == "div" and g.uniform(e.invars[0]) == 1.0:
+        sd = _producer(g, e.invars[1], anc, _RESHAPES)
+    elif name == "integer_pow" and e.params.get("y") == -1:
+        sd = _producer(g, e.invars[0], anc, _RESHAPES)
+    else:
+        return None
+    return "recip_sqrt" if sd is not None and sd.primitive.name == "sqrt" else None
+
+
+def _steps(region: _Region, v, steps, what):
+    """``None`` if the region computes ``v`` then only ``steps`` (in this order, each at
+    most once: ``mul`` / ``add`` with an input not computed from ``x``, a final cast; exact
+    reshapes anywhere) up to its output; else why not. ``(None, taken)``: also which."""
+    g, anc = region.graph, region.anc
+    eqns = g.jaxpr.eqns
+    taken = []
+    while v is not region.out:
+        uses = [j for j in g.uses(v) if j in anc]
+        e = eqns[uses[0]] if len(uses) == 1 else None
+        name = None if e is None else e.primitive.name
+        if name in _RESHAPES - {"broadcast_in_dim"} and _size(e.outvars[0]) == _size(v):
+            v = e.outvars[0]
+            continue
+        if name not in steps or (name != "convert_element_type" and not any(
+                _outside(region, w) for w in e.invars if w is not v)):
+            return (f"after {what} it computes {name or 'more than one thing'}, not "
+                    f"{' '.join(_STEP_NAMES[n] for n in steps) or 'nothing'}: not "
+                    "bit-identical to a conversion"), taken
+        steps = steps[steps.index(name) + 1:]
+        taken.append(name)
+        v = e.outvars[0]
+    return None, taken
+
+
+_STEP_NAMES = {"mul": "[* scale]", "add": "[+ bias]", "convert_element_type": "[cast]"}
+
+
+class _Unfaithful(str):
+    """Why a region that computes a normalisation is left: its rounding (reported in
+    preference to the reasons of candidate regions that compute none)."""
+
+
+def _prefer(reason, why):
+    """The reason to report: the first, or the first :class:`_Unfaithful` one."""
+    if reason is None or (isinstance(why, _Unfaithful) and not isinstance(reason, _Unfaithful)):
+        return why or reason
+    return reason
+
+
+def _spelling(region: _Region):
+    """``(inv_mode, "")`` of :func:`jaxmem.selective.normalize` that rounds as the region
+    does, or ``(None, reason)``; the region's order of operations is checked, any other one
+    rounds otherwise and is left:
+
+    * ``'rsqrt'`` / ``'recip_sqrt'`` (Flax): ``(x - mu) * (rstd [* scale]) [+ bias]``;
+    * ``'rsqrt_then_scale'`` / ``'recip_sqrt_then_scale'`` (Equinox):
+      ``((x - mu) * rstd) * scale [+ bias]``;
+    * ``'divide'``: ``(x - mu) / sd [* scale] [+ bias]``;
+    * ``'scale_divide'``: ``(x - mu) * scale / sd [+ bias]``,
+
+    ``rstd`` ``rsqrt(.)`` or ``1/sqrt(.)``, ``sd`` ``sqrt(.)``, then a cast at most, with
+    no cast to a narrower dtype before it (the conversion computes in the statistics'
+    dtype)."""
+    g, anc = region.graph, region.anc
+    eqns = g.jaxpr.eqns
+    narrow = _narrowing(region)
+    if narrow is not None:
+        return None, (f"it casts {aval_str(narrow.invars[0])} to "
+                      f"{aval_str(narrow.outvars[0])} before its output: converted, it "
+                      "would compute at full precision (not bit-identical)")
+    # x-sized divisions by something computed from x
+    divs = [j for j in sorted(anc) if eqns[j].primitive.name == "div"
+            and _size(eqns[j].outvars[0]) == _size(region.root)
+            and not _outside(region, eqns[j].invars[1]) and not is_literal(eqns[j].invars[1])]
+    if divs:
+        sd = _producer(g, eqns[divs[0]].invars[1], anc, _RESHAPES)
+        if len(divs) > 1 or sd is None or sd.primitive.name != "sqrt":
+            return None, ("it divides by something other than sqrt(var + eps) (once): not "
+                          "bit-identical to a conversion")
+        num = eqns[divs[0]].invars[0]
+        if _is_centered(region, num):
+            inv, steps = "divide", ("mul", "add", "convert_element_type")
+        else:
+            e = _producer(g, num, anc)
+            if e is None or e.primitive.name != "mul" or not any(
+                    _is_centered(region, a) and _outside(region, b)
+                    for a, b in (e.invars, e.invars[::-1])):
+                return None, ("it divides something other than x - mean (or its product "
+                              "with the scale) by sqrt(var + eps): not bit-identical to a "
+                              "conversion")
+            inv, steps = "scale_divide", ("add", "convert_element_type")
+        why, _ = _steps(region, eqns[divs[0]].outvars[0], steps,
+                        "its division by sqrt(var + eps)")
+        return (None, why) if why else (inv, "")
+    # x - mu times rstd (then scale) or times rstd * scale
+    found = []
+    for j in sorted(anc):
+        e = eqns[j]
+        if e.primitive.name != "mul" or _size(e.outvars[0]) != _size(region.root):
+            continue
+        for a, b in (e.invars, e.invars[::-1]):
+            if is_literal(a) or is_literal(b) or not _is_centered(region, a):
+                continue
+            kind = _inv_kind(region, b)
+            if kind is not None:
+                found.append((e, kind, False))
+                break
+            f = _producer(g, b, anc, _RESHAPES)
+            if f is not None and f.primitive.name == "mul":
+                kinds = [_inv_kind(region, p) for p, q in (f.invars, f.invars[::-1])
+                         if _outside(region, q)]
+                if any(kinds):
+                    found.append((e, next(k for k in kinds if k), True))
+                    break
+    if len(found) != 1:
+        return None, ("its order of operations is none of (x - mean) * (rstd [* scale]) "
+                      "[+ bias], ((x - mean) * rstd) * scale [+ bias], (x - mean) / sd "
+                      "[* scale] [+ bias], (x - mean) * scale / sd [+ bias]: not "
+                      "bit-identical to a conversion")
+    e, kind, scaled = found[0]
+    steps = ("add", "convert_element_type") if scaled else (
+        "mul", "add", "convert_element_type")
+    why, taken = _steps(region, e.outvars[0], steps,
+                        "multiplying x - mean by rstd" + (" * scale" if scaled else ""))
+    if why:
+        return None, why
+    return (kind + "_then_scale" if "mul" in taken else kind), ""
 
 
 def _pooling(region: _Region):
@@ -566,7 +782,7 @@ def _emitter(spec, root, out, extras):
         if group:
             y = group_norm(x, None if scale is None else scale.reshape(-1),
                            None if bias is None else bias.reshape(-1), num_groups=group,
-                           eps=eps, dtype=dtype)
+                           eps=eps, dtype=dtype, inv_mode=spec["inv"])
             return [y]
         if spec["pool"] is not None:   # statistics pooled over named axes (a batch norm)
             names, groups, _ = spec["pool"]
@@ -632,7 +848,7 @@ def _match_root(graph: Graph, r, taken: set[int], path: str):
         tries += 1
         spec, why = _spec(region)
         if spec is None:
-            reason = reason or why
+            reason = _prefer(reason, why)
             if tries >= _TRIES:
                 break
             continue
@@ -689,7 +905,7 @@ def match_norms(graph: Graph, taken: set[int], path: str) -> list[Match | Row]:
             if isinstance(item, Match):
                 found = item
                 break
-            reason = reason or item
+            reason = _prefer(reason, item)
         if found is not None:
             mine |= found.eqns
             out.append(found)
