@@ -83,3 +83,33 @@ def test_add_of_values_without_recipes_records_nothing(products, monkeypatch):
         m.setattr(interpret, "_record_add", _record_nothing)
         assert residual_bytes(g, w, x).activation_bytes == before
     close(jax.grad(g)(w, x), jax.grad(f)(w, x))
+
+
+def test_recorded_add_compiled_slope_on_cpu(monkeypatch):
+    """XLA:CPU's compiled plan, not only the jaxpr's residuals: per added block, the
+    converted step's temp + output bytes drop by about one f32 block output (4 B per element,
+    less the statistics kept instead) with the add recorded; fusion does not undo it."""
+    from jaxmem.measure import compiled_memory, slope
+
+    n, s, c = 8, 16, 16
+    elems = n * s * s * c
+    x = normal((n, s, s, 3))
+
+    def params(blocks):
+        def norm():
+            return (1.0 + 0.2 * normal((c,)), 0.2 * normal((c,)))
+        return {"stem": normal((3, 3, 3, c), scale=0.3), "stem_bn": norm(),
+                "blocks": [(normal((3, 3, c, c), scale=0.2), norm(),
+                            normal((3, 3, c, c), scale=0.2), norm()) for _ in range(blocks)]}
+
+    def per_block():
+        def measure(d):
+            m = compiled_memory(jax.grad(transform(loss)), params(d), x)
+            return m.temp_bytes + m.output_bytes
+        return slope(measure, 2) / elems
+
+    recorded = per_block()
+    with monkeypatch.context() as m:
+        m.setattr(interpret, "_record_add", _record_nothing)
+        apart = per_block()
+    assert apart - recorded >= 3.5, (apart, recorded)
