@@ -206,7 +206,9 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            gap=p.solver_gap, selective=p.selective,
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
-                                    + (f" {c.rows}" if c.rows else "") for c in p.choices})
+                                    + (f" {c.rows}" if c.rows else "")
+                                    + (" nested" if getattr(c, "nested", False) else "")
+                                    for c in p.choices})
                 if p.approximate:
                     g = jax.grad(p.step)(*args)
                     g0 = jax.grad(loss)(*args)
@@ -239,7 +241,7 @@ def _fmt_time(x):
 
 
 def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1),
-             batch=None):
+             batch=None, out=None):
     pcts = "/".join(str(int(f * 100)) for f in fractions)
     head = (f"# jaxmem.plan: budgets of {pcts} % of the default compiled bytes"
             + ("" if target == "cpu" else f", on XLA:GPU's {target} plan"))
@@ -263,7 +265,8 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
              + ("" if target == "cpu" else f" --target {target}")
              + ("" if tuple(fractions) == (0.5, 0.25, 0.1)
                 else " --fractions " + ",".join(map(str, fractions)))
-             + ("" if target == "cpu" else f" --out benchmarks/results/plan/{target}")
+             + (f" --out {out}" if out else "" if target == "cpu"
+                else f" --out benchmarks/results/plan/{target}")
              + "`", "",
              *([("Times were taken on a 2-core machine shared with other jobs: read them as "
                  "rough; a ratio below 1 is contention noise, not a speed-up."), ""]
@@ -303,7 +306,8 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "lower bound. `time (predicted)`: measured ratio, and the planner's static "
                    "estimate (recomputed FLOPs + `fence_cost` 0.1 of a step per fenced "
                    "checkpointed item). `plan` lists the units not stored; `a..b: segment` recomputes units "
-                   "a to b as one chunk; `scope` = run under `jaxmem.scope()` (selective "
+                   "a to b as one chunk, `segment nested` also checkpoints its units again inside "
+                   "that chunk (for one unit: its children; nested, two-level recomputation); `scope` = run under `jaxmem.scope()` (selective "
                    "differentiation), which the planner picks when it compiles smaller; "
                    "`fewbit b bit` = the unit stored with b-bit GELU codes (rows marked "
                    "`approx.`, `allow_approximate=True`; gradient error = largest relative "
@@ -374,7 +378,12 @@ def main():
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
             "models": list(a.models), "target": a.target, "fractions": list(a.fractions),
             "batch": a.batch}
-    md = markdown(rows, a.quick, a.models, a.target, a.fractions, a.batch)
+    try:
+        out = a.out.resolve().relative_to(OUT.parents[2])
+    except ValueError:
+        out = a.out
+    md = markdown(rows, a.quick, a.models, a.target, a.fractions, a.batch,
+                  None if a.out.resolve() == OUT else out)
     (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (a.out / "plan.md").write_text(md)
     print(md)

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxmem._compat import core
 from jaxmem.planner import trace as _trace
-from jaxmem.planner.options import EXACT, Candidate, Option
+from jaxmem.planner.options import EXACT, NESTED, Candidate, Option
 
 __all__ = ["FEWBIT_BITS", "ROW_COUNTS", "UnitProfile", "exact_candidates",
            "fewbit_candidates", "offload_candidates", "profile_units", "row_candidates"]
@@ -74,6 +74,10 @@ class UnitProfile:
     keep: list[list[int]]
     work: list[list[int]]
     flops: list[tuple[float, float]]
+    #: per unit with two or more children (:func:`jaxmem.planner.trace.child_units`): the
+    #: bytes live while its backward runs when they are checkpointed again inside it (their
+    #: inputs + the largest child's stored residuals) and their number; else ``None``
+    nested: list[tuple[int, int] | None] | None = None
 
     @property
     def labels(self) -> list[str]:
@@ -97,7 +101,7 @@ def profile_units(tr: _trace.Traced, finer: int = 0) -> UnitProfile:
     units = _trace.choose_units(tr, finer=finer)
     jaxpr = tr.closed.jaxpr
     outer = _outer(tr)
-    keep, work, flops = [], [], []
+    keep, work, flops, nested = [], [], [], []
     for u in units:
         ins, outs = _trace.chunk_io(jaxpr, u.start, u.stop)
         sub = core.Jaxpr([], list(ins), list(outs), list(jaxpr.eqns[u.start:u.stop]))
@@ -107,13 +111,37 @@ def profile_units(tr: _trace.Traced, finer: int = 0) -> UnitProfile:
         keep.append([kb for kb, _ in measured])
         work.append([0] + [max(0, full - internal) for _, internal in measured[1:]])
         flops.append((fl, fl - dots))
-    return UnitProfile(tr, units, keep, work, flops)
+        nested.append(_nested_work(jaxpr, _trace.child_units(tr, u), outer))
+    return UnitProfile(tr, units, keep, work, flops, nested)
 
 
-def exact_candidates(prof: UnitProfile, fence: float) -> list[Candidate]:
+def _nested_work(jaxpr, kids, outer) -> tuple[int, int] | None:
+    """``(bytes live in the backward of a unit whose children ``kids`` are checkpointed
+    again inside it, len(kids))``, or ``None`` for fewer than two children."""
+    if len(kids) < 2:
+        return None
+    stored = [keep_bytes(jaxpr, k, outer)[0] for k in kids]
+    inputs = [keep_bytes(jaxpr, k, outer, _trace.POLICIES["recompute"])[0] for k in kids]
+    return sum(inputs) + max(stored), len(kids)
+
+
+def exact_candidates(prof: UnitProfile, fence: float, nested: bool = True) -> list[Candidate]:
     """``store``, ``dots``, ``recompute`` per unit and a ``segment`` over every run of two or
     more consecutive units (keeps the segment's inputs only); ``fence`` is added to the cost
-    of every checkpointed candidate."""
+    of every checkpointed candidate (per ``jax.checkpoint`` call).
+
+    With ``nested``, nested (two-level) recomputation is offered too,
+    ``Option("segment", NESTED)`` (text ``segment2``), where it lowers the work:
+
+    - over every such run: the same inputs kept, but while its backward runs only its units'
+      inputs (as under ``recompute``) plus one unit's stored residuals are live, as each
+      unit is checkpointed again inside it: work = sum(keep under recompute) + max(keep
+      stored);
+    - over one unit with two or more children: kept as under ``recompute``, its children
+      checkpointed again inside its backward (:attr:`UnitProfile.nested`).
+
+    The forward of the covered units runs twice more (the chunk, then each inner part before
+    its own backward): cost = 2 x FLOPs + fence x (1 + inner parts)."""
     n, keep, work, flops = len(prof.units), prof.keep, prof.work, prof.flops
     out = []
     for u in range(n):
@@ -121,14 +149,22 @@ def exact_candidates(prof: UnitProfile, fence: float) -> list[Candidate]:
         out.append(Candidate((u,), Option("dots"), keep[u][1], work[u][1], flops[u][1] + fence))
         out.append(Candidate((u,), Option("recompute"), keep[u][2], work[u][2],
                              flops[u][0] + fence))
+        kid = prof.nested[u] if nested and prof.nested else None
+        if kid is not None and kid[0] < work[u][2]:
+            out.append(Candidate((u,), Option("segment", NESTED), keep[u][2], kid[0],
+                                 2.0 * flops[u][0] + fence * (1 + kid[1])))
     jaxpr, outer = prof.traced.closed.jaxpr, _outer(prof.traced)
     for i in range(n):
         for j in range(i + 2, n + 1):
             ins, _ = _trace.chunk_io(jaxpr, prof.units[i].start, prof.units[j - 1].stop)
             kb = sum(nbytes(v.aval) for v in ins if v not in outer)
             wb = sum(keep[u][0] for u in range(i, j))
-            out.append(Candidate(tuple(range(i, j)), Option("segment"), kb, wb,
-                                 sum(flops[u][0] for u in range(i, j)) + fence))
+            fl = sum(flops[u][0] for u in range(i, j))
+            out.append(Candidate(tuple(range(i, j)), Option("segment"), kb, wb, fl + fence))
+            wn = sum(keep[u][2] for u in range(i, j)) + max(keep[u][0] for u in range(i, j))
+            if nested and wn < wb:   # otherwise the plain segment keeps as little, for less
+                out.append(Candidate(tuple(range(i, j)), Option("segment", NESTED), kb, wn,
+                                     2.0 * fl + fence * (1 + j - i)))
     return out
 
 

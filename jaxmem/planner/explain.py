@@ -26,23 +26,30 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
     if kind == "rows":
         return (f"row-tiled into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
                 f"{saved / _MIB:.3f} MiB (exact)")
+    if cand.option.nested:
+        inner = f"its {len(cand.cover)} units" if len(cand.cover) > 1 else "its children"
+        return (f"recompute {extra / 1e6:.1f} MFLOP, nested (as one chunk, then {inner} "
+                f"each again inside its backward, where only their inputs are kept) to drop "
+                f"{saved / _MIB:.3f} MiB")
     return f"recompute {extra / 1e6:.1f} MFLOP to drop {saved / _MIB:.3f} MiB"
 
 
 def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
                  fence: float) -> tuple[UnitChoice, ...]:
-    """The choice by first unit; ``recompute_flops`` is the cost without the ``fence``."""
+    """The choice by first unit; ``recompute_flops`` is the cost without the ``fence`` (one
+    per ``jax.checkpoint`` call of the candidate)."""
     out = []
     for i in model.in_order(choice):
         cand = model.candidates[i]
         c = cand.cover
         label = labels[c[0]] if len(c) == 1 else f"{labels[c[0]]}..{labels[c[-1]]}"
-        extra = cand.cost - (fence if cand.option.checkpointed else 0.0)
+        extra = cand.cost - fence * cand.checkpoints
         kind, param = cand.option.kind, cand.option.param
         out.append(UnitChoice(label, kind, int(cand.keep_bytes), int(cand.work_bytes),
                               float(extra), _why(cand, model.saving(i), extra),
                               bits=param if kind == "fewbit" else None,
-                              rows=param if kind == "rows" else None))
+                              rows=param if kind == "rows" else None,
+                              nested=cand.option.nested))
     return tuple(out)
 
 

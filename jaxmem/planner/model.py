@@ -57,6 +57,20 @@ class ByteModel:
         """Jaxpr-level bytes candidate ``i`` stops keeping."""
         return self.held(self.candidates[i]) - self.candidates[i].keep_bytes
 
+    def split(self, i: int) -> dict[str, int]:
+        """Candidate ``i``'s saving by fitted kind. A nested segment saves what recomputing
+        each of its units saves (the ``recompute`` part) plus the unit inputs it drops on
+        top (the ``segment`` part): the ``recompute`` coefficient, calibrated on every
+        search's first plans, covers most of it."""
+        c = self.candidates[i]
+        if c.option.nested:
+            rec = [self.index.get(((u,), "recompute")) for u in c.cover]
+            if None not in rec:
+                r = sum(self.candidates[j].keep_bytes for j in rec)
+                if c.keep_bytes <= r <= self.held(c):
+                    return {"recompute": self.held(c) - r, "segment": r - c.keep_bytes}
+        return {c.option.kind: self.saving(i)}
+
     def features(self, choice: Iterable[int]) -> np.ndarray:
         """Savings by fitted kind (:data:`FITTED`), then minus the largest work."""
         f = dict.fromkeys(FITTED, 0.0)
@@ -65,7 +79,8 @@ class ByteModel:
             kind = self.candidates[i].option.kind
             if i in self.measured or kind not in f:
                 continue
-            f[kind] += self.saving(i)
+            for k, v in self.split(i).items():
+                f[k] += v
             w = max(w, self.candidates[i].work_bytes)
         return np.array([f[k] for k in FITTED] + [-w])
 
@@ -105,9 +120,9 @@ class ByteModel:
                 out.append(_solve.Item(c.cover, c.option, int(full - self.measured[i]), 0,
                                        c.cost))
                 continue
-            a = 1.0 if c.option.kind == "store" else coef[c.option.kind]
-            out.append(_solve.Item(c.cover, c.option,
-                                   int(np.rint(full - a * (full - c.keep_bytes))),
+            saved = 0.0 if c.option.kind == "store" else sum(
+                coef[k] * v for k, v in self.split(i).items())
+            out.append(_solve.Item(c.cover, c.option, int(np.rint(full - saved)),
                                    int(np.rint(theta[-1] * c.work_bytes)), c.cost))
         return out
 
@@ -132,6 +147,28 @@ class ByteModel:
                 covered |= set(cover)
         chosen += [self.index[((u,), "store")] for u in range(self.n_units) if u not in covered]
         return tuple(sorted(chosen))
+
+    def nested_plans(self) -> list[Choice]:
+        """The uniform nested plans, where nested candidates exist: every unit that has one
+        recomputed with its children checkpointed again inside (the others recomputed), and
+        runs of ``round(sqrt(units))`` units each a nested segment (two-level sqrt(n)
+        checkpointing)."""
+        out = []
+        rec = [self.index.get(((u,), "recompute")) for u in range(self.n_units)]
+        if None in rec:
+            return out
+        kids = [self.index.get(((u,), "segment2"), rec[u]) for u in range(self.n_units)]
+        if kids != rec:
+            out.append(tuple(sorted(kids)))
+        k = max(2, round(self.n_units ** 0.5))
+        runs = []
+        for a in range(0, self.n_units, k):
+            cover = tuple(range(a, min(a + k, self.n_units)))
+            i = self.index.get((cover, "segment2"))
+            runs += [i] if i is not None else [rec[u] for u in cover]
+        if runs != rec and tuple(sorted(runs)) not in out:
+            out.append(tuple(sorted(runs)))
+        return out
 
     def alone(self, i: int) -> Choice:
         """Candidate ``i`` with every other unit stored."""

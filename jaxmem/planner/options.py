@@ -7,9 +7,10 @@ import re
 
 from jaxmem.planner import trace as _trace
 
-__all__ = ["EXACT", "KINDS", "Candidate", "Option"]
+__all__ = ["EXACT", "KINDS", "NESTED", "Candidate", "Option"]
 
-#: option kinds; ``fewbit`` and ``rows`` carry a parameter (bits, row tiles)
+#: option kinds; ``fewbit`` and ``rows`` carry a parameter (bits, row tiles), ``segment`` may
+#: carry :data:`NESTED` (``"segment2"``: nested, two-level recomputation)
 KINDS = ("store", "dots", "recompute", "segment", "fewbit", "rows", "offload")
 #: kinds that change how a layer is traced (:class:`jaxmem.planner.trace.Conversion`)
 _CONVERSIONS = ("fewbit", "rows")
@@ -17,13 +18,18 @@ _CONVERSIONS = ("fewbit", "rows")
 _CHECKPOINTED = ("dots", "recompute", "segment")
 #: per-unit options whose bytes come from the unit's own VJP under a checkpoint policy
 EXACT = ("store", "dots", "recompute")
+#: ``Option("segment", NESTED)``: the segment is recomputed as one chunk before its backward,
+#: and inside that recomputation each of its units is checkpointed again (keeps only its
+#: inputs, recomputed once more just before that unit's own backward): two-level checkpointing
+NESTED = 2
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Option:
-    """One option: ``kind`` in :data:`KINDS`, ``param`` the bit count of ``fewbit`` or the
-    tile count of ``rows`` (``None`` for every other kind). ``str`` gives its text
-    (``"store"``, ``"fewbit3"``, ``"rows8"``), :meth:`parse` reads it back."""
+    """One option: ``kind`` in :data:`KINDS`, ``param`` the bit count of ``fewbit``, the
+    tile count of ``rows``, :data:`NESTED` for a nested ``segment`` (``None`` for every other
+    kind, and for a plain segment). ``str`` gives its text (``"store"``, ``"fewbit3"``,
+    ``"rows8"``, ``"segment2"``), :meth:`parse` reads it back."""
 
     kind: str
     param: int | None = None
@@ -31,6 +37,12 @@ class Option:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Option: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "segment":
+            if self.param is not None and not (type(self.param) is int
+                                               and self.param == NESTED):
+                raise ValueError(f"Option: param of kind 'segment' must be None or {NESTED} "
+                                 f"(nested), got {self.param!r}")
+            return
         wants = self.kind in _CONVERSIONS
         ok = (isinstance(self.param, int) and not isinstance(self.param, bool)
               and self.param >= 1) if wants else self.param is None
@@ -57,10 +69,16 @@ class Option:
         return self.kind in _CHECKPOINTED
 
     @property
+    def nested(self) -> bool:
+        """Whether this is a nested segment (two-level recomputation)."""
+        return self.kind == "segment" and self.param == NESTED
+
+    @property
     def run_as(self) -> str:
         """How :func:`jaxmem.planner.trace.run_chunks` runs the unit: a converted unit is run
-        stored (the conversion is in its trace), a segment recomputed as one chunk."""
-        return "store" if self.kind in _CONVERSIONS else self.kind
+        stored (the conversion is in its trace), a segment recomputed as one chunk, a nested
+        segment (``"segment2"``) as one chunk whose units are checkpointed again inside."""
+        return "store" if self.kind in _CONVERSIONS else str(self)
 
     def conversion(self) -> _trace.Conversion | None:
         """The tracing conversion of a ``fewbit`` / ``rows`` option, else ``None``."""
@@ -78,6 +96,14 @@ class Candidate:
     keep_bytes: int
     work_bytes: int
     cost: float
+
+    @property
+    def checkpoints(self) -> int:
+        """``jax.checkpoint`` calls the candidate runs (each behind its own fence on CPU): 0
+        unless checkpointed, 1 + one per covered unit for a nested segment, else 1."""
+        if not self.option.checkpointed:
+            return 0
+        return 1 + len(self.cover) if self.option.nested else 1
 
     def __post_init__(self):
         c = self.cover

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from jaxmem.planner.options import Option
+from jaxmem.planner.options import NESTED, Option
 
 __all__ = ["BudgetError", "MemoryPlan", "UnitChoice"]
 
@@ -28,7 +28,8 @@ class BudgetError(ValueError):
 class UnitChoice:
     """One unit's option: ``store`` (keep its residuals), ``dots`` (keep matmul/conv outputs,
     recompute the rest), ``recompute`` (keep its inputs only), ``segment`` (several units
-    recomputed as one chunk), ``fewbit`` (stored with ``bits``-bit activation codes:
+    recomputed as one chunk; with ``nested``, its units are checkpointed again inside that
+    recomputation: two-level, exact), ``fewbit`` (stored with ``bits``-bit activation codes:
     approximate) or ``rows`` (a conv trunk row-tiled into ``rows`` tiles: exact)."""
 
     label: str
@@ -39,15 +40,21 @@ class UnitChoice:
     why: str
     bits: int | None = None
     rows: int | None = None
+    nested: bool = False
 
     @property
     def as_option(self) -> Option:
-        """The typed :class:`~jaxmem.planner.options.Option` (``str`` gives ``fewbit2``)."""
+        """The typed :class:`~jaxmem.planner.options.Option` (``str`` gives ``fewbit2``;
+        a nested segment ``segment2``)."""
+        if self.nested:
+            return Option(self.option, NESTED)
         return Option(self.option, self.bits if self.bits is not None else self.rows)
 
 
 def _option_text(c: UnitChoice) -> str:
-    """``fewbit 2b`` / ``rows 8`` / the option name."""
+    """``fewbit 2b`` / ``rows 8`` / ``segment nested`` / the option name."""
+    if c.nested:
+        return f"{c.option} nested"
     if c.bits is not None:
         return f"{c.option} {c.bits}b"
     if c.rows is not None:

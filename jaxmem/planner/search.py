@@ -118,12 +118,16 @@ class Search:
             self.compile(sol.choice)
 
     def reachable(self) -> set[Choice]:
-        """Compile the plan of least predicted bytes under a model fitted on the calibration
-        plans alone: every refused search compiles it and those plans whatever its budget,
+        """Compile the uniform nested plans (:meth:`ByteModel.nested_plans`) and the plan of
+        least predicted bytes under a model fitted on them and the calibration plans alone:
+        every refused search compiles these plans whatever its budget,
         so the least of their bytes is a budget the search meets. Returns those plans."""
         if not self.model.n_units:
             return set(self.calibration)
         self.calibrate()
+        for c in self.model.nested_plans():   # two-level checkpointing, where offered
+            self.calibration.add(c)
+            self.compile(c)
         sol = self.solve(self.model.fit(self.tried, self.calibration), None, "bytes")
         if sol.choice is None:
             return set(self.calibration)

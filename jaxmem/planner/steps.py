@@ -56,8 +56,11 @@ def _abstract(x):
 
 def make_step(fn, factory, cut_labels, runs, conversions, fence=True):
     """The loss evaluated unit by unit: ``runs`` are ``(labels, option)`` over consecutive
-    units (cut after ``cut_labels``), ``conversions`` the per-layer tracing conversions,
-    recomputed units fenced (``fence``, see :func:`jaxmem.planner.trace.fenced_checkpoint`);
+    units (cut after ``cut_labels``; ``"segment"`` recomputes them as one chunk,
+    ``"segment2"`` as one chunk whose units -- for one unit: its children,
+    :func:`jaxmem.planner.trace.child_units` -- are checkpointed again inside it),
+    ``conversions`` the per-layer tracing conversions, recomputed units fenced (``fence``,
+    see :func:`jaxmem.planner.trace.fenced_checkpoint`);
     takes the loss's positional and keyword arguments; re-traced for new shapes."""
     cache: dict[Any, tuple[Any, list[_trace.Unit], dict]] = {}
     cut_labels, runs = tuple(cut_labels), tuple(runs)
@@ -89,7 +92,7 @@ def make_step(fn, factory, cut_labels, runs, conversions, fence=True):
                               conversions or None)
             units = _trace.units_at(tr, cut_labels)
             by_label = {u.label: u for u in units}
-            merged, opts, used = [], {}, 0
+            merged, opts, inner, used = [], {}, {}, 0
             for labels, o in runs or [((u.label,), "store") for u in units]:
                 present = [by_label[lbl] for lbl in labels if lbl in by_label]
                 if not present:
@@ -101,13 +104,16 @@ def make_step(fn, factory, cut_labels, runs, conversions, fence=True):
                     present[-1].stop, present[0].depth)
                 merged.append(u)
                 opts[u.label] = "recompute" if o == "segment" else o
+                if o == "segment2":   # nested: its units, or one unit's children, again
+                    inner[u.label] = present if len(present) > 1 else \
+                        _trace.child_units(tr, present[0])
             if used != len(units):
                 raise ValueError(f"plan: the step traced with new shapes has {len(units)} "
                                  f"units, the plan covers {used}")
-            cache[key] = (tr, merged, opts)
-        tr, merged, opts = cache[key]
+            cache[key] = (tr, merged, opts, inner)
+        tr, merged, opts, inner = cache[key]
         dyn = [a for i, a in enumerate(leaves) if i not in static]
-        outs = _trace.run_chunks(tr.closed, merged, opts, dyn, fence=fence)
+        outs = _trace.run_chunks(tr.closed, merged, opts, dyn, fence=fence, inner=inner)
         return jax.tree_util.tree_unflatten(tr.out_tree, outs)
 
     step.__name__ = getattr(fn, "__name__", "step") + "_planned"
@@ -227,8 +233,9 @@ class StepCompiler:
                  f"in {n_f} (where unfenced exceeded the budget and fenced compiled smaller)")]
 
     def checkpointed(self, choice) -> int:
-        """Number of items of ``choice`` that run under ``jax.checkpoint``."""
-        return sum(self.candidates[i].option.checkpointed for i in choice)
+        """Number of ``jax.checkpoint`` calls (fences when fenced) the items of ``choice`` run
+        (a nested segment: one, plus one per unit inside it)."""
+        return sum(self.candidates[i].checkpoints for i in choice)
 
     def fence_of(self, choice) -> bool:
         """Whether ``choice`` runs fenced (on a GPU target: as decided when it was compiled;

@@ -23,8 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._compat import core
 
-__all__ = ["PREFIX", "Conversion", "Traced", "Unit", "row_twin", "run_chunks", "tag", "trace",
-           "units_at"]
+__all__ = ["PREFIX", "Conversion", "Traced", "Unit", "child_units", "nested_fn", "row_twin",
+           "run_chunks", "tag", "trace", "units_at"]
 
 PREFIX = "jaxmem/"
 
@@ -303,6 +303,29 @@ def choose_units(tr: Traced, max_units: int = 64, finer: int = 0) -> list[Unit]:
     return _units_from(tr, cuts, n)
 
 
+def _parent_label(lbl: str) -> str | None:
+    base = lbl.split("#")[0].split(".")[0]
+    return base.rsplit("/", 1)[0] if "/" in base else None
+
+
+def child_units(tr: Traced, u: Unit) -> list[Unit]:
+    """Unit ``u`` cut at the outputs of its direct children (the tagged layers one level
+    below it that end inside it): consecutive sub-units covering ``u``, the last one (after
+    its last child, up to ``u``'s own boundary) labelled ``u.label``; ``[u]`` when it has no
+    children. The sub-units a nested segment of one unit checkpoints again."""
+    base = u.label.split("#")[0].split(".")[0]
+    kids = sorted((e, lbl) for lbl, e in tr.ends.items()
+                  if u.start <= e < u.stop - 1 and _parent_label(lbl) == base)
+    out, start = [], u.start
+    for e, lbl in kids:
+        if e + 1 > start:
+            out.append(Unit(lbl, start, e + 1, u.depth + 1))
+            start = e + 1
+    if start < u.stop:
+        out.append(Unit(u.label, start, u.stop, u.depth))
+    return out
+
+
 def units_at(tr: Traced, labels: Sequence[str]) -> list[Unit]:
     """Units of ``tr`` cut after the given labels (those the trace does not have are merged
     into the unit that follows them, e.g. the layers inside a row-tiled trunk)."""
@@ -447,12 +470,46 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value),
                                    lambda v, _: _Static(v))
 
 
+def _checkpointed(f: Callable[..., Any], policy: Any, fence: bool) -> Callable[..., Any]:
+    return fenced_checkpoint(f, policy) if fence else \
+        jax.checkpoint(f, policy=policy, prevent_cse=True)
+
+
+def nested_fn(jaxpr: Any, u: Unit, inner: Sequence[Unit], fence: bool = True):
+    """``(f, ins, outs)``: equations ``[u.start, u.stop)`` run as the sub-chunks ``inner``
+    (consecutive, covering ``u``), each under ``jax.checkpoint(nothing_saveable)`` (fenced
+    unless ``fence=False``). Checkpointing ``f`` as a whole gives nested (two-level)
+    recomputation: outside its backward only ``u``'s inputs are kept; inside it, the
+    recomputation keeps only the sub-chunks' inputs, and each sub-chunk is recomputed once
+    more just before its own backward. Same equations, so the same values and gradients."""
+    ins, outs = chunk_io(jaxpr, u.start, u.stop)
+    edges = [u.start] + [s.stop for s in inner]
+    if not inner or [s.start for s in inner] != edges[:-1] or edges[-1] != u.stop:
+        raise ValueError(f"nested_fn: sub-chunks must cover unit {u.label!r} consecutively")
+    subs = []
+    for s in inner:
+        si, so = chunk_io(jaxpr, s.start, s.stop)
+        subs.append((_checkpointed(chunk_fn(jaxpr, s.start, s.stop, si, so),
+                                   POLICIES["recompute"], fence), si, so))
+
+    def f(*vals):
+        env = dict(zip(ins, vals))
+        for g, si, so in subs:
+            env.update(zip(so, g(*[env[v] for v in si])))
+        return [env[v] for v in outs]
+
+    return f, ins, outs
+
+
 def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
-               flat_args: Sequence[Any], fence: bool = True) -> list[Any]:
+               flat_args: Sequence[Any], fence: bool = True,
+               inner: dict[str, Sequence[Unit]] | None = None) -> list[Any]:
     """Evaluate ``closed`` on ``flat_args`` unit by unit; a unit whose option is ``"dots"`` or
     ``"recompute"`` runs under ``jax.checkpoint`` with that policy (fenced, see
-    :func:`fenced_checkpoint`, unless ``fence=False``); ``"offload"`` keeps its residuals in
-    host memory (:func:`jaxmem.planner.offload.offload_chunk`)."""
+    :func:`fenced_checkpoint`, unless ``fence=False``); ``"segment2"`` runs its sub-units
+    ``inner[label]`` each checkpointed inside one checkpointed chunk (nested recomputation,
+    :func:`nested_fn`); ``"offload"`` keeps its residuals in host memory
+    (:func:`jaxmem.planner.offload.offload_chunk`)."""
     jaxpr = closed.jaxpr
     env: dict = {}
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -460,15 +517,21 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
     for v, a in zip(jaxpr.invars, flat_args):
         env[v] = a
     for u in units:
+        opt = options.get(u.label, "store")
+        if opt == "segment2":
+            f, ins, outs = nested_fn(jaxpr, u, (inner or {}).get(u.label) or [u], fence)
+            f = _checkpointed(f, POLICIES["recompute"], fence)
+            vals = f(*[env[v] for v in ins])
+            for v, x in zip(outs, vals):
+                env[v] = x
+            continue
         ins, outs = chunk_io(jaxpr, u.start, u.stop)
         f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)
-        opt = options.get(u.label, "store")
         if opt == "offload":
             from jaxmem.planner.offload import offload_chunk
             f = offload_chunk(f)   # residuals to host memory; not fenced (nothing recomputed)
         elif opt != "store":
-            f = fenced_checkpoint(f, POLICIES[opt]) if fence else \
-                jax.checkpoint(f, policy=POLICIES[opt], prevent_cse=True)
+            f = _checkpointed(f, POLICIES[opt], fence)
         vals = f(*[env[v] for v in ins])
         for v, x in zip(outs, vals):
             env[v] = x
