@@ -137,6 +137,9 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
       and returns its values; ``jax.value_and_grad(plan.step)`` and ``jax.grad(plan.step)``
       compile within the budget on ``target`` for arguments of the example's shapes.
 
+    The loss is planned traced plainly or under ``jaxmem.scope()``, whichever untouched
+    step compiles smaller; when no plan of that variant fits, the other is planned too.
+
     Raises:
       BudgetError: no compiled plan fits; ``smallest_bytes`` is a budget this function meets
         for the same step and arguments.
@@ -165,18 +168,27 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
 
 def _plan_finer(step, example_args, budget, settings: _Settings) -> MemoryPlan:
     """:func:`_plan` at the default cut into units, then (while refused and a finer cut
-    exists) once more finely; the refusal of least ``smallest_bytes`` is raised."""
+    exists) once more finely; when every cut of the variant :func:`_variant` picked is
+    refused and the other variant traces too, the same for it (a step that compiles smaller
+    under ``jaxmem.scope()`` can still recompute to less without it). The refusal of least
+    ``smallest_bytes`` is raised."""
     err = None
     cache: dict[str, Any] = {}   # default compile and variant choice, shared by the retry
-    for finer in range(_MAX_FINER + 1):
-        s = settings if finer == 0 else dataclasses.replace(settings, order=False)
-        try:
-            return _plan(step, tuple(example_args), budget, s, finer, cache)
-        except BudgetError as e:
-            if err is None or e.smallest_bytes < err.smallest_bytes:
-                err = e
-            if not e.finer_units:
-                break
+    for attempt in range(2):
+        for finer in range(_MAX_FINER + 1):
+            s = settings if finer == 0 and attempt == 0 else dataclasses.replace(
+                settings, order=False)
+            try:
+                return _plan(step, tuple(example_args), budget, s, finer, cache)
+            except BudgetError as e:
+                if err is None or e.smallest_bytes < err.smallest_bytes:
+                    err = e
+                if not e.finer_units:
+                    break
+        other = cache.get("other_variant")
+        if attempt or other is None:
+            break
+        cache["variant"], cache["other_variant"] = other, None
     raise err
 
 
@@ -226,18 +238,20 @@ def _order_plan(step, args, budget_bytes, cm0, s: _Settings):
 def _variant(step, args, s: _Settings, cache):
     """``(selective, scope factory, compiled bytes)``: the loss traced plainly or under
     ``jaxmem.scope()``, whichever compiles to fewer bytes (a tie goes to the scope when
-    few-bit codes may be offered: they need it)."""
+    few-bit codes may be offered: they need it). The other one, where it traces, is kept in
+    ``cache['other_variant']`` for :func:`_plan_finer`'s retry."""
     if "variant" not in cache:
-        best = None
+        found = []
         for sel, factory in ((False, None), (True, _glue_scope)):
             s_step = _make_step(step, factory, (), (), {})
             try:
                 b = compiled_total(jax.value_and_grad(s_step), args, s.target)
             except Exception:  # noqa: BLE001, S112 - a scope that cannot trace is not used
                 continue
-            if best is None or b < best[2] or (b == best[2] and s.allow_approximate):
-                best = (sel, factory, b)
-        cache["variant"] = best
+            found.append((sel, factory, b))
+        found.sort(key=lambda v: (v[2], not (v[0] and s.allow_approximate)))
+        cache["variant"] = found[0] if found else None
+        cache["other_variant"] = found[1] if len(found) > 1 else None
     return cache["variant"]
 
 

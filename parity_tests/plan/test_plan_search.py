@@ -423,3 +423,34 @@ def test_max_batch_search_finds_the_largest_fitting_batch(largest, start, limit)
     want = min(largest, limit)
     assert (b, v) == (want, f"plan{want}" if want else None)
     assert len(asked) == len(set(asked)) and len(asked) <= 2 * limit.bit_length() + 2
+
+
+def test_plan_retries_the_other_variant_when_refused(monkeypatch):
+    """Every cut of the variant :func:`_variant` picked (here the scoped one) is refused:
+    ``plan`` plans the other (unscoped) variant too, returns its plan when it fits, and
+    otherwise raises the refusal of least ``smallest_bytes``."""
+    from jaxmem.planner import api
+
+    picked, other = (True, "scope", 100), (False, None, 120)
+    seen = []
+
+    def fake_plan(step, args, budget, s, finer, cache):
+        if "variant" not in cache:
+            cache["variant"], cache["other_variant"] = picked, other
+        seen.append((cache["variant"][0], finer))
+        if cache["variant"] is picked or meets is None:
+            smallest = 50 if cache["variant"] is picked else meets_not
+            raise BudgetError("refused", smallest, {}, finer_units=finer == 0)
+        return meets
+
+    monkeypatch.setattr(api, "_plan", fake_plan)
+    settings = api._Settings()
+    meets = "the unscoped plan"
+    assert api._plan_finer(lambda p: p, (1.0,), 0.25, settings) == meets
+    assert seen == [(True, 0), (True, 1), (False, 0)]
+    for meets, meets_not, least in ((None, 40, 40), (None, 70, 50)):
+        seen.clear()
+        with pytest.raises(BudgetError) as e:
+            api._plan_finer(lambda p: p, (1.0,), 0.25, settings)
+        assert e.value.smallest_bytes == least
+        assert seen == [(True, 0), (True, 1), (False, 0), (False, 1)]
