@@ -62,7 +62,7 @@ def make_step(fn, factory, cut_labels, runs, conversions, fence=True):
     ``conversions`` the per-layer tracing conversions, recomputed units fenced (``fence``,
     see :func:`jaxmem.planner.trace.fenced_checkpoint`);
     takes the loss's positional and keyword arguments; re-traced for new shapes."""
-    cache: dict[Any, tuple[Any, list[_trace.Unit], dict]] = {}
+    cache: dict[Any, tuple[Any, list[_trace.Unit], dict, dict]] = {}
     cut_labels, runs = tuple(cut_labels), tuple(runs)
     conversions = dict(conversions)
     sig = _signature(fn)

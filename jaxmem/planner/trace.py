@@ -264,6 +264,12 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], scope_ctx=None,
     return Traced(closed, in_tree, out_tree_box[-1], ends, frozenset(applied))
 
 
+def _parent_label(lbl: str) -> str | None:
+    """The label of the layer one level above ``lbl``'s, or ``None`` at the top."""
+    base = lbl.split("#")[0].split(".")[0]
+    return base.rsplit("/", 1)[0] if "/" in base else None
+
+
 def choose_units(tr: Traced, max_units: int = 64, finer: int = 0) -> list[Unit]:
     """Cut the jaxpr at the outputs of the shallowest tagged layers, then split any unit that
     holds more than half of all equations at its children's outputs (while <= ``max_units``);
@@ -277,35 +283,26 @@ def choose_units(tr: Traced, max_units: int = 64, finer: int = 0) -> list[Unit]:
     def depth(lbl):
         return lbl.split("#")[0].split(".")[0].count("/") + 1
 
-    def parent_of(lbl):
-        base = lbl.split("#")[0].split(".")[0]
-        return base.rsplit("/", 1)[0] if "/" in base else None
-
     top = min(depth(lbl) for lbl in labels)
     cuts = [lbl for lbl in labels if depth(lbl) == top]
     while True:
         units = _units_from(tr, cuts, n)
         big = max(units, key=lambda u: u.stop - u.start)
         base = big.label.split("#")[0].split(".")[0]
-        kids = [lbl for lbl in labels if parent_of(lbl) == base
+        kids = [lbl for lbl in labels if _parent_label(lbl) == base
                 and units_index(units, tr.ends[lbl]) is big and lbl not in cuts]
         if (big.stop - big.start) * 2 <= n or not kids or len(cuts) + len(kids) > max_units:
             break
         cuts = sorted(set(cuts) | set(kids), key=lambda k: tr.ends[k])
     for _ in range(finer):
         units = _units_from(tr, cuts, n)
-        kids = [lbl for lbl in labels if lbl not in cuts and parent_of(lbl) is not None
-                and any(u.label.split("#")[0].split(".")[0] == parent_of(lbl)
+        kids = [lbl for lbl in labels if lbl not in cuts and _parent_label(lbl) is not None
+                and any(u.label.split("#")[0].split(".")[0] == _parent_label(lbl)
                         and units_index(units, tr.ends[lbl]) is u for u in units)]
         if not kids or len(cuts) + len(kids) > max_units:
             break
         cuts = sorted(set(cuts) | set(kids), key=lambda k: tr.ends[k])
     return _units_from(tr, cuts, n)
-
-
-def _parent_label(lbl: str) -> str | None:
-    base = lbl.split("#")[0].split(".")[0]
-    return base.rsplit("/", 1)[0] if "/" in base else None
 
 
 def child_units(tr: Traced, u: Unit) -> list[Unit]:
@@ -521,17 +518,14 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
         if opt == "segment2":
             f, ins, outs = nested_fn(jaxpr, u, (inner or {}).get(u.label) or [u], fence)
             f = _checkpointed(f, POLICIES["recompute"], fence)
-            vals = f(*[env[v] for v in ins])
-            for v, x in zip(outs, vals):
-                env[v] = x
-            continue
-        ins, outs = chunk_io(jaxpr, u.start, u.stop)
-        f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)
-        if opt == "offload":
-            from jaxmem.planner.offload import offload_chunk
-            f = offload_chunk(f)   # residuals to host memory; not fenced (nothing recomputed)
-        elif opt != "store":
-            f = _checkpointed(f, POLICIES[opt], fence)
+        else:
+            ins, outs = chunk_io(jaxpr, u.start, u.stop)
+            f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)
+            if opt == "offload":
+                from jaxmem.planner.offload import offload_chunk
+                f = offload_chunk(f)   # residuals to host memory; not fenced (no recomputation)
+            elif opt != "store":
+                f = _checkpointed(f, POLICIES[opt], fence)
         vals = f(*[env[v] for v in ins])
         for v, x in zip(outs, vals):
             env[v] = x
