@@ -272,7 +272,7 @@ def _side_source(graph: Graph, v, root):
     return None
 
 
-def _model(x, axes, group, sub_mean, eps, inv, scale, bias):
+def _model(x, axes, group, sub_mean, eps, scale, bias):
     """The normalisation in NumPy float64: ``(y, mu, var)`` (statistics keepdims)."""
     xs = x
     if group:
@@ -354,7 +354,7 @@ def _spec(region: _Region):
         key += (shape, axes, group, tuple(b for _, b in sides), tuple(eps_cands), pool)
     verdict = _VERDICTS.get(key) if key is not None else None
     if verdict is None:
-        verdict = _verify(region, shape, axes, group, sides, eps_cands, None, roles,
+        verdict = _verify(region, shape, axes, group, sides, eps_cands, roles,
                           pool[2] if pool else 0)
         if key is not None:
             if len(_VERDICTS) >= 1024:
@@ -686,7 +686,7 @@ def _at_side(sel, s):
     return _take(s, tuple(slice(None) if n == 1 else q for q, n in zip(sel, s.shape)))
 
 
-def _verify(region: _Region, shape, axes, group, sides, eps_cands, inv, roles,
+def _verify(region: _Region, shape, axes, group, sides, eps_cands, roles,
             replicas: int = 0):
     """``((sub_mean, eps, scale, bias), stats)`` of the normalisation candidate the region
     computes in float64 on two random draws, or ``(None, reason)``.
@@ -722,7 +722,7 @@ def _verify(region: _Region, shape, axes, group, sides, eps_cands, inv, roles,
                 keep = []
                 for c in cands:
                     sm, eps, sc, bi = c
-                    y, mu, var = _model(xs, maxes, group, sm, eps, inv,
+                    y, mu, var = _model(xs, maxes, group, sm, eps,
                                         None if sc is None else sv[sc],
                                         None if bi is None else sv[bi])
                     if not _close(outs[0], y):
