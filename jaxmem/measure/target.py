@@ -314,15 +314,20 @@ _GPU_COMPILED: collections.OrderedDict[tuple, tuple[Any, str]] = collections.Ord
 _GPU_COMPILED_MAX = 32
 
 
+#: JAX configuration options that reach XLA's compile options (where this JAX has them).
+_COMPILE_CONFIG = ("jax_compiler_enable_remat_pass", "jax_exec_time_optimization_effort",
+                   "jax_memory_fitting_effort")
+
+
 def _gpu_compile_key(lowered: Any, target: str, gemm: str) -> tuple:
     """What a compile-only GPU compile depends on besides the process's ``XLA_FLAGS``: the
     target, the GEMM choice, the program as lowered (its text holds the shardings, donation
     and device count) and the JAX options that reach XLA's compile options."""
     text = lowered.as_text()
-    return (target, gemm, hashlib.sha256(text.encode()).hexdigest(), len(text),
-            jax.config.jax_compiler_enable_remat_pass,
-            jax.config.jax_exec_time_optimization_effort,
-            jax.config.jax_memory_fitting_effort)
+    # getattr: which of these options exist depends on the JAX version (jax 0.11 has no
+    # `jax_exec_time_optimization_effort`); an absent one cannot reach the compile
+    options = tuple(getattr(jax.config, name, None) for name in _COMPILE_CONFIG)
+    return (target, gemm, hashlib.sha256(text.encode()).hexdigest(), len(text), *options)
 
 
 def _compile_for_gpu(lowered: Any, gemm: str, options: dict[str, Any]) -> tuple[Any, str]:

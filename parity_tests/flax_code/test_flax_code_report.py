@@ -60,6 +60,15 @@ def _report_of_grad(model, x):
     return jaxmem.report(lambda p: jax.grad(lambda p: jnp.sum(conv.apply(p, x) ** 2))(p), v)
 
 
+def _arrays_autodiff_keeps_for_scanned_tanh():
+    """How many arrays JAX's own autodiff keeps for ``tanh`` inside a ``scan`` body."""
+    def f(c):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c), None), c, None, length=1)[0]
+
+    _, pullback = jax.vjp(f, jnp.full((2, D), 0.5))  # a jax.tree_util.Partial: residual leaves
+    return sum(1 for leaf in jax.tree.leaves(pullback) if jnp.size(leaf) == 2 * D)
+
+
 def _rows(rep):
     return collections.Counter((e.path, e.target, e.status) for e in rep.entries)
 
@@ -175,7 +184,10 @@ def test_functions_imported_by_name_are_converted_like_module_attributes(cls):
     assert [e.status for e in rep.by_kind("dot")] == ["converted"] * 2
     acts = {e.target.split(": ")[-1]: e.status for e in rep.by_kind("activation")}
     assert acts["custom_jvp_call"] == "converted"  # relu, however imported: a 1-bit mask
-    assert acts["tanh"] == "converted"  # in the scan body
+    # tanh in the scan body: converted where JAX's autodiff keeps two arrays for it (jax 0.10:
+    # input and output), nothing to save where it keeps one (jax 0.11 keeps the output only)
+    kept = _arrays_autodiff_keeps_for_scanned_tanh()
+    assert acts["tanh"] == ("converted" if kept > 1 else "nothing-to-save"), (kept, str(rep))
     # jax.lax.scan and the fori_loop (a scan with static bounds) are entered
     assert [e.target for e in rep.by_kind("higher-order")] == ["scan", "scan"], str(rep)
 

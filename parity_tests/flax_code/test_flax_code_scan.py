@@ -269,9 +269,12 @@ def _slope(form, conv, act):
     return (out[1] - out[0]) / 2
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("act", ["relu"])
 def test_nn_scan_keeps_the_unrolled_saving(act):
-    """Per-layer compiled bytes, jaxmem/default: scanned <= unrolled + 0.05."""
+    """Per-layer compiled bytes, jaxmem/default: scanned <= unrolled + 0.05, on XLA:CPU's plan
+    (``xla_cpu``). On XLA:GPU's plan this tiny unrolled LM (37 KB per layer) saves nothing
+    (H100 plan 0.99x, jax 0.11's 1.02x) while the scanned one keeps 0.82x."""
     unrolled = _slope("unrolled", True, act) / _slope("unrolled", False, act)
     scanned = _slope("scan", True, act) / _slope("scan", False, act)
     assert unrolled < 0.95, unrolled  # the conversion saves something at all

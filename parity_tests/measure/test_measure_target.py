@@ -272,6 +272,8 @@ def test_target_mesh_errors(kwargs, name):
 
 def test_missing_plugin_names_how_to_install(tmp_path):
     """No plugin anywhere (a loaded plugin cannot be unloaded: a fresh process)."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("JAX's own CUDA backend is loaded here: GPU targets compile with its plugin")
     empty = tmp_path / "empty"
     empty.mkdir()
     wrong = tmp_path / "wrong"

@@ -125,13 +125,20 @@ def test_flax_drop_ins_random_problems(p, flavour, rate, broadcast):
               "dropout_rng": jax.random.PRNGKey(p["seed"]) if rate else None}
         if flavour == "nnx":
             kw["is_causal"] = p["causal"]
-            # JAX's own attention asks for an F16_F16_F32 dot that XLA:CPU cannot compile
-            # under jit (Flax fails the same way): nothing to compare there
-            assume(not (rate == 0.0 and dt == jnp.float16 and jax.default_backend() == "cpu"))
 
         def run(fn):
             return jax.jit(lambda a, c: _vjp(lambda *x: fn(*x, **kw), a, c))(
                 args, jnp.asarray(ct, dt))
+
+        if flavour == "nnx" and rate == 0.0 and dt == jnp.float16:
+            # JAX's own attention (which both sides call here) asks for an F16_F16_F32 dot
+            # that XLA:CPU cannot compile, nor XLA:GPU under the suite's "highest" matmul
+            # precision: nothing to compare where the reference itself does not compile
+            try:
+                run(ref)
+            except (ValueError, jax.errors.JaxRuntimeError) as e:  # lowering / compiling
+                assume("F16_F16_F32" not in str(e) and "precision algorithm" not in str(e))
+                raise
 
         (o, grads), (o0, grads0) = run(mine), run(ref)
         assert o.dtype == o0.dtype

@@ -182,16 +182,21 @@ def test_report_works_under_cprofile_and_leaves_it_running():
     model = jaxmem.linen.convert(MLP())
     params = model.init(jax.random.key(0), x)
     expected = jaxmem.report(model.apply, params, x).to_dict()
+    def called_after_report():
+        return None
+
     prof = cProfile.Profile()
     prof.enable()
     try:
         rep = jaxmem.report(model.apply, params, x)
-        still = sys.getprofile()
+        called_after_report()
     finally:
         prof.disable()
-    assert still is prof
     assert rep.to_dict()["entries"] == expected["entries"]
-    assert any(getattr(s.code, "co_name", "") == "report" for s in prof.getstats())
+    # the profiler saw report and kept running after it (Python 3.12's cProfile uses
+    # sys.monitoring, so sys.getprofile() is no witness there)
+    names = {getattr(s.code, "co_name", "") for s in prof.getstats()}
+    assert {"report", "called_after_report"} <= names, sorted(names)[:20]
 
 
 def test_report_chains_a_python_profile_function():
