@@ -415,6 +415,8 @@ def _cpu_only(r):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(OUT),
+                    help="folder of distributed.{md,json} and parts/ (default: %(default)s)")
     ap.add_argument("--models", default="gpt,resnet50")
     ap.add_argument("--md-only", action="store_true", help="rebuild the tables from parts/")
     ap.add_argument("--variants", default=",".join(VARIANTS),
@@ -432,13 +434,15 @@ def main():
             raise SystemExit(f"--target: {t!r} is not one of {TARGETS}")
     assert jax.device_count() == NDEV, jax.device_count()
     cases = {"gpt": gpt_case, "resnet50": resnet_case}
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": NDEV,
             "quick": args.quick, "targets": targets,
             "command": ".venv/bin/python benchmarks/distributed/bench_distributed.py"
                        + (" --quick" if args.quick else "")
-                       + (f" --target {args.target}" if targets != ["h100", "cpu"] else "")}
-    parts = OUT / "parts"
+                       + (f" --target {args.target}" if targets != ["h100", "cpu"] else "")
+                       + (f" --out {args.out}" if out != OUT else "")}
+    parts = out / "parts"
     parts.mkdir(exist_ok=True)
     for key in ([] if args.md_only else args.models.split(",")):
         if key not in cases:
@@ -462,7 +466,7 @@ def main():
     rows.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
     rows.sort(key=lambda r: r["model"])
     meta["part_commands"] = commands
-    (OUT / "distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     shown = [t for t in targets if any(t in r["targets"] for r in rows)]
     md = ["# Sharded training steps: per-device compiled bytes and collectives", "",
           "Regenerate with " + ", then ".join(f"`{c}`" for c in commands) + ".", "",
@@ -490,9 +494,13 @@ def main():
         if t != "cpu":
             md += [f"GEMM backend: {gemm_used(rows, t)}.", ""]
         md += [table(rows, t), ""]
-    if shown:
+    if shown and out == OUT:
         md += ["## Reading the tables", "", READING, ""]
-    (OUT / "distributed.md").write_text("\n".join(md))
+    elif shown:  # the reading quotes the live-range figures of the default results' run
+        md += ["## Reading the tables", "", "Not written for this run: the reading of "
+               "`benchmarks/results/distributed/distributed.md` quotes the live-range figures "
+               "of its own run.", ""]
+    (out / "distributed.md").write_text("\n".join(md))
     print("\n".join(md))
 
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxmem._prims.host import on_host
+
 __all__ = ["TABLE_ACTIVATIONS", "MASK_ACTIVATIONS", "Activation", "get_activation"]
 
 
@@ -96,9 +98,8 @@ def numpy_derivative(fn: Callable) -> Callable:
 
     def d(x):
         x = np.asarray(x, dtype=np.float64)
-        with jax.enable_x64(True), jax.ensure_compile_time_eval():
-            out = np.asarray(grad(jnp.asarray(x.reshape(-1), dtype=jnp.float64)),
-                             dtype=np.float64)
+        out = on_host(lambda: np.asarray(grad(jnp.asarray(x.reshape(-1), dtype=jnp.float64)),
+                                         dtype=np.float64))
         return out.reshape(x.shape)
 
     return d

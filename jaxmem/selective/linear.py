@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.ties import tie, typed_struct, vary_like
+from jaxmem._prims.ties import after, tie, typed_struct, vary_like
 from jaxmem.selective._core import (
     as_int,
     check_float,
@@ -112,6 +112,13 @@ def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
             (dx,) = jax.linear_transpose(lambda x_: fn(x_, w_late), x_struct)(g)
     if res_x is not None:
         (dw,) = jax.linear_transpose(lambda w_: fn(res_x, w_), w_struct)(g)
+    if dx is not None and dw is not None:
+        # XLA:GPU: ``dx`` flows on only once ``dW`` exists. Left free, XLA:GPU puts every
+        # layer's weight gradient at the end of a multi-device backward (next to its
+        # all-reduce) and keeps each layer's cotangent alive until then (measured: Dense ->
+        # cross-replica BatchNorm under shard_map on 2 / 8 H100s of the plan, 8.3 B/element
+        # per layer untied, 4.3 with it). ``after`` is nothing on XLA:CPU and under SPMD.
+        dx = after(dx, dw)
     return dx, dw
 
 

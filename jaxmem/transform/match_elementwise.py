@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._compat import core
+from jaxmem._prims.host import on_host
 from jaxmem._prims.ties import vary_like
 from jaxmem.transform.graph import (
     Graph,
@@ -300,10 +301,12 @@ def two_slopes(sub: Subgraph) -> tuple[float, float] | None:
                 consts.append(float(np.asarray(v.val).reshape(-1)[0]))
     consts += [float(np.asarray(c).reshape(-1)[0]) for c in sub.consts.values()]
     pts = _probe(consts)
-    with jax.enable_x64(True), jax.ensure_compile_time_eval():
+
+    def derivative():
         t = jnp.asarray(pts, jnp.float64)
-        d = jax.jvp(sub, (t,), (jnp.ones_like(t),))[1]
-        d = np.asarray(d, np.float64)
+        return np.asarray(jax.jvp(sub, (t,), (jnp.ones_like(t),))[1], np.float64)
+
+    d = on_host(derivative)
     d = d[np.isfinite(d)]
     vals = np.unique(d)
     if vals.size != 2:

@@ -65,11 +65,11 @@ from __future__ import annotations
 import heapq
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxmem._prims.host import on_host
 from jaxmem.transform.graph import (
     Graph,
     ancestors,
@@ -704,41 +704,41 @@ def _verify(region: _Region, shape, axes, group, sides, eps_cands, roles,
     maxes = (0,) + raxes if replicas else raxes
     rsel = None if sel is None else (slice(None),) * len(lead) + sel
     try:
-        with jax.enable_x64(True), jax.ensure_compile_time_eval():
-            for draw in range(2):
-                eps_scale = math.sqrt(max(eps_cands[0], 1e-300)) if draw else 1.0
-                off = 0.7 if draw == 0 else 0.3 * eps_scale
-                x = (rng.standard_normal(rshape) * eps_scale * (1.5 if draw else 1.0)
-                     + off * rng.standard_normal(rshape[:-1] + (1,)))
-                svals = [rng.standard_normal(lead + b) * 0.5 + 1.0 for _, b in sides]
-                args = [s.reshape(lead + _shape(v)) if src is v else
-                        np.broadcast_to(s.reshape(lead + b), lead + _shape(v))
-                        for s, (src, b), v in zip(svals, sides, region.sides)]
-                outs = [np.asarray(o, np.float64) for o in region.evaluate(
+        for draw in range(2):
+            eps_scale = math.sqrt(max(eps_cands[0], 1e-300)) if draw else 1.0
+            off = 0.7 if draw == 0 else 0.3 * eps_scale
+            x = (rng.standard_normal(rshape) * eps_scale * (1.5 if draw else 1.0)
+                 + off * rng.standard_normal(rshape[:-1] + (1,)))
+            svals = [rng.standard_normal(lead + b) * 0.5 + 1.0 for _, b in sides]
+            args = [s.reshape(lead + _shape(v)) if src is v else
+                    np.broadcast_to(s.reshape(lead + b), lead + _shape(v))
+                    for s, (src, b), v in zip(svals, sides, region.sides)]
+            outs = on_host(lambda x=x, args=args: [
+                np.asarray(o, np.float64) for o in region.evaluate(
                     jnp.asarray(x, jnp.float64), [jnp.asarray(a, jnp.float64) for a in args],
-                    replicas)]
-                xs, outs = _at(rsel, x, outs, rshape, raxes)
-                sv = [_at_side(rsel, s.reshape(lead + b)) for s, (_, b) in zip(svals, sides)]
-                keep = []
-                for c in cands:
-                    sm, eps, sc, bi = c
-                    y, mu, var = _model(xs, maxes, group, sm, eps,
-                                        None if sc is None else sv[sc],
-                                        None if bi is None else sv[bi])
-                    if not _close(outs[0], y):
-                        continue
-                    stats = []
-                    for e in outs[1:]:
-                        which = ("mu" if sm and not group and _close_stat(e, mu) else
-                                 "var" if not group and _close_stat(e, var) else None)
-                        stats.append(which)
-                    if None in stats:
-                        continue
-                    keep.append(c + (tuple(stats),))
-                cands = [k[:4] for k in keep]
-                if not cands:
-                    return None, ("computes no LayerNorm / RMSNorm / BatchNorm / GroupNorm "
-                                  "of x with these statistics")
+                    replicas)])
+            xs, outs = _at(rsel, x, outs, rshape, raxes)
+            sv = [_at_side(rsel, s.reshape(lead + b)) for s, (_, b) in zip(svals, sides)]
+            keep = []
+            for c in cands:
+                sm, eps, sc, bi = c
+                y, mu, var = _model(xs, maxes, group, sm, eps,
+                                    None if sc is None else sv[sc],
+                                    None if bi is None else sv[bi])
+                if not _close(outs[0], y):
+                    continue
+                stats = []
+                for e in outs[1:]:
+                    which = ("mu" if sm and not group and _close_stat(e, mu) else
+                             "var" if not group and _close_stat(e, var) else None)
+                    stats.append(which)
+                if None in stats:
+                    continue
+                keep.append(c + (tuple(stats),))
+            cands = [k[:4] for k in keep]
+            if not cands:
+                return None, ("computes no LayerNorm / RMSNorm / BatchNorm / GroupNorm "
+                              "of x with these statistics")
     except (ValueError, TypeError, ArithmeticError, KeyError, IndexError, RuntimeError,
             NotImplementedError, NameError) as e:  # cannot be evaluated: left as it was
         return None, f"could not be evaluated: {e}"

@@ -77,10 +77,9 @@ def test_sync_batch_norm_keeps_one_input_sized_residual_per_layer(fast):
 
 @pytest.mark.xla_cpu
 def test_sync_batch_norm_compiled_slope_keeps_the_saving():
-    """XLA:CPU's plan (``xla_cpu``). On XLA:GPU's plan the converted sync batch norm keeps
-    as much as Flax's (H100 plan 8.49-12.46 vs 8.36 B/element per layer); with 2 devices under
-    ``shard_map`` it keeps the saving once XLA:GPU's all-reduce combiner is off, with 8 not
-    yet: ``benchmarks/distributed/sync_batch_norm_gpu_plan.py``."""
+    """XLA:CPU's plan (``xla_cpu``). On the H100 plan this ``vmap(axis_name=...)`` step keeps
+    4.55 vs Flax's 8.36 B/element per layer (0.54x, above this test's 0.5x); across devices
+    (``shard_map`` on 2 H100s of the plan): ``parity_tests/gpu_plan/test_gpu_plan_sync_norm.py``."""
     def comp(convert):
         def m(depth):
             f, p, xs = _loss(depth, convert)

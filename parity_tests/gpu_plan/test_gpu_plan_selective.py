@@ -116,8 +116,11 @@ def _dense_slope(argnums, b=128, h=512, depth=2):
 
 
 def test_frozen_dense_stores_no_input():
-    """Frozen: the 1-bit mask only; trained: + the layer input (4 B) and the weight
-    gradient (h*h*4 B per layer = 16 B per element here)."""
+    """Frozen: the 1-bit mask only; trained: the weight gradient (h*h*4 B per layer = 16 B
+    per element here) on top. The layer input (4 B) is kept until its layer's weight
+    gradient is formed; XLA:GPU forms each one as the backward reaches it (the input gradient
+    waits for it: ``ties.after``), so the inputs are gone by the peak at the end, where the
+    weight gradients are (measured 16.13; 20.13 with the weight gradients left to the end)."""
     frozen, trained = _dense_slope(0), _dense_slope(1)
     assert frozen == 1 / 8, (frozen, trained)
-    assert trained >= 4.0 + 16.0, (frozen, trained)
+    assert 16.0 <= trained < 16.0 + 4.0, (frozen, trained)
