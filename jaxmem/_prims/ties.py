@@ -93,11 +93,13 @@ def _rule(mesh, operand_types, result_types):
 
 
 def _make_tie(body, partitioned_body):
-    """The tie primitive: ``custom_partitioning`` (``body`` where the program is not split;
-    each shard runs ``partitioned_body`` on its own shards where XLA's SPMD partitioner
-    splits it),
-    ``custom_vmap`` (one element of a batched ``dep`` is as good a dependency as any: the
-    whole batched ``x`` is tied at once) and ``custom_jvp`` (the tangent is ``x``'s)."""
+    """The tie primitive, as three layers:
+
+    * ``custom_partitioning``: ``body`` where the program is not split; where XLA's SPMD
+      partitioner splits it, each shard runs ``partitioned_body`` on its own shards;
+    * ``custom_vmap``: one element of a batched ``dep`` is as good a dependency as any, so
+      the whole batched ``x`` is tied at once;
+    * ``custom_jvp``: the tangent is ``x``'s."""
     @custom_partitioning
     def local(x, dep):
         return body(x, dep)
