@@ -71,7 +71,8 @@ class Interpreter:
         from jaxmem.transform.match_dot import match_product
         from jaxmem.transform.match_dropout import match_dropout
         from jaxmem.transform.match_elementwise import match_activations
-        from jaxmem.transform.match_fused import fuse_activation_products, in_recomputed_body
+        from jaxmem.transform.match_fused import (FUSE_PRODUCTS, fuse_activation_products,
+                                                  in_recomputed_body)
         from jaxmem.transform.match_norm import match_norms
 
         opts = self.options
@@ -110,7 +111,7 @@ class Interpreter:
         if opts.activations:
             for item in match_activations(graph, taken, path, opts.fewbit, products):
                 add(item)
-            if products and in_recomputed_body():
+            if products and FUSE_PRODUCTS and in_recomputed_body():
                 found = fuse_activation_products(graph, found)
         plan: dict[int, Match] = {}
         for item in found:

@@ -14,7 +14,12 @@ matchers where they are):
   tied to the product's cotangent instead of once per rule, each with its own tie, which
   XLA:GPU cannot fuse and schedules apart (the pre-activation then stays alive through the
   rest of the layer's backward pass: Linen LM under ``nn.scan(nn.remat(...))``, H100 plan
-  2.16 MiB separately, 2.04 MiB fused, as when ``f`` was left to JAX; CPU unchanged);
+  2.16 MiB separately, 2.04 MiB fused, as when ``f`` was left to JAX; CPU unchanged).
+  Only with the XLA of jax < 0.11 (:data:`FUSE_PRODUCTS`): jax 0.11's XLA:GPU schedules the
+  two rules well apart and the fused op worse (a scanned remat transformer stack on the H100
+  plan, ``test_transform_remat_body.py``: 1.81 MB apart, 2.03 MB fused; jax 0.10: 1.81 apart,
+  1.77 fused; the larger stack decides: a 2-layer scanned remat LM of 75 KB goes the other
+  way, 77.0 KB apart, 75.0 KB fused);
 * with ``fewbit``, such an activation keeps its few-bit code.  Outside, it gets the exact
   op (:func:`~jaxmem.transform.match_elementwise._product_keeps_output`: the product would
   keep ``f(x)`` beside the code through the forward pass); inside, ``x`` is dead once the
@@ -28,11 +33,18 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
+import jax
+
 from jaxmem._prims.ties import vary_like
 from jaxmem.transform.graph import Graph
 from jaxmem.transform.match import Match
 
-__all__ = ["fuse_activation_products", "in_recomputed_body", "recomputed_body"]
+__all__ = ["FUSE_PRODUCTS", "fuse_activation_products", "in_recomputed_body",
+           "recomputed_body"]
+
+#: Whether activations in recomputed bodies are re-emitted together with their product (see
+#: the module docstring: it lowers XLA:GPU's plan with jax < 0.11 and raises it with 0.11).
+FUSE_PRODUCTS: bool = jax.__version_info__ < (0, 11)
 
 _RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "jaxmem_transform_recomputed_body", default=False)

@@ -18,6 +18,7 @@ def test_multidevice_suite():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     env["JAXMEM_MULTIDEVICE"] = "1"
+    env["JAX_PLATFORMS"] = "cpu"   # 8 host devices also where a GPU is JAX's default backend
     env.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
            str(HERE / "multidevice")]

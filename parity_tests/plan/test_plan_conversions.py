@@ -156,6 +156,10 @@ def order_plan():
 
     p = plan(loss, params, tok, budget=0.95)
     if p.order is None or not p.order.applied:
+        if jax.__version_info__ >= (0, 11) and any("already as low" in n for n in p.notes):
+            # measured: jax 0.11's XLA schedules this GPT below the fenced order on its own
+            # (test_plan_order.py checks the fenced step on every version)
+            pytest.skip(f"XLA of jax {jax.__version__} orders this step at least as low")
         pytest.fail(f"the order did not apply: {p.notes}")
     return loss, params, tok, p
 

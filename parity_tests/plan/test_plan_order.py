@@ -55,31 +55,50 @@ def gpt_ordered():
     return m, f, params, tok, ordered(f, params, tok, time_limit=2.0, chunks=4)
 
 
+def _fenced(r, f, params, tok):
+    """The fenced step: ``r.fn`` where the order applied, else built as ``ordered`` builds it
+    (4 chunks), so that its exactness is checked whatever XLA decides."""
+    if r.applied:
+        return r.fn
+    found = O._find_order(f, (params, tok), 2.0, "local")
+    return O._fenced_step(found.ts, found.order, 4, "loss")
+
+
 def test_ordered_gpt_lowers_bytes_and_keeps_values_and_gradients(gpt_ordered):
+    """The order lowers XLA:CPU's plan of this GPT with jax 0.10; jax 0.11's XLA:CPU already
+    schedules it below the fenced order (0.90 vs 1.22 MiB), and the step is kept with that
+    reason. The fenced step is exact either way."""
     m, f, params, tok, r = gpt_ordered
     assert isinstance(r, OrderResult)
-    assert r.applied and r.chunks == 4
-    assert r.compiled_bytes < r.baseline_bytes
-    m_fn = r.fn.lower(params, tok).compile().memory_analysis()   # r.fn is jitted: cached
-    assert (m_fn.temp_size_in_bytes + m_fn.output_size_in_bytes + m_fn.argument_size_in_bytes
-            - m_fn.alias_size_in_bytes) == r.compiled_bytes
-    assert r.why.startswith("order lowered compiled bytes") and "MiB" in r.why
-    assert r.order_peak <= r.program_peak and 0 < r.reduction < 1
+    assert r.order_peak <= r.program_peak
+    if jax.__version_info__ >= (0, 11) and not r.applied:
+        assert r.fn is f and r.compiled_bytes == r.baseline_bytes and r.chunks is None
+        assert r.why.startswith("XLA's own order is already as low"), r.why
+    else:
+        assert r.applied and r.chunks == 4, r.why
+        assert r.compiled_bytes < r.baseline_bytes
+        m_fn = r.fn.lower(params, tok).compile().memory_analysis()  # r.fn is jitted: cached
+        assert (m_fn.temp_size_in_bytes + m_fn.output_size_in_bytes
+                + m_fn.argument_size_in_bytes - m_fn.alias_size_in_bytes) == r.compiled_bytes
+        assert r.why.startswith("order lowered compiled bytes") and "MiB" in r.why
+        assert 0 < r.reduction < 1
+    step = _fenced(r, f, params, tok)
     # fresh parameters and tokens, not the example ones
     p2 = jax.jit(m.init)(jax.random.key(11), tok)["params"]
     t2 = jax.random.randint(jax.random.key(12), tok.shape, 0, 256)
     want = jax.jit(f)(p2, t2)
-    _close(r.fn(p2, t2), want)
+    _close(step(p2, t2), want)
     # the fenced step differentiates: d(loss)/d(params) through it is the gradient output
-    _close(jax.jit(jax.grad(lambda p: r.fn(p, t2)[0]))(p2), want[1], rtol=1e-4)
+    _close(jax.jit(jax.grad(lambda p: step(p, t2)[0]))(p2), want[1], rtol=1e-4)
 
 
 def test_ordered_step_rejects_other_shapes_at_trace_time(gpt_ordered):
-    _, _, params, tok, r = gpt_ordered
+    _, f, params, tok, r = gpt_ordered
+    step = _fenced(r, f, params, tok)
     with pytest.raises(ValueError, match=r"shape \(2, 32\).*found for shape \(4, 32\)"):
-        jax.eval_shape(r.fn, params, tok[:2])
+        jax.eval_shape(step, params, tok[:2])
     with pytest.raises(ValueError, match="structure"):
-        jax.eval_shape(r.fn, params, tok, tok)
+        jax.eval_shape(step, params, tok, tok)
 
 
 def test_ordered_no_gain_keeps_fn_with_reason():
@@ -154,9 +173,11 @@ def test_ordered_drops_a_small_saving_and_a_step_that_disagrees(monkeypatch):
         step = real_fenced(ts, order, k, name)
         return lambda *a: jax.tree_util.tree_map(lambda v: v * 1.01, step(*a))
 
-    def smaller(fn, args, target="cpu"):   # pretend the fenced step compiles to fewer bytes
+    base = real_compile(f, (params, x))[1]
+
+    def smaller(fn, args, target="cpu"):   # pretend the fenced step compiles to 1 byte less
         exe, total = real_compile(fn, args, target)
-        return exe, total - (0 if fn is f else 1)
+        return exe, total if fn is f else base - 1
 
     monkeypatch.setattr(O, "_compile", smaller)
     r = ordered(f, params, x, time_limit=1.0, chunks=4, min_reduction=0.01)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.schedule import optimize, simulate, trace, validate_plan
 from jaxmem.schedule.jaxpr_graph import UnsupportedPrimitiveError
 
-MESH = AbstractMesh((4, 2), ("data", "model"))
+# Auto axes: the default since jax 0.11 is Explicit, where shard_map asks its inputs to carry
+# their sharding in their type
+MESH = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
 def _ops(ts):
