@@ -262,7 +262,7 @@ class Graph:
         if v in self._uniform:
             return self._uniform[v]
         out = None
-        if v in self.consts:
+        if v in self.consts and not _is_key(self.consts[v]):   # numpy refuses typed keys
             val = np.asarray(self.consts[v])
             if val.size >= 1 and jnp.issubdtype(val.dtype, jnp.number):
                 flat = val.reshape(-1)
@@ -276,6 +276,12 @@ class Graph:
                     out = _fold(eqn, vals)
         self._uniform[v] = out
         return out
+
+
+def _is_key(x) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``: an extended dtype)."""
+    dt = getattr(x, "dtype", None)
+    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.extended)
 
 
 _UNIFORM_PRIMS = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "stop_gradient",
@@ -364,8 +370,9 @@ def structure(eqns, names: dict, consts: dict) -> tuple[tuple, dict]:
             if is_literal(v):
                 refs.append(("lit", repr(np.asarray(v.val).tolist()), str(v.aval.dtype)))
             elif v in consts:
-                a = np.asarray(consts[v])
-                refs.append(("const", str(a.dtype), a.shape,
+                c = consts[v]
+                a = np.asarray(jax.random.key_data(c) if _is_key(c) else c)
+                refs.append(("const", str(c.dtype), a.shape,
                              hashlib.sha1(a.tobytes()).hexdigest()))
             else:
                 refs.append(ids[v])

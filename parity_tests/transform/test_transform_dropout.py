@@ -80,3 +80,23 @@ def test_dropout_option_off():
     x = normal((4, 16))
     f = lambda x, k: jnp.sum(_by_hand(x, k) ** 2)
     assert not transform(f, dropout=False).report(x, key()).by_kind("dropout")
+
+
+
+def test_closed_over_typed_key_is_a_constant_like_any_other():
+    """A loss that closes over its dropout key (a typed ``jax.random.key``, of an extended
+    dtype that numpy refuses): the user-style LM with ``nn.remat`` blocks, whose recomputed
+    bodies get the key as a constant next to their LayerNorms. The key is a constant like
+    any other; the gradients are the untouched ones."""
+    from jaxmem.bench.flax_models import linen_lm_remat
+    case = linen_lm_remat(depth=1, batch_size=2, d_model=16)
+    assert jax.dtypes.issubdtype(case.rng.dtype, jax.dtypes.extended)
+    f, params = case.loss_of_params(True)     # closes over case.rng
+
+    def loss(p):
+        return f(p)[0]
+
+    g = transform(loss)
+    close(jax.jit(jax.grad(g))(params), jax.jit(jax.grad(loss))(params), rtol=1e-5, atol=1e-6)
+    rep = g.report(params)
+    assert rep.by_kind("norm") and all(r.converted for r in rep.by_kind("norm"))
