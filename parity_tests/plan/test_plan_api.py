@@ -140,7 +140,10 @@ def mlp():
 @pytest.fixture(scope="module")
 def mlp_segments(mlp):
     loss, params, x = mlp
-    return plan(loss, params, x, budget=0.85, order=False)
+    # the CPU device's plan also where a GPU is JAX's default (the test using it is xla_cpu;
+    # a module fixture is set up before the xla_cpu marker's device context)
+    with jax.default_device(jax.devices("cpu")[0]):
+        return plan(loss, params, x, budget=0.85, order=False)
 
 
 @pytest.mark.xla_cpu   # XLA:GPU plans uniform "dots" below this budget (real H200, jax 0.11.2)
@@ -221,6 +224,7 @@ def test_max_batch_docstring_example():
     assert r.attempted > 0 and r.failed == 0
 
 
+@pytest.mark.xla_cpu   # compared with mlp_segments, planned on the CPU device
 def test_plan_deterministic(mlp, mlp_segments):
     """The same step, arguments and budget give the same plan (one-worker CP-SAT, fixed
     seed, deterministic tracing and compiles)."""
