@@ -32,6 +32,7 @@ _ATTRS = {"scope": ("jaxmem.linen", "deprecated_scope"),
           "report": ("jaxmem._glue.report", "report"),
           "Report": ("jaxmem._glue.report", "Report"),
           "NothingConvertedWarning": ("jaxmem._glue.report", "NothingConvertedWarning"),
+          "GradientInsideWarning": ("jaxmem.transform.report", "GradientInsideWarning"),
           "JaxmemDeprecationWarning": ("jaxmem._deprecation", "JaxmemDeprecationWarning")}
 __all__ = list(_SUBMODULES) + list(_ATTRS) + ["__version__"]
 

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from jaxmem._compat import core
-from jaxmem.transform.interpret import Interpreter
+from jaxmem.transform.interpret import INNER_GRADIENT, Interpreter, reverse_mode_eqn
 from jaxmem.transform.options import Options
-from jaxmem.transform.report import Report, collect, tracing
+from jaxmem.transform.report import GradientInsideWarning, Report, collect, collecting, tracing
 
 __all__ = ["report", "transform"]
 
@@ -110,6 +110,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         with tracing():
             closed = jax.make_jaxpr(flat_f)(*dyn_vals)
             arrays = iter(interp.run(closed, dyn_vals))
+        if not collecting() and not _maybe_differentiated(dyn_vals):
+            _warn_inner_gradient(f, closed.jaxpr)
         t, static = out_tree[0]  # leaves that are not arrays are returned as f gave them
         return jax.tree_util.tree_unflatten(
             t, [next(arrays) if o is None else o for o in static])
@@ -126,6 +128,29 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     wrapped.options = options
     wrapped.__jaxmem_transform__ = (f, options)
     return wrapped
+
+
+_warned_inner_gradient: set = set()
+
+
+def _maybe_differentiated(vals) -> bool:
+    """Whether an argument may carry an outer differentiation (a tracer other than jit's /
+    make_jaxpr's: ``grad``, ``jvp``, and, to stay quiet where unsure, ``vmap`` and others)."""
+    return any(isinstance(v, core.Tracer) and type(v).__name__ != "DynamicJaxprTracer"
+               for v in vals)
+
+
+def _warn_inner_gradient(f: Callable, jaxpr) -> None:
+    """:class:`GradientInsideWarning` (once per function) when ``f`` differentiates inside
+    and the transformed function is not itself being differentiated."""
+    key = getattr(f, "__qualname__", repr(f))
+    if key in _warned_inner_gradient or reverse_mode_eqn(jaxpr) is None:
+        return
+    import warnings
+
+    _warned_inner_gradient.add(key)
+    warnings.warn(GradientInsideWarning(f"jaxmem.transform({key}): {INNER_GRADIENT}"),
+                  stacklevel=3)
 
 
 def report(f: Callable, *args: Any, **kwargs: Any) -> Report:

@@ -38,6 +38,7 @@ from jaxmem.transform.graph import (
     call_location,
     context,
     inline_calls,
+    location,
     name_stack,
 )
 from jaxmem.transform.match import Match
@@ -55,6 +56,38 @@ _NOT_ENTERED = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "
 _SHARD_MAP_PARAMS = ("mesh", "in_specs", "out_specs", "jaxpr", "check_vma", "newly_manual_axes")
 
 
+#: The reason of the ``"gradient"`` row (see :func:`_record_inner_gradient`).
+INNER_GRADIENT = (
+    "the function computes a gradient itself: its backward pass is already written out as "
+    "plain equations, and jaxmem changes only what a differentiation *of the transformed "
+    "function* keeps. For a training step, transform the loss instead: "
+    "jax.grad(jaxmem.transform(loss)) inside the step. (An inner gradient that is part of a "
+    "loss, e.g. a gradient penalty, is fine.)")
+
+
+def reverse_mode_eqn(jaxpr: core.Jaxpr):
+    """The first equation of ``jaxpr`` (bodies included) that JAX's reverse mode wrote (name
+    stack ``transpose(...)``: a ``jax.grad`` / ``jax.vjp`` inside the function), else None."""
+    for eqn in jaxpr.eqns:
+        if "transpose(" in str(eqn.source_info.name_stack):
+            return eqn
+        for sub in core.jaxprs_in_params(eqn.params):
+            found = reverse_mode_eqn(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def _record_inner_gradient(jaxpr: core.Jaxpr) -> None:
+    """A ``"gradient"`` row when the traced function differentiates inside (a whole training
+    step handed to :func:`jaxmem.transform`), at the first backward equation's source."""
+    eqn = reverse_mode_eqn(jaxpr)
+    if eqn is not None:
+        record(Row("gradient", f"reverse-mode equations ({eqn.primitive.name} under name "
+                   f"stack '{eqn.source_info.name_stack}')", "", False, INNER_GRADIENT,
+                   location(eqn), name_stack(eqn), ""))
+
+
 class Interpreter:
     """Re-emits jaxprs with jaxmem's memory-lean ops (see the module docstring)."""
 
@@ -64,6 +97,8 @@ class Interpreter:
     # ------------------------------------------------------------------ one level
     def run(self, closed: core.ClosedJaxpr, args: Sequence[Any], path: str = "") -> list:
         flat = inline_calls(closed, args)
+        if not path:
+            _record_inner_gradient(flat.jaxpr)
         return self.eval(flat.jaxpr, flat.consts, args, path)
 
     def plan(self, graph: Graph, path: str) -> dict[int, Match]:

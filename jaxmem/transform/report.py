@@ -13,7 +13,8 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
-__all__ = ["NothingConvertedWarning", "Report", "Row", "collect", "record"]
+__all__ = ["GradientInsideWarning", "NothingConvertedWarning", "Report", "Row", "collect",
+           "record"]
 
 
 class NothingConvertedWarning(UserWarning):
@@ -21,12 +22,18 @@ class NothingConvertedWarning(UserWarning):
     them (nothing saved); :func:`jaxmem.report` says why."""
 
 
+class GradientInsideWarning(UserWarning):
+    """A transformed function computes its own gradient (e.g. a whole training step): the
+    conversions cannot change what its backward pass keeps; transform the loss instead."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One decision of the transformation.
 
     kind: ``"dot"``, ``"conv"``, ``"activation"``, ``"attention"``, ``"norm"``,
-    ``"dropout"``, ``"pool"``, ``"higher-order"``.
+    ``"dropout"``, ``"pool"``, ``"higher-order"``, ``"gradient"`` (the function
+    differentiates inside: see :class:`GradientInsideWarning`).
     matched: what was found (primitives, shapes).  became: the op it was re-emitted with
     (``""`` when not converted).  converted: whether it was replaced.  reason: why not, or
     a note (e.g. the residual an unconverted activation keeps).  where / name_stack: the
@@ -59,6 +66,11 @@ def tracing() -> Iterator[None]:
         yield
     finally:
         _TRACING.reset(token)
+
+
+def collecting() -> bool:
+    """Whether a report (or a converted module's check) is collecting rows here."""
+    return _ROWS.get() is not None
 
 
 def inside() -> bool:

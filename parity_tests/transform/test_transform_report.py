@@ -8,6 +8,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxmem
 from jaxmem.transform import Report, Row, report, transform
@@ -83,3 +84,52 @@ def test_not_entered_primitives_are_reported():
     f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
     rows = transform(lambda x: f(x) * 2.0).report(x).by_kind("higher-order")
     assert rows and not rows[0].converted and "derivative rule" in rows[0].reason
+
+
+def _gelu_loss(w, x):
+    return jnp.mean(jax.nn.gelu(x @ w) ** 2)
+
+
+def test_a_step_that_differentiates_inside_is_reported_and_warned():
+    """``transform(train_step)`` (the step calls ``jax.grad``): its backward pass is already
+    plain equations, so nothing jaxmem re-emits changes what it keeps. The report has a
+    ``gradient`` row at the user's loss, calling the transformed step warns
+    ``GradientInsideWarning`` once, and the result is still the untouched step's."""
+    import warnings
+
+    def train_step(w, x):
+        return w - 0.1 * jax.grad(_gelu_loss)(w, x)
+
+    w, x = normal((8, 8), scale=0.3), normal((4, 8))
+    rows = report(transform(train_step), w, x).by_kind("gradient")
+    assert len(rows) == 1 and not rows[0].converted
+    assert "transform the loss instead" in rows[0].reason
+    assert "_gelu_loss" in rows[0].where
+    entries = jaxmem.report(train_step, w, x).by_kind("gradient")   # untouched step
+    assert [e.status for e in entries] == ["fallback"]
+    g = transform(train_step)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = jax.jit(g)(w, x)
+        g(w, x)
+    assert [type(s.message) for s in seen] == [jaxmem.GradientInsideWarning]
+    assert "jax.grad(jaxmem.transform(loss))" in str(seen[0].message)
+    np.testing.assert_allclose(got, train_step(w, x), rtol=1e-6, atol=1e-7)
+
+
+def test_an_inner_gradient_of_a_differentiated_loss_is_not_warned():
+    """A loss with a gradient penalty (an inner ``jax.grad``) differentiated from outside, and
+    a plain loss: no warning (the report still notes the inner gradient of the first)."""
+    import warnings
+
+    def penalised(w, x):
+        return _gelu_loss(w, x) + jnp.sum(jax.grad(_gelu_loss, 1)(w, x) ** 2)
+
+    w, x = normal((8, 8), scale=0.3), normal((4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.GradientInsideWarning)
+        got = jax.jit(jax.grad(transform(penalised)))(w, x)
+        jax.jit(jax.grad(transform(_gelu_loss)))(w, x)
+        jax.jit(jax.vmap(jax.grad(transform(_gelu_loss)), (None, 0)))(w, x[None])
+    np.testing.assert_allclose(got, jax.grad(penalised)(w, x), rtol=1e-5, atol=1e-7)
+    assert not report(transform(_gelu_loss), w, x).by_kind("gradient")
