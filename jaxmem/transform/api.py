@@ -143,13 +143,14 @@ def _maybe_differentiated(vals) -> bool:
 def _warn_inner_gradient(f: Callable, jaxpr) -> None:
     """:class:`GradientInsideWarning` (once per function) when ``f`` differentiates inside
     and the transformed function is not itself being differentiated."""
-    key = getattr(f, "__qualname__", repr(f))
+    name = getattr(f, "__qualname__", type(f).__name__)
+    key = (name, id(f))   # per function object: two lambdas are two functions
     if key in _warned_inner_gradient or reverse_mode_eqn(jaxpr) is None:
         return
     import warnings
 
     _warned_inner_gradient.add(key)
-    warnings.warn(GradientInsideWarning(f"jaxmem.transform({key}): {INNER_GRADIENT}"),
+    warnings.warn(GradientInsideWarning(f"jaxmem.transform({name}): {INNER_GRADIENT}"),
                   stacklevel=3)
 
 

@@ -106,8 +106,11 @@ class Interpreter:
         from jaxmem.transform.match_dot import match_product
         from jaxmem.transform.match_dropout import match_dropout
         from jaxmem.transform.match_elementwise import match_activations
-        from jaxmem.transform.match_fused import (FUSE_PRODUCTS, fuse_activation_products,
-                                                  in_recomputed_body)
+        from jaxmem.transform.match_fused import (
+            FUSE_PRODUCTS,
+            fuse_activation_products,
+            in_recomputed_body,
+        )
         from jaxmem.transform.match_norm import match_norms
 
         opts = self.options

@@ -266,8 +266,14 @@ def test_compiled_step_keeps_fewer_bytes_under_vmap_axis_name():
     """XLA:CPU's plan (``xla_cpu``: compiled for the CPU wherever the test runs). XLA:GPU's
     plan of this small ``vmap(axis_name=...)`` conv step keeps no fewer bytes with the norms
     converted (H100 plan: 478496 vs 476184 B without them) and more than the untouched step
-    (373528 B): a miss at this size (12 x 12, 8 channels). A Dense -> BatchNorm stack across
-    devices keeps the saving: ``parity_tests/gpu_plan/test_gpu_plan_sync_norm.py``."""
+    (373528 B): a miss at this size (12 x 12, 8 channels). Per part (H100 plan, jax 0.10.2):
+    the ReLU masks alone 522520 B, 374040 B with the ties' optimization barriers removed (so
+    the barriers cost the 148 KB here); the norms alone 450080 B with or without them; the
+    products alone 474392 B. Without the norms (conv -> ReLU twice, same sizes) the masks
+    keep 0.76x of the untouched step's temporaries vmapped or not, while the converted
+    convolutions lose theirs under ``vmap`` (0.76x unbatched, 1.00x vmapped), with or
+    without the barriers. A Dense -> BatchNorm stack across devices keeps the saving:
+    ``parity_tests/gpu_plan/test_gpu_plan_sync_norm.py``."""
     model = ConvNet(depth=2)
     xs = normal((2, 8, 12, 12, 3))      # 2 replicas of 8 examples
     p, stats = _variables(model, xs[0])
