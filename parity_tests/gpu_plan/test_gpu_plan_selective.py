@@ -117,10 +117,11 @@ def _dense_slope(argnums, b=128, h=512, depth=2):
 
 def test_frozen_dense_stores_no_input():
     """Frozen: the 1-bit mask only; trained: the weight gradient (h*h*4 B per layer = 16 B
-    per element here) on top. The layer input (4 B) is kept until its layer's weight
-    gradient is formed; XLA:GPU forms each one as the backward reaches it (the input gradient
-    waits for it: ``ties.after``), so the inputs are gone by the peak at the end, where the
-    weight gradients are (measured 16.13; 20.13 with the weight gradients left to the end)."""
+    per element here) and the layer input (4 B), kept until its layer's weight gradient is
+    formed: on one device XLA:GPU leaves the weight gradients to the end of the backward,
+    where the inputs are still alive (measured 20.00). ``ties.after`` (the input gradient made
+    to wait for the weight gradient) brings that to 16.13, but only inside ``shard_map`` does
+    jaxmem use it: on one device it cost a ViT train step 4.8 MiB of its H100 plan."""
     frozen, trained = _dense_slope(0), _dense_slope(1)
     assert frozen == 1 / 8, (frozen, trained)
-    assert 16.0 <= trained < 16.0 + 4.0, (frozen, trained)
+    assert 16.0 + 4.0 <= trained < 16.0 + 4.5, (frozen, trained)
