@@ -123,7 +123,7 @@ def options_of(model):
 
 
 def convert(model, *, selective: bool = True, fewbit: int | None = None,
-            attention: bool = True) -> nn.Module:
+            attention: bool = True, residual_adds: bool = True) -> nn.Module:
     """A Linen Module with the same fields and parameter tree as ``model`` whose every method
     call runs through ``jaxmem.transform`` (see ``Options.transform_options``).
 
@@ -139,6 +139,9 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
       selective: use the exact selective-differentiation layers and 1-bit masks.
       fewbit: ``None`` for exact techniques only, or 1..4 bits per smooth activation.
       attention: compute Flax's attention with jaxmem's exact memory-efficient attention.
+      residual_adds: with ``selective``, the next block's first layer recomputes a ResNet
+        block output ``relu(norm(conv(h)) + shortcut)`` from the norms' residuals for its
+        kernel gradient instead of keeping it (``jaxmem.transform``'s option of that name).
 
     Returns:
       A Linen Module of a subclass of ``type(model)`` with the same fields; ``init`` gives
@@ -166,7 +169,8 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
             "jaxmem.linen.convert: model must be a flax.linen.Module, got "
             f"{type(model).__module__}.{type(model).__name__}; for flax.nnx modules use "
             "jaxmem.nnx.convert")
-    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
+    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
+                            residual_adds=residual_adds)
     return _convert_with(model, opts)
 
 

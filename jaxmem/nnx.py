@@ -103,7 +103,7 @@ def is_converted(module) -> bool:
 
 
 def convert(module, *, selective: bool = True, fewbit: int | None = None,
-            attention: bool = True, copy: bool = True):
+            attention: bool = True, residual_adds: bool = True, copy: bool = True):
     """Convert an ``nnx.Module`` (see the module docstring); returns the converted module.
 
     Calls run through :func:`jaxmem.transform` with ``products``, ``norms``, ``dropout``
@@ -116,6 +116,9 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
       selective: use the exact selective-differentiation layers and 1-bit masks.
       fewbit: ``None`` for exact techniques only, or 1..4 bits per smooth activation.
       attention: compute attention with jaxmem's exact memory-efficient attention.
+      residual_adds: with ``selective``, the next block's first layer recomputes a ResNet
+        block output ``relu(norm(conv(h)) + shortcut)`` from the norms' residuals for its
+        kernel gradient instead of keeping it (``jaxmem.transform``'s option of that name).
       copy: ``True`` converts a clone; ``False`` converts ``module`` in place.
 
     Returns:
@@ -146,7 +149,8 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
             "jaxmem.linen.convert")
     if not isinstance(copy, bool):
         raise TypeError(f"jaxmem.nnx.convert: copy must be True or False, got {copy!r}")
-    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention)
+    opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
+                            residual_adds=residual_adds)
     m = _nnx.clone(module) if copy else module
     if not any("__call__" in vars(k) for k in type(m).__mro__):  # nothing to call
         return m

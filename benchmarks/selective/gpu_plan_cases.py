@@ -12,7 +12,7 @@ step for the H100 plan once more with the tie's CPU lowering forced everywhere
 (``x - isnan(g_0) * 0``, which XLA:GPU folds away), to show what the per-platform tie (an
 ``optimization_barrier`` on GPU) is worth there. The columns ``*_jaxmem_adds_apart`` compile
 jaxmem's step once more without recording the residual adds
-(``jaxmem.transform.interpret._record_add`` off: the ResNet block output
+(``jaxmem.linen.convert(..., residual_adds=False)``: the ResNet block output
 ``relu(bn3(c3) + shortcut)`` kept for the next block's kernel gradient), to show what
 recording them is worth.
 Writes benchmarks/results/gpu_plan/selective_cases.{json,md}.
@@ -41,18 +41,6 @@ def _arith_tie():
         ties._arith = saved
 
 
-@contextlib.contextmanager
-def _adds_apart():
-    """The transformation without recording ``add`` of two recomputable values."""
-    from jaxmem.transform import interpret
-    saved = interpret._record_add
-    interpret._record_add = lambda outs, invals: None
-    try:
-        yield
-    finally:
-        interpret._record_add = saved
-
-
 def _bytes(step, params, x, target):
     from jaxmem.measure import compiled_memory
     c = compiled_memory(step, params, x, target=target)
@@ -71,6 +59,7 @@ def rows(models, cases, batch, size):
         x = jax.random.normal(jax.random.key(0), (batch, size, size, 3))
         v = model.init(jax.random.key(1), x, train=False)
         conv = jaxmem.linen.convert(model, attention=False)
+        apart = jaxmem.linen.convert(model, attention=False, residual_adds=False)
         for case in cases:
             row = {"model": name, "case": case, "batch": f"{batch}x{size}x{size}"}
             for target in ("h100", "cpu"):
@@ -85,9 +74,8 @@ def rows(models, cases, batch, size):
                                                          x, "h100")
             row["h100_arith_tie_ratio"] = row["h100_jaxmem_arith_tie"] / row["h100_jax"]
             for target in ("h100", "cpu"):
-                with _adds_apart():
-                    row[f"{target}_jaxmem_adds_apart"], _ = _bytes(make_step(conv, v, case),
-                                                                   v["params"], x, target)
+                row[f"{target}_jaxmem_adds_apart"], _ = _bytes(make_step(apart, v, case),
+                                                               v["params"], x, target)
                 row[f"{target}_adds_apart_ratio"] = (row[f"{target}_jaxmem_adds_apart"]
                                                      / row[f"{target}_jax"])
             print(json.dumps(row), flush=True)

@@ -30,17 +30,21 @@ class Options:
     fewbit: ``None`` (exact techniques only) or 1..4 bits per element for the stored codes of
       smooth activations (approximate gradients, opt-in).
     attention: exact memory-lean attention (no ``T x S`` residual).
+    residual_adds: with ``selective``, the next product recomputes its input from an add of
+      two recomputable values (a ResNet block output) instead of keeping it.
     """
 
     selective: bool = True
     fewbit: int | None = None
     attention: bool = True
+    residual_adds: bool = True
 
     def __post_init__(self):
         if not isinstance(self.selective, bool):
             raise TypeError(f"selective must be True or False, got {self.selective!r}")
-        if not isinstance(self.attention, bool):
-            raise TypeError(f"attention must be True or False, got {self.attention!r}")
+        for name in ("attention", "residual_adds"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         fb = self.fewbit
         if fb is not None and (isinstance(fb, bool) or not isinstance(fb, int)
                                or not 1 <= fb <= 4):
@@ -54,11 +58,11 @@ class Options:
         sel = self.selective
         return {"fewbit": self.fewbit, "attention": self.attention, "products": sel,
                 "activations": sel or self.fewbit is not None, "norms": sel, "dropout": sel,
-                "pools": sel}
+                "pools": sel, "residual_adds": self.residual_adds}
 
     def public(self) -> dict:
         return {"selective": self.selective, "fewbit": self.fewbit,
-                "attention": self.attention}
+                "attention": self.attention, "residual_adds": self.residual_adds}
 
 
 def _trace_state(name: str, default):

@@ -201,7 +201,7 @@ def report(fn, *args, **kwargs) -> Report:
         # fn reaches no transformation: what jaxmem.transform(fn) would do, not done (the
         # same jaxpr interpreted abstractly; fn is not traced again)
         with collect() as would, tracing():
-            jax.make_jaxpr(lambda *d: Interpreter(Options()).run(closed, d))(*dyn)
+            jax.make_jaxpr(lambda *d: Interpreter(Options()).run_outermost(closed, d)[0])(*dyn)
     rep.entries.extend(_not_reached(entry_of_row(r)) for r in would)
     return rep
 

@@ -93,13 +93,10 @@ def _rule(mesh, operand_types, result_types):
 
 
 def _make_tie(body, partitioned_body):
-    """The tie primitive, as three layers:
-
-    * ``custom_partitioning``: ``body`` where the program is not split; where XLA's SPMD
-      partitioner splits it, each shard runs ``partitioned_body`` on its own shards;
-    * ``custom_vmap``: one element of a batched ``dep`` is as good a dependency as any, so
-      the whole batched ``x`` is tied at once;
-    * ``custom_jvp``: the tangent is ``x``'s."""
+    """The tie primitive: a ``custom_partitioning`` op that runs ``body`` where the program is
+    not split and, where XLA's SPMD partitioner splits it, ``partitioned_body`` on each
+    shard's own operands, wrapped by :func:`_layered` (one element of a batched ``dep`` is as
+    good a dependency as any, so the whole batched ``x`` is tied at once)."""
     @custom_partitioning
     def local(x, dep):
         return body(x, dep)
@@ -112,26 +109,30 @@ def _make_tie(body, partitioned_body):
 
     local.def_partition(partition=partition, infer_sharding_from_operands=_infer,
                         sharding_rule=_rule)
+    return _layered(local, lambda batched, x, dep: batched(x, dep))
 
+
+def _layered(local, batched_value):
+    """``local(x, other)`` as a ``custom_vmap`` (batched: ``batched_value(op, x, other)``,
+    batched like ``x``) inside a ``custom_jvp`` whose tangent is ``x``'s."""
     @jax.custom_batching.custom_vmap
-    def batched(x, dep):
-        return local(x, dep)
+    def batched(x, other):
+        return local(x, other)
 
     @batched.def_vmap
-    def batched_rule(axis_size, in_batched, x, dep):
+    def batched_rule(axis_size, in_batched, x, other):
         del axis_size
-        return batched(x, dep), in_batched[0]
+        return batched_value(batched, x, other), in_batched[0]
 
     @jax.custom_jvp
-    def tie_(x, dep):
-        return batched(x, dep)
+    def op(x, other):
+        return batched(x, other)
 
-    @tie_.defjvp
-    def tie_jvp(primals, tangents):
-        x, dep = primals
-        return tie_(x, dep), tangents[0]
+    @op.defjvp
+    def op_jvp(primals, tangents):
+        return op(*primals), tangents[0]
 
-    return tie_
+    return op
 
 
 def _infer(mesh, arg_shapes, result_shape):
@@ -304,25 +305,8 @@ _like_local.def_partition(partition=_like_partition, infer_sharding_from_operand
                           sharding_rule=_like_rule)
 
 
-@jax.custom_batching.custom_vmap
-def _like_batched(p, x):
-    return _like_local(p, x)
-
-
-@_like_batched.def_vmap
-def _like_batched_rule(axis_size, in_batched, p, x):
-    del axis_size, x  # batched: ``p`` as it is
-    return p, in_batched[0]
-
-
-@jax.custom_jvp
-def _like(p, x):
-    return _like_batched(p, x)
-
-
-@_like.defjvp
-def _like_jvp(primals, tangents):
-    return _like(*primals), tangents[0]
+#: batched: ``p`` as it is
+_like = _layered(_like_local, lambda batched, p, x: p)
 
 
 def laid_out_like(p, x):

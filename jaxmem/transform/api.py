@@ -1,7 +1,7 @@
 """``jaxmem.transform(f, ...)``: convert what a program computes, not what it calls.
 
 ``transform(f, *, fewbit=None, attention=True, products=True, activations=True, norms=True,
-dropout=True, pools=True)`` returns
+dropout=True, pools=True, residual_adds=True)`` returns
 a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
 outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
 ``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxmem._compat import core
-from jaxmem.transform.interpret import INNER_GRADIENT, Interpreter, reverse_mode_eqn
+from jaxmem.transform.interpret import INNER_GRADIENT, Interpreter
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import GradientInsideWarning, Report, collect, collecting, tracing
 
@@ -53,7 +53,8 @@ def _array_leaves(fn: Callable, args: tuple, kwargs: dict):
 
 def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
-              dropout: bool = True, pools: bool = True) -> Callable:
+              dropout: bool = True, pools: bool = True,
+              residual_adds: bool = True) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -77,6 +78,11 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
       pools: re-emit max pools (``reduce_window`` max: ``nn.max_pool``,
         ``lax.reduce_window(x, -inf, lax.max, ...)``) with :func:`jaxmem.selective.max_pool`
         (keeps the argmax position inside each window, not ``x``; exact, ties included).
+      residual_adds: with ``products``, an ``a + b`` of two values that re-emitted ops can
+        recompute (a ResNet block's ``bn3(c3) + shortcut``) is recomputable too: the next
+        block's first product recomputes its input ``relu(a + b)`` from the norms' residuals
+        for its kernel gradient instead of keeping it (exact; one more norm + activation
+        pass per block in the backward). ``False`` keeps the block output instead.
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -94,7 +100,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     if not callable(f):
         raise TypeError(f"transform: f must be a callable, got {type(f).__name__}")
     options = Options(fewbit=fewbit, attention=attention, products=products,
-                      activations=activations, norms=norms, dropout=dropout, pools=pools)
+                      activations=activations, norms=norms, dropout=dropout, pools=pools,
+                      residual_adds=residual_adds)
     interp = Interpreter(options)
 
     @functools.wraps(f)
@@ -109,9 +116,11 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
 
         with tracing():
             closed = jax.make_jaxpr(flat_f)(*dyn_vals)
-            arrays = iter(interp.run(closed, dyn_vals))
-        if not collecting() and not _maybe_differentiated(dyn_vals):
-            _warn_inner_gradient(f, closed.jaxpr)
+            outs, inner_gradient = interp.run_outermost(closed, dyn_vals)
+            arrays = iter(outs)
+        if (inner_gradient is not None and not collecting()
+                and not _maybe_differentiated(dyn_vals)):
+            _warn_inner_gradient(f)
         t, static = out_tree[0]  # leaves that are not arrays are returned as f gave them
         return jax.tree_util.tree_unflatten(
             t, [next(arrays) if o is None else o for o in static])
@@ -140,12 +149,12 @@ def _maybe_differentiated(vals) -> bool:
                for v in vals)
 
 
-def _warn_inner_gradient(f: Callable, jaxpr) -> None:
-    """:class:`GradientInsideWarning` (once per function) when ``f`` differentiates inside
-    and the transformed function is not itself being differentiated."""
+def _warn_inner_gradient(f: Callable) -> None:
+    """:class:`GradientInsideWarning` (once per function) for an ``f`` that differentiates
+    inside while the transformed function is not itself being differentiated."""
     name = getattr(f, "__qualname__", type(f).__name__)
     key = (name, id(f))   # per function object: two lambdas are two functions
-    if key in _warned_inner_gradient or reverse_mode_eqn(jaxpr) is None:
+    if key in _warned_inner_gradient:
         return
     import warnings
 

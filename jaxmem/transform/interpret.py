@@ -56,7 +56,7 @@ _NOT_ENTERED = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "
 _SHARD_MAP_PARAMS = ("mesh", "in_specs", "out_specs", "jaxpr", "check_vma", "newly_manual_axes")
 
 
-#: The reason of the ``"gradient"`` row (see :func:`_record_inner_gradient`).
+#: The reason of the ``"gradient"`` row (see :func:`record_inner_gradient`).
 INNER_GRADIENT = (
     "the function computes a gradient itself: its backward pass is already written out as "
     "plain equations, and jaxmem changes only what a differentiation *of the transformed "
@@ -78,14 +78,13 @@ def reverse_mode_eqn(jaxpr: core.Jaxpr):
     return None
 
 
-def _record_inner_gradient(jaxpr: core.Jaxpr) -> None:
-    """A ``"gradient"`` row when the traced function differentiates inside (a whole training
-    step handed to :func:`jaxmem.transform`), at the first backward equation's source."""
-    eqn = reverse_mode_eqn(jaxpr)
-    if eqn is not None:
-        record(Row("gradient", f"reverse-mode equations ({eqn.primitive.name} under name "
-                   f"stack '{eqn.source_info.name_stack}')", "", False, INNER_GRADIENT,
-                   location(eqn), name_stack(eqn), ""))
+def record_inner_gradient(eqn: core.JaxprEqn) -> None:
+    """The ``"gradient"`` row of a traced function that differentiates inside (a whole
+    training step handed to :func:`jaxmem.transform`), at the first backward equation
+    (``eqn``, from :func:`reverse_mode_eqn`)."""
+    record(Row("gradient", f"reverse-mode equations ({eqn.primitive.name} under name "
+               f"stack '{eqn.source_info.name_stack}')", "", False, INNER_GRADIENT,
+               location(eqn), name_stack(eqn), ""))
 
 
 class Interpreter:
@@ -94,11 +93,18 @@ class Interpreter:
     def __init__(self, options: Options):
         self.options = options
 
+    def run_outermost(self, closed: core.ClosedJaxpr, args: Sequence[Any]):
+        """:meth:`run` on the traced function itself, which first records its ``"gradient"``
+        row if it differentiates inside. Returns ``(outputs, first reverse-mode equation or
+        None)``."""
+        inner_gradient = reverse_mode_eqn(closed.jaxpr)
+        if inner_gradient is not None:
+            record_inner_gradient(inner_gradient)
+        return self.run(closed, args), inner_gradient
+
     # ------------------------------------------------------------------ one level
     def run(self, closed: core.ClosedJaxpr, args: Sequence[Any], path: str = "") -> list:
         flat = inline_calls(closed, args)
-        if not path:
-            _record_inner_gradient(flat.jaxpr)
         return self.eval(flat.jaxpr, flat.consts, args, path)
 
     def plan(self, graph: Graph, path: str) -> dict[int, Match]:
@@ -231,7 +237,7 @@ class Interpreter:
                                               "unchanged"), call_location(eqn),
                            name_stack(eqn), path))
             outs = bind_eqn(eqn, invals)
-            if name == "add" and self.options.products:
+            if name == "add" and self.options.products and self.options.residual_adds:
                 _record_add(outs, invals)
             return outs
         record(Row("higher-order", name + _named(eqn), "entered", True, _entered_note(eqn),

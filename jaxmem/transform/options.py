@@ -20,6 +20,9 @@ class Options:
       dropout (the mask regenerated from the key).
     pools: re-emit max pools (``reduce_window`` max) with the selective max pool (argmax
       codes kept instead of the input).
+    residual_adds: with ``products``, ``a + b`` of two values that selective ops can
+      recompute (a ResNet block's ``bn3(c3) + shortcut``) is recomputable too, so the next
+      product recomputes its input instead of keeping it.
     """
 
     fewbit: int | None = None
@@ -29,13 +32,15 @@ class Options:
     norms: bool = True
     dropout: bool = True
     pools: bool = True
+    residual_adds: bool = True
 
     def __post_init__(self):
         fb = self.fewbit
         if fb is not None and (isinstance(fb, bool) or not isinstance(fb, int)
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
-        for name in ("attention", "products", "activations", "norms", "dropout", "pools"):
+        for name in ("attention", "products", "activations", "norms", "dropout", "pools",
+                     "residual_adds"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")

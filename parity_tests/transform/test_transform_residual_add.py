@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 from jaxmem.measure import residual_bytes
-from jaxmem.transform import interpret, transform
+from jaxmem.transform import transform
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _util import close, normal
@@ -48,19 +48,13 @@ def _params():
                         normal((3, 3, C, C), scale=0.2), norm()) for _ in range(BLOCKS)]}
 
 
-def _record_nothing(outs, invals):
-    """Stands in for ``interpret._record_add``: the transformation without add recording."""
-
-
-def test_recorded_add_keeps_no_block_output_and_gradients_are_exact(monkeypatch):
+def test_recorded_add_keeps_no_block_output_and_gradients_are_exact():
     params, x = _params(), normal((N, S, S, 3))
     want = jax.jit(jax.grad(loss))(params, x)
     close(jax.jit(jax.grad(transform(loss)))(params, x), want)
     recorded = residual_bytes(transform(loss), params, x).activation_bytes
-    with monkeypatch.context() as m:
-        m.setattr(interpret, "_record_add", _record_nothing)
-        apart = residual_bytes(transform(loss), params, x).activation_bytes
-        close(jax.jit(jax.grad(transform(loss)))(params, x), want)
+    apart = residual_bytes(transform(loss, residual_adds=False), params, x).activation_bytes
+    close(jax.jit(jax.grad(transform(loss, residual_adds=False)))(params, x), want)
     block_output, stats = N * S * S * C * 4, 2 * C * 4
     # every block output but the last feeds the next block's first conv (the stem's output,
     # a ReLU of a norm, is recorded either way); each recomputation keeps the norm's
@@ -70,7 +64,7 @@ def test_recorded_add_keeps_no_block_output_and_gradients_are_exact(monkeypatch)
 
 
 @pytest.mark.parametrize("products", [True, False])
-def test_add_of_values_without_recipes_records_nothing(products, monkeypatch):
+def test_add_of_values_without_recipes_records_nothing(products):
     """An add of plain arrays (no selective op in front) is left alone, and with products
     off nothing is recorded at all: the same residuals with and without the recording."""
     def f(w, x):
@@ -79,13 +73,12 @@ def test_add_of_values_without_recipes_records_nothing(products, monkeypatch):
     w, x = normal((8, 8)), normal((4, 8))
     g = transform(f, products=products)
     before = residual_bytes(g, w, x).activation_bytes
-    with monkeypatch.context() as m:
-        m.setattr(interpret, "_record_add", _record_nothing)
-        assert residual_bytes(g, w, x).activation_bytes == before
+    apart = transform(f, products=products, residual_adds=False)
+    assert residual_bytes(apart, w, x).activation_bytes == before
     close(jax.grad(g)(w, x), jax.grad(f)(w, x))
 
 
-def test_recorded_add_compiled_slope_on_cpu(monkeypatch):
+def test_recorded_add_compiled_slope_on_cpu():
     """XLA:CPU's compiled plan, not only the jaxpr's residuals: per added block, the
     converted step's temp + output bytes drop by about one f32 block output (4 B per element,
     less the statistics kept instead) with the add recorded; fusion does not undo it."""
@@ -102,14 +95,58 @@ def test_recorded_add_compiled_slope_on_cpu(monkeypatch):
                 "blocks": [(normal((3, 3, c, c), scale=0.2), norm(),
                             normal((3, 3, c, c), scale=0.2), norm()) for _ in range(blocks)]}
 
-    def per_block():
+    def per_block(**options):
         def measure(d):
-            m = compiled_memory(jax.grad(transform(loss)), params(d), x)
+            m = compiled_memory(jax.grad(transform(loss, **options)), params(d), x)
             return m.temp_bytes + m.output_bytes
         return slope(measure, 2) / elems
 
-    recorded = per_block()
-    with monkeypatch.context() as m:
-        m.setattr(interpret, "_record_add", _record_nothing)
-        apart = per_block()
+    recorded, apart = per_block(), per_block(residual_adds=False)
     assert apart - recorded >= 3.5, (apart, recorded)
+
+
+def test_linen_and_nnx_convert_pass_residual_adds_on():
+    """``jaxmem.linen.convert`` / ``jaxmem.nnx.convert`` take the same option: with
+    ``residual_adds=False`` the converted model keeps the block outputs again (more residual
+    bytes), with the same gradients either way; a non-bool is a ``TypeError``."""
+    import flax.linen as nn
+    from flax import nnx
+
+    import jaxmem
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            p = self.param("p", lambda k: _params())
+            return loss(p, x)
+
+    x = normal((N, S, S, 3))
+    net = Net()
+    v = net.init(jax.random.key(0), x)
+    want = jax.grad(lambda v: net.apply(v, x))(v)
+
+    def kept(**options):
+        m = jaxmem.linen.convert(net, **options)
+        close(jax.jit(jax.grad(lambda v: m.apply(v, x)))(v), want)
+        return residual_bytes(lambda v: m.apply(v, x), v).activation_bytes
+
+    assert kept(residual_adds=False) - kept() >= (BLOCKS - 1) * N * S * S * C * 4 // 2
+
+    class NnxNet(nnx.Module):
+        def __init__(self):
+            self.p = nnx.Param(_params())
+
+        def __call__(self, x):
+            return loss(self.p.value, x)
+
+    def nnx_kept(**options):
+        m = jaxmem.nnx.convert(NnxNet(), **options)
+        graphdef, state = nnx.split(m)
+        return residual_bytes(lambda s: nnx.merge(graphdef, s)(x), state).activation_bytes
+
+    assert nnx_kept(residual_adds=False) > nnx_kept()
+    for convert, model in ((jaxmem.linen.convert, net), (jaxmem.nnx.convert, NnxNet())):
+        with pytest.raises(TypeError, match="residual_adds"):
+            convert(model, residual_adds=1)
+    with pytest.raises(TypeError, match="residual_adds"):
+        transform(loss, residual_adds="no")
