@@ -13,11 +13,10 @@ Run:  .venv/bin/python benchmarks/transform/bench_blocks.py [--out benchmarks/re
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
+import _cli
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -79,21 +78,7 @@ def markdown(rows, targets) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", default="cpu,h100")
-    ap.add_argument("--out", default="")
-    a = ap.parse_args(argv)
-    targets = a.targets.split(",")
-    rows = run(targets)
-    md = markdown(rows, targets)
-    print(md)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "blocks.json"), "w") as fh:
-            json.dump({"jax": jax.__version__, "rows": rows}, fh, indent=1)
-        with open(os.path.join(a.out, "blocks.md"), "w") as fh:
-            fh.write(md)
-    return 0
+    return _cli.main(__doc__, run, markdown, "blocks", argv)
 
 
 if __name__ == "__main__":

@@ -439,8 +439,16 @@ def _out_dtype(x, scale, bias, dtype):
 def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None, *,
               axes: Sequence[int], feature_axes: Sequence[int], eps: float = 1e-6,
               subtract_mean: bool = True, fast_variance: bool = True, dtype: Any = None,
-              inv_mode: str = "rsqrt") -> jax.Array:
+              inv_mode: str = "rsqrt", axis_name: Any = None,
+              axis_index_groups: Any = None) -> jax.Array:
     """Normalise ``x`` over ``axes`` and apply ``scale``/``bias`` along ``feature_axes``.
+
+    ``axis_name`` (with optional ``axis_index_groups``): statistics pooled over the replicas
+    of a named axis (``pmap`` / ``shard_map`` / ``vmap(axis_name=...)``), Flax's formula for
+    every norm with an ``axis_name``: ``mu = pmean(mean(x))``, ``var = max(0,
+    pmean(mean(x^2)) - mu^2)`` (``fast_variance=False``: ``pmean(mean((x - mu)^2))``; without
+    the mean: ``var = pmean(mean(x^2))``); the residuals are those of :func:`batch_norm`'s
+    cross-replica path (``x`` and the statistics).
 
     ``inv_mode``: the forward's spelling, rounding as it does: ``'rsqrt'`` (flax:
     ``(x - mu) * (rsqrt(var + eps) * scale) + bias``), ``'recip_sqrt'`` (``1/sqrt``,
@@ -462,6 +470,10 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
     _check_inv_mode(inv_mode)
     out_dtype = _out_dtype(x, scale, bias, dtype)
     x = tag(x, "norm.input")
+    if axis_name is not None:
+        return _pooled(x, scale, bias, axes, (eps, inv_mode), bool(subtract_mean),
+                       bool(fast_variance), out_dtype, axis_name,
+                       _freeze_groups(axis_index_groups))
     # one copy of scale and bias in ``x``'s layout, shared by every use (see _laid_out_like);
     # under shard_map, replicated parameters vary like ``x`` inside the primitive (the
     # cotangent types must match; the cast's transpose sums over devices)
@@ -530,10 +542,12 @@ def rms_norm(x: ArrayLike, scale: ArrayLike | None = None, *, axis: int | Sequen
 
 def group_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None,
                *, num_groups: int, eps: float = 1e-6, dtype: Any = None,
-               fast_variance: bool = True, inv_mode: str = "rsqrt") -> jax.Array:
+               fast_variance: bool = True, inv_mode: str = "rsqrt", axis_name: Any = None,
+               axis_index_groups: Any = None) -> jax.Array:
     """Group norm of channel-last ``x`` ``(N, *spatial, C)``: statistics per sample over the
     spatial axes and ``C // num_groups`` channels of each group; ``scale``/``bias`` ``(C,)``.
-    ``inv_mode``: the forward's spelling, as for :func:`normalize`.
+    ``inv_mode``: the forward's spelling, as for :func:`normalize`; ``axis_name`` /
+    ``axis_index_groups``: statistics pooled over a named axis, as for :func:`normalize`.
     """
     check_float("group_norm: x", x)
     x = jnp.asarray(x)
@@ -551,15 +565,34 @@ def group_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | N
     y = normalize(xg, None if scale is None else jnp.asarray(scale).reshape(-1),
                   None if bias is None else jnp.asarray(bias).reshape(-1),
                   axes=axes, feature_axes=(xg.ndim - 2, xg.ndim - 1), eps=eps,
-                  dtype=out_dtype, fast_variance=fast_variance, inv_mode=inv_mode)[0]
+                  dtype=out_dtype, fast_variance=fast_variance, inv_mode=inv_mode,
+                  axis_name=axis_name, axis_index_groups=axis_index_groups)[0]
     return y.reshape(x.shape)
 
 
-def _pmean_stats(x, red, fast_variance, axis_name, groups):
+def _pooled(x, scale, bias, red, eps, subtract_mean, fast_variance, out_dtype, axis_name,
+            groups):
+    """``(y, mu, var)`` with statistics pooled over ``axis_name``: the local moments (a
+    primitive keeping ``x``), their ``pmean`` by plain autodiff (JAX transposes the
+    collectives), then the affine primitive with the pooled statistics (``x`` again -- the
+    same tagged array -- and the statistics as residuals); kept dims."""
+    mu, var = _pmean_stats(x, red, fast_variance, axis_name, groups, subtract_mean)
+    mu_, var_, s_, b_ = (vary_like(a, x) for a in (mu, var, scale, bias))
+    y = _affine(eps, out_dtype, x, mu_, var_, s_, b_)
+    # a bilinear layer fed ``y`` recomputes it from what this norm keeps (see normalize)
+    remember(y, functools.partial(_recompute_out, eps, out_dtype), (x, mu_, var_, s_, b_))
+    return y, mu, var
+
+
+def _pmean_stats(x, red, fast_variance, axis_name, groups, subtract_mean=True):
     """Flax's cross-replica statistics: ``pmean`` of the per-device ``mean(x)`` and
     ``mean(x^2)`` (fast variance: ``var = max(0, E[x^2] - E[x]^2)``) or of ``mean(x)`` then
-    ``mean((x - mu)^2)``; kept dims."""
+    ``mean((x - mu)^2)``; without the mean (RMS) ``var = pmean(mean(x^2))``, ``mu = 0``;
+    kept dims."""
     m1, m2 = _moments(red, x)
+    if not subtract_mean:
+        var = lax.pmean(m2, axis_name, axis_index_groups=groups)
+        return jnp.zeros_like(var), var
     if fast_variance:
         mus = lax.pmean(jnp.stack([m1, m2]), axis_name, axis_index_groups=groups)
         return mus[0], jnp.maximum(0.0, mus[1] - mus[0] * mus[0])
@@ -577,7 +610,7 @@ def _freeze_groups(groups):
     try:
         return tuple(tuple(int(i) for i in grp) for grp in groups)
     except TypeError:
-        raise TypeError("batch_norm: axis_index_groups must be None or a sequence of "
+        raise TypeError("axis_index_groups must be None or a sequence of "
                         f"sequences of ints, got {groups!r}") from None
 
 
@@ -618,22 +651,9 @@ def batch_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | N
     pshape = tuple(c if i == ax else 1 for i in range(x.ndim))
     if train and axis_name is not None:
         groups = _freeze_groups(axis_index_groups)
-        s_ = _param(scale, pshape, "scale", "batch_norm")
-        b_ = _param(bias, pshape, "bias", "batch_norm")
-        if not isinstance(eps, (int, float)) or eps < 0:
-            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-        _check_inv_mode(inv_mode)
-        # local moments (a primitive keeping x), their pmean by plain autodiff (JAX
-        # transposes the collectives), then the affine primitive with the pooled statistics
-        # (x again -- the same tagged array -- and per-channel numbers as residuals)
-        x = tag(x, "norm.input")
-        mu, var = _pmean_stats(x, red, bool(fast_variance), axis_name, groups)
-        odt = _out_dtype(x, s_, b_, dtype)
-        mu_, var_, s_, b_ = (vary_like(a, x) for a in (mu, var, s_, b_))
-        stats_eps = (float(eps), inv_mode)
-        y = _affine(stats_eps, odt, x, mu_, var_, s_, b_)
-        # a bilinear layer fed ``y`` recomputes it from what this norm keeps (see normalize)
-        remember(y, functools.partial(_recompute_out, stats_eps, odt), (x, mu_, var_, s_, b_))
+        y, mu, var = normalize(x, scale, bias, axes=red, feature_axes=(ax,), eps=eps,
+                               dtype=dtype, fast_variance=fast_variance, inv_mode=inv_mode,
+                               axis_name=axis_name, axis_index_groups=groups)
         mu, var = mu.reshape(c), var.reshape(c)
         if running_mean is None or running_var is None:
             return y, mu, var

@@ -11,8 +11,8 @@
 * attention subgraphs -> the exact memory-lean attention --
   :mod:`~jaxmem.transform.match_attention`;
 * normalisations (layer / RMS / batch / group norm, any spelling, checked to compute one)
-  -> :func:`jaxmem.selective.normalize` (a batch norm with statistics pooled over named
-  axes -> :func:`jaxmem.selective.batch_norm`) -- :mod:`~jaxmem.transform.match_norm`;
+  -> :func:`jaxmem.selective.normalize` (statistics pooled over named axes too, with the
+  same ``axis_name``) -- :mod:`~jaxmem.transform.match_norm`;
 * dropout (``where(bernoulli(key, keep), x / keep, 0)``) -> :func:`jaxmem.selective.dropout`
   (the mask regenerated from the key) -- :mod:`~jaxmem.transform.match_dropout`;
 * max pools (``reduce_window`` max) -> :func:`jaxmem.selective.max_pool` (argmax codes kept

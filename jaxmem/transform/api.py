@@ -71,8 +71,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
       activations: re-emit elementwise activation subgraphs.
       norms: re-emit normalisation subgraphs (layer / RMS / batch (train) / group norm,
         any spelling) with :func:`jaxmem.selective.normalize` (keeps ``x`` and its
-        statistics; exact); a batch norm whose statistics are pooled over named axes
-        (``lax.pmean``) with :func:`jaxmem.selective.batch_norm` and the same axis name.
+        statistics; exact); one whose statistics are pooled over named axes
+        (``lax.pmean``) with the same axis name.
       dropout: re-emit ``where(bernoulli(key, keep), x / keep, 0)`` with
         :func:`jaxmem.selective.dropout` (keeps the key, regenerates the mask; exact).
       pools: re-emit max pools (``reduce_window`` max: ``nn.max_pool``,

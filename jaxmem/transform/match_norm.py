@@ -39,8 +39,9 @@ dividing ``(x - mu) / sqrt(var + eps) * scale + bias`` and ``(x - mu) * scale /
 sqrt(var + eps) + bias``; ``rstd`` as ``rsqrt`` or ``1/sqrt``), with no cast to a narrower
 dtype before its output; other candidates are left, reported with why.
 
-Statistics pooled over named axes (Flax's ``BatchNorm(axis_name=..., axis_index_groups=...)``
-under ``vmap(axis_name=...)``, ``shard_map`` or ``pmap``)::
+Statistics pooled over named axes (Flax's ``BatchNorm`` / ``LayerNorm`` / ``RMSNorm`` /
+``GroupNorm(axis_name=..., axis_index_groups=...)`` under ``vmap(axis_name=...)``,
+``shard_map`` or ``pmap``)::
 
     mu  = psum(mean(x, A)) / R          var = psum(mean(x^2, A)) / R - mu^2   (or of (x - mu)^2)
 
@@ -55,10 +56,10 @@ its own ``x``, scale and bias, evaluates every sum as ``R`` times the mean over 
 and compares each replica's outputs with ``N`` whose statistics are pooled over the draws
 (``mu`` = mean over replicas and ``A``, ``var`` likewise).  A spelling that pools something
 else, e.g. each replica's variance around its own mean, differs there.  An accepted one is
-re-emitted as :func:`jaxmem.selective.batch_norm` with the same ``axis_name`` and
+re-emitted as :func:`jaxmem.selective.normalize` with the same ``axis_name`` and
 ``axis_index_groups`` (the sums' derivatives are JAX's transposes of ``psum`` on both
-sides).  Only batch norms (statistics over all axes but one, scale / bias along it) are
-re-emitted; other pooled normalisations are reported and left.
+sides), or :func:`jaxmem.selective.group_norm` likewise: batch, layer, RMS and group norms
+(Flax's ``axis_name`` on ``BatchNorm``, ``LayerNorm``, ``RMSNorm``, ``GroupNorm``).
 """
 from __future__ import annotations
 
@@ -337,10 +338,6 @@ def _spec(region: _Region):
     pool = _pooling(region)
     if isinstance(pool, str):
         return None, pool
-    if pool is not None and (group or len(axes) != len(shape) - 1
-                             or not feat <= set(range(len(shape))) - set(axes)):
-        return None, (f"statistics pooled over {_named(pool)}: only a batch norm (statistics "
-                      "over all axes but one, scale / bias along it) is converted")
     eps_cands = sorted({g.uniform(v) for j in region.anc if eqns[j].primitive.name == "add"
                         for v in eqns[j].invars if g.uniform(v) is not None} - {0.0})
     eps_cands = [e for e in eps_cands if 0 < e < 1] or [0.0]
@@ -364,8 +361,6 @@ def _spec(region: _Region):
     if found is None:
         return None, why
     (sm, eps, sc, bi), stats = found
-    if pool is not None and not sm:
-        return None, f"an RMS norm with statistics pooled over {_named(pool)}: not converted"
     # a normalisation: is it spelled as one the conversion reproduces bit for bit?
     inv, why = _spelling(region)
     if inv is None:
@@ -763,7 +758,7 @@ def _kind(spec) -> str:
 
 
 def _emitter(spec, root, out, extras):
-    from jaxmem.selective import batch_norm, group_norm, normalize
+    from jaxmem.selective import group_norm, normalize
 
     axes, group, eps = spec["axes"], spec["group"], spec["eps"]
     sides, sc, bi = spec["sides"], spec["scale"], spec["bias"]
@@ -779,22 +774,19 @@ def _emitter(spec, root, out, extras):
 
     def emit(x, *vals):
         scale, bias = param(vals, sc), param(vals, bi)
+        pooled = {}
+        if spec["pool"] is not None:   # statistics pooled over named axes
+            names, groups, _ = spec["pool"]
+            pooled = {"axis_name": names[0] if len(names) == 1 else names,
+                      "axis_index_groups": groups}
         if group:
             y = group_norm(x, None if scale is None else scale.reshape(-1),
                            None if bias is None else bias.reshape(-1), num_groups=group,
-                           eps=eps, dtype=dtype, inv_mode=spec["inv"])
+                           eps=eps, dtype=dtype, inv_mode=spec["inv"], **pooled)
             return [y]
-        if spec["pool"] is not None:   # statistics pooled over named axes (a batch norm)
-            names, groups, _ = spec["pool"]
-            (chan,) = set(range(len(shape))) - set(axes)
-            y, mu, var = batch_norm(x, scale, bias, train=True, axis=chan, eps=eps,
-                                    dtype=dtype, fast_variance=spec["fast"],
-                                    inv_mode=spec["inv"], axis_index_groups=groups,
-                                    axis_name=names[0] if len(names) == 1 else names)
-        else:
-            y, mu, var = normalize(x, scale, bias, axes=axes, feature_axes=feat, eps=eps,
-                                   subtract_mean=spec["sub_mean"], fast_variance=spec["fast"],
-                                   dtype=dtype, inv_mode=spec["inv"])
+        y, mu, var = normalize(x, scale, bias, axes=axes, feature_axes=feat, eps=eps,
+                               subtract_mean=spec["sub_mean"], fast_variance=spec["fast"],
+                               dtype=dtype, inv_mode=spec["inv"], **pooled)
         outs = [y]
         for e, which in zip(extras, spec["stats"]):
             s = mu if which == "mu" else var
@@ -876,8 +868,7 @@ def _make_match(graph: Graph, region: _Region, spec, path: str) -> Match:
         parts.append("statistics used elsewhere: " + ", ".join(spec["stats"]))
     what = f"{kind} {aval_str(region.root)} [{', '.join(parts)}]"
     where = first_location([last] + [eqns[j] for j in sorted(region.anc, reverse=True)])
-    op = ("group_norm" if spec["group"] else
-          "batch_norm" if spec["pool"] is not None else "normalize")
+    op = "group_norm" if spec["group"] else "normalize"
     row = Row("norm", what, "jaxmem.selective." + op, True,
               "keeps x and its statistics (a following product shares them)",
               where, name_stack(last), path)

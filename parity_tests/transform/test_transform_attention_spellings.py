@@ -259,6 +259,30 @@ def test_bf16_einsum_under_vmap_jit():
         assert np.max(np.abs(a - r)) <= np.max(np.abs(b - r)) + step * scale
 
 
+def test_nnx_multi_head_attention_with_attention_dropout_is_one_op():
+    """``nnx.MultiHeadAttention(dropout_rate=...)`` in train mode, the dropout stream passed
+    at the call: the scores, softmax, dropout and the product with ``v`` become one exact
+    attention op (the dropout mask regenerated from the key); gradients equal the untouched
+    module's."""
+    from flax import nnx
+
+    net = nnx.MultiHeadAttention(num_heads=2, in_features=16, qkv_features=16,
+                                 dropout_rate=0.3, decode=False, keep_rngs=False,
+                                 rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(net, nnx.Param, ...)
+    x, key = normal((2, 8, 16)), jax.random.key(5)
+
+    def f(params, x, key):
+        y = nnx.merge(graphdef, params, rest)(x, deterministic=False,
+                                              rngs=nnx.Rngs(dropout=key))
+        return jnp.sum(jnp.sin(y) ** 2)
+
+    g = transform(f)
+    rows = _converted(g, params, x, key)
+    assert len(rows) == 1 and "[dropout]" in rows[0].matched, rows
+    close(_grads(g, (params, x, key), (0, 1)), _grads(f, (params, x, key), (0, 1)))
+
+
 # ------------------------------------------------------------- unmatched: rows, no codes
 def _softmax_axis_minus2(q, k, v):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
