@@ -74,13 +74,25 @@ def _vmap_step(f):
     return jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))
 
 
-def _rows(g, p, xs):
+def _rows(g, p, xs, axis="batch"):
     """``g``'s report rows of kind ``norm``, traced for one replica under
-    ``vmap(axis_name="batch")``."""
+    ``vmap(axis_name=axis)``."""
     out = []
     jax.eval_shape(jax.vmap(lambda x: out.append(g.report(p, x).by_kind("norm")) or x,
-                            axis_name="batch"), xs)
+                            axis_name=axis), xs)
     return out[0]
+
+
+def _replica_sum(fn, axis="r"):
+    """``fn(p, x)`` summed over the replicas of ``vmap(axis_name=axis)`` (``x`` batched)."""
+    return lambda p, xs: jnp.sum(jax.vmap(fn, (None, 0), axis_name=axis)(p, xs))
+
+
+def _pooled_grads_match(f, g, p, xs):
+    """Values and gradients (parameters, inputs) of ``g`` summed over replicas equal
+    ``f``'s in float64."""
+    step = lambda fn: jax.jit(jax.value_and_grad(_replica_sum(fn), (0, 1)))(p, xs)
+    close(step(g), step(f), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-variance", "two-pass"])
@@ -218,19 +230,11 @@ def test_layer_and_rms_norm_pooled_over_a_named_axis(fast):
         p = _perturbed(jax.tree_util.tree_map(lambda a: a[0], v)["params"])
         f = lambda p, x: jnp.sum(jnp.sin(model.apply({"params": p}, x)) ** 2)
         g = transform(f)
-
-        def tot(fn):
-            return lambda p, xs: jnp.sum(jax.vmap(fn, (None, 0), axis_name="r")(p, xs))
-
-        want = jax.jit(jax.value_and_grad(tot(f), (0, 1)))(p, xs)
-        close(jax.jit(jax.value_and_grad(tot(g), (0, 1)))(p, xs), want, rtol=1e-10,
-              atol=1e-10)
-        out = []
-        jax.eval_shape(jax.vmap(lambda x: out.append(g.report(p, x).by_kind("norm")) or x,
-                                axis_name="r"), xs)
-        assert [r.converted for r in out[0]] == [True, True], out[0]
-        assert all("pooled over axis 'r'" in r.matched for r in out[0])
-        kept = [residual_bytes(tot(fn), p, xs).activation_bytes for fn in (f, g)]
+        _pooled_grads_match(f, g, p, xs)
+        rows = _rows(g, p, xs, "r")
+        assert [r.converted for r in rows] == [True, True], rows
+        assert all("pooled over axis 'r'" in r.matched for r in rows)
+        kept = [residual_bytes(_replica_sum(fn), p, xs).activation_bytes for fn in (f, g)]
     assert kept[1] < kept[0], kept
 
 
@@ -245,14 +249,10 @@ def test_group_norm_pooled_over_a_named_axis():
         p = _perturbed(jax.tree_util.tree_map(lambda a: a[0], v))
         f = lambda p, x: jnp.sum(jnp.sin(gn.apply(p, x)) ** 2)
         g = transform(f)
-        tot = lambda fn: (lambda p, xs: jnp.sum(jax.vmap(fn, (None, 0), axis_name="r")(p, xs)))
-        close(jax.jit(jax.value_and_grad(tot(g), (0, 1)))(p, xs),
-              jax.jit(jax.value_and_grad(tot(f), (0, 1)))(p, xs), rtol=1e-10, atol=1e-10)
-        out = []
-        jax.eval_shape(jax.vmap(lambda x: out.append(g.report(p, x).by_kind("norm")) or x,
-                                axis_name="r"), xs)
-    assert [(r.converted, r.became) for r in out[0]] == [(True, "jaxmem.selective.group_norm")]
-    assert "pooled over axis 'r'" in out[0][0].matched
+        _pooled_grads_match(f, g, p, xs)
+        rows = _rows(g, p, xs, "r")
+    assert [(r.converted, r.became) for r in rows] == [(True, "jaxmem.selective.group_norm")]
+    assert "pooled over axis 'r'" in rows[0].matched
 
 
 def test_axis_index_groups_under_pmap():
