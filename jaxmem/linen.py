@@ -123,7 +123,8 @@ def options_of(model):
 
 
 def convert(model, *, selective: bool = True, fewbit: int | None = None,
-            attention: bool = True, residual_adds: bool = True) -> nn.Module:
+            attention: bool = True, residual_adds: bool = True,
+            conv_recompute: bool = True) -> nn.Module:
     """A Linen Module with the same fields and parameter tree as ``model`` whose every method
     call runs through ``jaxmem.transform`` (see ``Options.transform_options``).
 
@@ -142,6 +143,9 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
       residual_adds: with ``selective``, the next block's first layer recomputes a ResNet
         block output ``relu(norm(conv(h)) + shortcut)`` from the norms' residuals for its
         kernel gradient instead of keeping it (``jaxmem.transform``'s option of that name).
+      conv_recompute: with ``selective``, a norm applied to a 1x1 convolution of another
+        norm's output (a ResNet bottleneck's expansion) recomputes that convolution in its
+        backward pass instead of keeping its input (``jaxmem.transform``'s option).
 
     Returns:
       A Linen Module of a subclass of ``type(model)`` with the same fields; ``init`` gives
@@ -170,7 +174,7 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
             f"{type(model).__module__}.{type(model).__name__}; for flax.nnx modules use "
             "jaxmem.nnx.convert")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
-                            residual_adds=residual_adds)
+                            residual_adds=residual_adds, conv_recompute=conv_recompute)
     return _convert_with(model, opts)
 
 

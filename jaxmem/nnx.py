@@ -103,7 +103,8 @@ def is_converted(module) -> bool:
 
 
 def convert(module, *, selective: bool = True, fewbit: int | None = None,
-            attention: bool = True, residual_adds: bool = True, copy: bool = True):
+            attention: bool = True, residual_adds: bool = True,
+            conv_recompute: bool = True, copy: bool = True):
     """Convert an ``nnx.Module`` (see the module docstring); returns the converted module.
 
     Calls run through :func:`jaxmem.transform` with ``products``, ``norms``, ``dropout``
@@ -119,6 +120,9 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
       residual_adds: with ``selective``, the next block's first layer recomputes a ResNet
         block output ``relu(norm(conv(h)) + shortcut)`` from the norms' residuals for its
         kernel gradient instead of keeping it (``jaxmem.transform``'s option of that name).
+      conv_recompute: with ``selective``, a norm applied to a 1x1 convolution of another
+        norm's output (a ResNet bottleneck's expansion) recomputes that convolution in its
+        backward pass instead of keeping its input (``jaxmem.transform``'s option).
       copy: ``True`` converts a clone; ``False`` converts ``module`` in place.
 
     Returns:
@@ -150,7 +154,7 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
     if not isinstance(copy, bool):
         raise TypeError(f"jaxmem.nnx.convert: copy must be True or False, got {copy!r}")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
-                            residual_adds=residual_adds)
+                            residual_adds=residual_adds, conv_recompute=conv_recompute)
     m = _nnx.clone(module) if copy else module
     if not any("__call__" in vars(k) for k in type(m).__mro__):  # nothing to call
         return m

@@ -32,17 +32,20 @@ class Options:
     attention: exact memory-lean attention (no ``T x S`` residual).
     residual_adds: with ``selective``, the next product recomputes its input from an add of
       two recomputable values (a ResNet block output) instead of keeping it.
+    conv_recompute: with ``selective``, a norm of a 1x1 convolution of another norm's
+      output recomputes that convolution in its backward pass instead of keeping its input.
     """
 
     selective: bool = True
     fewbit: int | None = None
     attention: bool = True
     residual_adds: bool = True
+    conv_recompute: bool = True
 
     def __post_init__(self):
         if not isinstance(self.selective, bool):
             raise TypeError(f"selective must be True or False, got {self.selective!r}")
-        for name in ("attention", "residual_adds"):
+        for name in ("attention", "residual_adds", "conv_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         fb = self.fewbit
@@ -58,11 +61,13 @@ class Options:
         sel = self.selective
         return {"fewbit": self.fewbit, "attention": self.attention, "products": sel,
                 "activations": sel or self.fewbit is not None, "norms": sel, "dropout": sel,
-                "pools": sel, "residual_adds": self.residual_adds}
+                "pools": sel, "residual_adds": self.residual_adds,
+                "conv_recompute": self.conv_recompute}
 
     def public(self) -> dict:
         return {"selective": self.selective, "fewbit": self.fewbit,
-                "attention": self.attention, "residual_adds": self.residual_adds}
+                "attention": self.attention, "residual_adds": self.residual_adds,
+                "conv_recompute": self.conv_recompute}
 
 
 def _trace_state(name: str, default):

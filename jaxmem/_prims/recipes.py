@@ -12,6 +12,12 @@ add ``bn3(c3) + shortcut`` of a ResNet block, whose ReLU then records the block 
 one group of indices per producer, :func:`kept`). A bilinear layer fed such a value
 (``jaxmem.selective.linear``) then keeps those same tensors (one residual shared by all the
 rules) instead of a second input-sized array, and recomputes its input in the backward pass.
+:func:`extend` records a *pointwise convolution* of such a value (``conv(relu(bn2(c2)), W)``,
+the 1x1 expansion of a ResNet bottleneck): a normalisation fed it keeps the producer's
+arguments and ``W`` instead of its own input, and recomputes the convolution in the backward
+pass. A recipe's ``depth`` counts such non-elementwise steps; it is at most one (a value
+recorded with :func:`extend` is not extended again), so no backward rule recomputes more than
+one convolution per value it reads.
 XLA would not do this by itself: it keeps what the rules store. The recomputation is the
 forward's own arithmetic; XLA may still fuse it differently (a multiply-add contracted in one
 fusion and not in the other), so a kernel gradient computed from it can differ from the
@@ -22,9 +28,9 @@ from __future__ import annotations
 import functools
 import weakref
 
-__all__ = ["combine", "kept", "recipe", "remember", "then"]
+__all__ = ["combine", "depth", "extend", "kept", "recipe", "remember", "then"]
 
-# ``id(y) -> (ref, fn, args, groups)``; an entry goes when ``y`` is garbage.
+# ``id(y) -> (ref, fn, args, groups, depth)``; an entry goes when ``y`` is garbage.
 _recipes: dict = {}
 
 #: the most arguments a recipe may collect (:func:`combine` chains grow with the depth of
@@ -43,12 +49,13 @@ def _groups(kept_if) -> tuple:
     return (tuple(int(i) for i in kept_if),)
 
 
-def remember(y, fn, args, kept_if=(0, 3)) -> None:
+def remember(y, fn, args, kept_if=(0, 3), depth=0) -> None:
     """Record that ``y`` equals ``fn(*args)`` bit for bit (until ``y`` is garbage), and that
     the producer of ``y`` keeps ``args`` for its backward when any ``args[i]``,
     ``i in kept_if``, is differentiated (the default: a normalisation's ``x`` and ``scale``).
     ``kept_if`` may also be a tuple of such groups: the ``args`` are kept when every group
-    has a differentiated member (:func:`combine`)."""
+    has a differentiated member (:func:`combine`). ``depth``: how many non-elementwise ops
+    (convolutions) ``fn`` runs (:func:`extend`)."""
     key = id(y)
 
     def _drop(_, key=key):
@@ -58,7 +65,7 @@ def remember(y, fn, args, kept_if=(0, 3)) -> None:
         ref = weakref.ref(y, _drop)
     except TypeError:  # not weak-referenceable (plain numbers): nothing to record
         return
-    _recipes[key] = (ref, fn, tuple(args), _groups(kept_if))
+    _recipes[key] = (ref, fn, tuple(args), _groups(kept_if), int(depth))
 
 
 def recipe(x):
@@ -68,6 +75,14 @@ def recipe(x):
     if entry is None or entry[0]() is not x:
         return None
     return entry[1], entry[2], entry[3]
+
+
+def depth(x) -> int:
+    """How many convolutions the recipe of ``x`` recomputes (0 without a recipe)."""
+    entry = _recipes.get(id(x))
+    if entry is None or entry[0]() is not x:
+        return 0
+    return entry[4]
 
 
 def kept(args, groups, perturbed) -> bool:
@@ -87,7 +102,7 @@ def then(y, outer, x) -> None:
     r = recipe(x)
     if r is not None:
         fn, args, groups = r
-        remember(y, functools.partial(_composed, outer, fn), args, groups)
+        remember(y, functools.partial(_composed, outer, fn), args, groups, depth(x))
 
 
 def _combined(op, parts, *args):
@@ -102,7 +117,7 @@ def combine(y, op, *xs) -> bool:
     deterministic and exact as computed (``y`` bit for bit). Python scalars in ``xs`` are
     constants of ``op``; anything else without a recipe records nothing. Returns whether
     ``y`` was recorded."""
-    parts, args, groups = [], [], []
+    parts, args, groups, deepest = [], [], [], 0
     for x in xs:
         if isinstance(x, (int, float, bool, complex)):
             parts.append((None, len(args), len(args) + 1))
@@ -112,11 +127,37 @@ def combine(y, op, *xs) -> bool:
         if r is None:
             return False
         fn, a, gs = r
+        deepest = max(deepest, depth(x))
         lo = len(args)
         parts.append((fn, lo, lo + len(a)))
         args.extend(a)
         groups.extend(tuple(lo + i for i in g) for g in gs)
     if not groups or len(args) > MAX_ARGS:
         return False
-    remember(y, functools.partial(_combined, op, tuple(parts)), tuple(args), tuple(groups))
+    remember(y, functools.partial(_combined, op, tuple(parts)), tuple(args), tuple(groups),
+             deepest)
+    return True
+
+
+def _extended(op, inner, n, *args):
+    return op(inner(*args[:n]), *args[n:])
+
+
+def extend(y, op, x, extra=(), *, elementwise=False) -> bool:
+    """Record ``y == op(x, *extra)`` when ``x`` has a one-producer recipe: ``op`` applied to
+    the recomputed ``x``, from that recipe's ``args`` followed by ``extra``, kept under the
+    same condition (the producer keeps its ``args``; ``op``'s own rule keeps ``extra``
+    whenever ``x`` is differentiated). ``op`` must be deterministic. ``elementwise=False``:
+    ``op`` is a convolution (a pointwise one, its weight in ``extra``): recorded with depth 1,
+    and only for an ``x`` of depth 0. ``elementwise=True``: ``op`` is elementwise in ``x``
+    (given ``extra``: a norm's output from its input and statistics), the depth is ``x``'s.
+    Returns whether ``y`` was recorded."""
+    r = recipe(x)
+    if r is None or (not elementwise and depth(x) != 0):
+        return False
+    fn, args, groups = r
+    if len(groups) != 1 or len(args) + len(extra) > MAX_ARGS:
+        return False
+    remember(y, functools.partial(_extended, op, fn, len(args)), tuple(args) + tuple(extra),
+             groups, depth(x) if elementwise else 1)
     return True

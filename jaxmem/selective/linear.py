@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxmem._prims.recipes import extend
 from jaxmem._prims.ties import after, tie, typed_struct, vary_like
 from jaxmem.selective._core import (
     as_int,
@@ -171,7 +172,8 @@ _bilinear_rec.defvjp(_bilinear_rec_fwd, _bilinear_rec_bwd, symbolic_zeros=True)
 
 
 def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
-             name: str = "bilinear", _dx_fn: Callable | None = None) -> jax.Array:
+             name: str = "bilinear", _dx_fn: Callable | None = None,
+             _pointwise: bool = False) -> jax.Array:
     """Apply ``fn(x, w)``, bilinear in ``(x, w)``, storing only what requested grads need.
 
     ``fn`` must be linear in each argument separately (dense, convolution, einsum, ...).
@@ -186,7 +188,15 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     instead of being kept a second time (``dL/dW`` is unchanged: the same
     ``x``, bit for bit). Under ``lax.scan`` this keeps one input-sized tensor per norm and
     layer stacked instead of two.
+
+    ``_pointwise`` (a 1x1, stride-1 convolution: as many multiply-adds per output element as
+    input channels): when ``x`` is such a normalisation output (or an elementwise function
+    of one), the output is recorded as recomputable from that norm's residuals and ``w``
+    (:func:`jaxmem._prims.recipes.extend`), so a normalisation applied to it keeps those
+    instead of its own input (a ResNet bottleneck's 4x-wide expansion ``c3``) and recomputes
+    the convolution in its backward pass.
     """
+    x_in = x
     r = recipe(x)
     # under ``shard_map``: give ``x`` and ``w`` the same varying axes (a replicated weight
     # with a per-device batch), so the rule's cotangents have its arguments' types; the
@@ -195,7 +205,10 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     xs, ws = typed_struct(x), typed_struct(w)
     if r is not None:
         rec_fn, rec, kept_if = r
-        return _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
+        y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
+        if _pointwise:
+            extend(y, fn, x_in, (w,))
+        return y
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)
 
 
@@ -228,7 +241,19 @@ def conv_general_dilated(lhs: ArrayLike, rhs: ArrayLike, window_strides: Sequenc
     """Drop-in for ``lax.conv_general_dilated`` with differentiability-aware residuals.
 
     Extra keyword arguments (e.g. ``out_sharding``) are passed through to lax; ``None``
-    values are dropped."""
+    values are dropped. A 1x1, stride-1 convolution of a selective normalisation's output
+    is recorded as recomputable (see :func:`bilinear`'s ``_pointwise``)."""
+    return conv_with_recipe(lhs, rhs, True, window_strides, padding, lhs_dilation,
+                            rhs_dilation, dimension_numbers, feature_group_count,
+                            batch_group_count, precision, preferred_element_type, **kwargs)
+
+
+def conv_with_recipe(lhs, rhs, recompute: bool, window_strides, padding, lhs_dilation=None,
+                     rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
+                     batch_group_count=1, precision=None, preferred_element_type=None,
+                     **kwargs) -> jax.Array:
+    """:func:`conv_general_dilated`; ``recompute=False`` records no recipe for a pointwise
+    convolution's output (``jaxmem.transform(..., conv_recompute=False)``)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     name = "conv_general_dilated"
     ndim_sp = jnp.ndim(lhs) - 2
@@ -261,7 +286,24 @@ def conv_general_dilated(lhs: ArrayLike, rhs: ArrayLike, window_strides: Sequenc
         dx_fn = _phase_dx_fn(jnp.shape(lhs), jnp.shape(rhs), window_strides, padding,
                              lhs_dilation, rhs_dilation, dimension_numbers,
                              feature_group_count, batch_group_count, precision)
-    return bilinear(fn, lhs, rhs, name="conv", _dx_fn=dx_fn)
+    kernel = _kernel_spatial(jnp.shape(rhs), dimension_numbers)
+    pointwise = (recompute and all(d == 1 for d in kernel)
+                 and all(s == 1 for s in window_strides) and not kwargs
+                 and lhs_dilation in (None, (1,) * ndim_sp)
+                 and feature_group_count == 1 and batch_group_count == 1)
+    return bilinear(fn, lhs, rhs, name="conv", _dx_fn=dx_fn, _pointwise=pointwise)
+
+
+def _kernel_spatial(rhs_shape, dimension_numbers):
+    """The kernel's spatial sizes (``lax``'s default layout ``OIHW`` when none is given)."""
+    nd = len(rhs_shape)
+    if dimension_numbers is None:
+        return tuple(rhs_shape[2:])
+    try:
+        dn = lax.conv_dimension_numbers((1,) * nd, rhs_shape, dimension_numbers)
+    except (TypeError, ValueError):
+        return (0,)
+    return tuple(rhs_shape[i] for i in dn.rhs_spec[2:])
 
 
 # ------------------------------------------------- strided conv: input gradient by phases

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxmem._prims.recipes import depth, extend, kept, recipe
 from jaxmem._prims.ties import laid_out_like as _laid_out_like
 from jaxmem._prims.ties import tie, vary_like
 from jaxmem.selective._core import (
@@ -256,6 +257,46 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
 
 
 _normalize.defvjp(_normalize_fwd, _normalize_bwd, symbolic_zeros=True)
+
+
+# ------------------------------------- input recomputed from a pointwise convolution's recipe
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _normalize_rec(axes, eps, subtract_mean, fast_variance, out_dtype, rec_fn, kept_if,
+                   x, scale, bias, rec):
+    del rec_fn, kept_if, rec
+    return _normalize(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale, bias)
+
+
+def _normalize_rec_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, rec_fn, kept_if,
+                       x, scale, bias, rec):
+    """As ``_normalize_fwd``, but ``x == rec_fn(*rec)`` (a pointwise convolution of a
+    normalisation's output: :func:`jaxmem._prims.recipes.extend`) and the producers keep
+    ``rec`` anyway when one of ``rec[i]``, ``i in kept_if``, is differentiated: then ``rec``
+    is kept -- the same residuals, stored once -- instead of ``x``."""
+    out, ((xv, *small), static) = _normalize_fwd(axes, eps, subtract_mean, fast_variance,
+                                                 out_dtype, x, scale, bias)
+    shared = xv is not None and kept(rec, kept_if, perturbed)
+    res_rec = tuple(value(p) for p in rec) if shared else None
+    return out, ((None if shared else xv, *small), static, res_rec)
+
+
+def _normalize_rec_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, rec_fn, kept_if,
+                       res, cts):
+    (xv, *small), static, res_rec = res
+    if res_rec is not None:
+        dep = next((c for c in cts if not is_zero(c)), None)
+        if dep is None:
+            return None, None, None, None
+        # tied to the cotangent: the convolution runs in the backward pass, not hoisted into
+        # the forward one (where XLA would keep its output: the very array saved here)
+        xr, *rest = res_rec
+        xv = rec_fn(tie(xr, dep), *rest).astype(static.v[0].dtype)
+    dx, dscale, dbias = _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype,
+                                       ((xv, *small), static), cts)
+    return dx, dscale, dbias, None
+
+
+_normalize_rec.defvjp(_normalize_rec_fwd, _normalize_rec_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------ given (running) statistics
@@ -469,6 +510,8 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
     eps = check_eps("normalize", eps)
     _check_inv_mode(inv_mode)
     out_dtype = _out_dtype(x, scale, bias, dtype)
+    x_in = x
+    r = recipe(x) if axis_name is None and depth(x) == 1 else None
     x = tag(x, "norm.input")
     if axis_name is not None:
         return _pooled(x, scale, bias, axes, (eps, inv_mode), bool(subtract_mean),
@@ -479,12 +522,19 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
     # cotangent types must match; the cast's transpose sums over devices)
     scale, bias = _laid_out_like(scale, x), _laid_out_like(bias, x)
     scale, bias = vary_like(scale, x), vary_like(bias, x)
-    y, mu, var = _normalize(axes, (eps, inv_mode), bool(subtract_mean), bool(fast_variance),
-                            out_dtype, x, scale, bias)
+    statics = (axes, (eps, inv_mode), bool(subtract_mean), bool(fast_variance), out_dtype)
+    out_fn = functools.partial(_recompute_out, (eps, inv_mode), out_dtype)
+    if r is not None and len(r[2]) == 1:
+        # ``x`` is a pointwise convolution of another norm's output: keep that norm's
+        # residuals (and the kernel) instead of ``x``; ``y`` is recomputable from them too
+        rec_fn, rec, kept_if = r
+        y, mu, var = _normalize_rec(*statics, rec_fn, kept_if, x, scale, bias, rec)
+        extend(y, out_fn, x_in, (mu, var, scale, bias), elementwise=True)
+        return y, mu, var
+    y, mu, var = _normalize(*statics, x, scale, bias)
     # ``y`` is recomputable from what this norm's backward keeps anyway: a bilinear layer
     # applied to ``y`` keeps those instead of ``y`` (one input-sized residual, not two).
-    remember(y, functools.partial(_recompute_out, (eps, inv_mode), out_dtype),
-             (x, mu, var, scale, bias))
+    remember(y, out_fn, (x, mu, var, scale, bias))
     return y, mu, var
 
 

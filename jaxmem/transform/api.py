@@ -54,7 +54,7 @@ def _array_leaves(fn: Callable, args: tuple, kwargs: dict):
 def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
               dropout: bool = True, pools: bool = True,
-              residual_adds: bool = True) -> Callable:
+              residual_adds: bool = True, conv_recompute: bool = True) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -83,6 +83,12 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         block's first product recomputes its input ``relu(a + b)`` from the norms' residuals
         for its kernel gradient instead of keeping it (exact; one more norm + activation
         pass per block in the backward). ``False`` keeps the block output instead.
+      conv_recompute: with ``products`` and ``norms``, a normalisation applied to a 1x1,
+        stride-1 convolution of another normalisation's output (through a ReLU-family or
+        smooth activation: a ResNet bottleneck's ``bn3(conv3(relu(bn2(c2))))``) keeps that
+        norm's residuals and the kernel instead of its own input and recomputes the
+        convolution in its backward pass (exact; one more 1x1 convolution per such norm in
+        the backward). ``False`` keeps the convolution output instead.
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -101,7 +107,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         raise TypeError(f"transform: f must be a callable, got {type(f).__name__}")
     options = Options(fewbit=fewbit, attention=attention, products=products,
                       activations=activations, norms=norms, dropout=dropout, pools=pools,
-                      residual_adds=residual_adds)
+                      residual_adds=residual_adds, conv_recompute=conv_recompute)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -147,7 +147,8 @@ class Interpreter:
         if opts.products:
             for i in range(len(graph.jaxpr.eqns)):
                 if i not in taken:
-                    item = match_product(graph, i, path)
+                    item = match_product(graph, i, path,
+                                         recompute=opts.norms and opts.conv_recompute)
                     if item is not None:
                         add(item)
                         if isinstance(item, Match):

@@ -22,9 +22,12 @@ _PRIMS = {"dot_general": ("dot", "jaxmem.selective.dot_general"),
 
 
 
-def match_product(graph: Graph, i: int, path: str) -> Match | Row | None:
+def match_product(graph: Graph, i: int, path: str, recompute: bool = True
+                  ) -> Match | Row | None:
     """A Match for a float ``dot_general`` / convolution at equation ``i``, a Row saying
-    why not for other products, ``None`` for other equations."""
+    why not for other products, ``None`` for other equations. ``recompute``: a 1x1,
+    stride-1 convolution's output may be recomputed by the norm it feeds
+    (``transform(..., conv_recompute=...)``)."""
     eqn = graph.jaxpr.eqns[i]
     name = eqn.primitive.name
     if name not in _PRIMS:
@@ -44,10 +47,10 @@ def match_product(graph: Graph, i: int, path: str) -> Match | Row | None:
         def emit(x, w):
             return [dot_general(x, w, **params)]
     else:
-        from jaxmem.selective import conv_general_dilated
+        from jaxmem.selective.linear import conv_with_recipe
 
         def emit(x, w):
-            return [conv_general_dilated(x, w, **params)]
+            return [conv_with_recipe(x, w, recompute, **params)]
 
     row = Row(kind, what, target, True, "keeps x only if w is differentiated, w only if x is",
               where, ns, path)

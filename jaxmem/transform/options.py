@@ -23,6 +23,10 @@ class Options:
     residual_adds: with ``products``, ``a + b`` of two values that selective ops can
       recompute (a ResNet block's ``bn3(c3) + shortcut``) is recomputable too, so the next
       product recomputes its input instead of keeping it.
+    conv_recompute: with ``products`` and ``norms``, a normalisation of a 1x1, stride-1
+      convolution of another normalisation's (activated) output keeps that norm's residuals
+      and the kernel instead of its own input, and recomputes the convolution in its backward
+      pass (a ResNet bottleneck's 4x-wide expansion).
     """
 
     fewbit: int | None = None
@@ -33,6 +37,7 @@ class Options:
     dropout: bool = True
     pools: bool = True
     residual_adds: bool = True
+    conv_recompute: bool = True
 
     def __post_init__(self):
         fb = self.fewbit
@@ -40,7 +45,7 @@ class Options:
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
         for name in ("attention", "products", "activations", "norms", "dropout", "pools",
-                     "residual_adds"):
+                     "residual_adds", "conv_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")

@@ -26,14 +26,16 @@ FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 
 
 def _blocks(lang: str):
-    out = []
+    """One param per distinct block (a block repeated verbatim on two pages runs once; its
+    id names every place it appears)."""
+    places: dict[str, list[str]] = {}
     for page in PAGES:
         text = page.read_text()
         for m in FENCE.finditer(text):
             if m.group(1) == lang:
                 line = text.count("\n", 0, m.start()) + 1
-                out.append(pytest.param(m.group(2), id=f"{page.relative_to(ROOT)}:{line}"))
-    return out
+                places.setdefault(m.group(2), []).append(f"{page.relative_to(ROOT)}:{line}")
+    return [pytest.param(code, id="+".join(where)) for code, where in places.items()]
 
 
 PYTHON_BLOCKS = _blocks("python")
