@@ -3,8 +3,10 @@
 For ResNet-50 (CPU-scaled: width 0.25, 64x64 images) and a GPT (4 layers, d_model 256,
 ctx 128), one SGD step compiled (never run) on 8 host CPU devices under data parallel
 (8x1 mesh), FSDP (8x1, parameters sharded over 'data') and tensor parallel (4x2 mesh,
-Megatron rules), for: plain Flax, ``jaxmem.linen.convert(model, fewbit=None)`` (exact) and
-``convert(model, fewbit=3)``. Beside each, the one-device step of the same global batch
+Megatron rules), for: plain Flax, ``jaxmem.linen.convert(model, fewbit=None)`` (exact),
+``convert(model, fewbit=3)`` and ``convert(model, conv_recompute=False)`` (a bottleneck's 1x1
+expansion kept instead of recomputed in its BatchNorm's backward, which under TP repeats the
+convolution's collective). Beside each, the one-device step of the same global batch
 and of the per-device batches (2 and 4).
 
 Figures: XLA's ``memory_analysis()`` of the compiled step, per device: ``temp`` (activations
@@ -69,7 +71,8 @@ STEP = {"dp": ("dp", True), "fsdp": ("fsdp", True), "tp": ("tp", True), "dp-ar":
 GLOBAL_BATCH = 16
 #: the one-device batch each mode is compared with: the batch a device holds under it
 LOCAL = {m: GLOBAL_BATCH // shape["data"] for m, shape in MODES.items()}
-VARIANTS = {"default": None, "jaxmem": {"fewbit": None}, "jaxmem+fewbit3": {"fewbit": 3}}
+VARIANTS = {"default": None, "jaxmem": {"fewbit": None}, "jaxmem+fewbit3": {"fewbit": 3},
+            "jaxmem-conv-kept": {"fewbit": None, "conv_recompute": False}}
 
 
 def _sds(tree):
