@@ -313,6 +313,10 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
                      + ("behind the lax.cond fence (smaller than plain jax.checkpoint here)"
                         if compiler.fence_of(res.choice) else
                         "as plain jax.checkpoint (no lax.cond fence)"))
+    if selective:
+        notes.append("predicted time counts the plan's recomputed units only, not the "
+                     "recomputation jaxmem's conversion runs by itself (attention weights, "
+                     "ResNet block outputs, bottleneck expansions: up to ~1.1x on CPU)")
     return MemoryPlan(
         step=compiler.build(res.choice), choices=choices, budget_bytes=budget_bytes,
         default_bytes=cm0.total_bytes, predicted_bytes=search.predicted[res.choice],

@@ -38,6 +38,9 @@ def test_plan_gpt_half_budget_met_and_gradients_exact(gpt_half):
     assert isinstance(p, MemoryPlan)
     assert p.compiled_bytes <= p.budget_bytes == int(0.5 * p.default_bytes)
     assert any(c.option != "store" for c in p.choices)
+    # a plan under jaxmem's conversion says that its predicted time leaves that out
+    assert p.selective == any("not the recomputation jaxmem's conversion" in n
+                              for n in p.notes), (p.selective, p.notes)
     d = p.to_dict()
     assert d["compiled_bytes"] == p.compiled_bytes and len(d["choices"]) == len(p.choices)
     # the returned step compiles to the reported bytes and gives the untouched gradients
