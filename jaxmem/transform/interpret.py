@@ -240,6 +240,8 @@ class Interpreter:
             outs = bind_eqn(eqn, invals)
             if name == "add" and self.options.products and self.options.residual_adds:
                 _record_add(outs, invals)
+            elif name == "name" and len(outs) == 1 and len(invals) == 1:
+                _record_name(outs, invals)
             return outs
         record(Row("higher-order", name + _named(eqn), "entered", True, _entered_note(eqn),
                    call_location(eqn), name_stack(eqn), path))
@@ -328,6 +330,19 @@ def _record_add(outs: list, invals: list) -> None:
     from jaxmem._prims.recipes import combine
     if len(outs) == 1 and len(invals) == 2:
         combine(outs[0], lax.add, *invals)
+
+
+def _record_name(outs: list, invals: list) -> None:
+    """``checkpoint_name(x, ...)`` is ``x``: a recipe of ``x`` holds for it too
+    (:func:`jaxmem._prims.recipes.then` with the identity), so a name tag between a norm and
+    the layer that reads its output (``jaxmem.planner``'s layer boundaries, a user's remat
+    names) does not make that layer keep a second copy."""
+    from jaxmem._prims.recipes import then
+    then(outs[0], _identity, invals[0])
+
+
+def _identity(x):
+    return x
 
 
 def _enterable(eqn) -> bool:

@@ -263,3 +263,33 @@ def test_half_precision_as_close_to_float32_as_jax(dtype):
     jax_err = err(jax.jit(jax.grad(_loss(_plain_unit), argnums=(0, 1)))(ps, x))
     assert err(got[True]) <= 1.1 * err(got[False]) + 1e-3, (err(got[True]), err(got[False]))
     assert err(got[True]) <= 1.5 * jax_err + 1e-2, (err(got[True]), jax_err)
+
+
+def test_name_tags_between_layers_keep_the_recipes():
+    """``checkpoint_name`` tags on every layer output (what ``jaxmem.planner`` puts at Linen
+    boundaries, or a user's remat names) are identities: under ``jaxmem.transform`` the recipes
+    hold through them, so the tagged unit keeps what the untagged one keeps."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def tagged_unit(x, p):
+        def bn(v, s, b):
+            mu = jnp.mean(v, (0, 1, 2), keepdims=True)
+            var = jnp.maximum(jnp.mean(v * v, (0, 1, 2), keepdims=True) - mu * mu, 0)
+            return checkpoint_name((v - mu) * (jax.lax.rsqrt(var + 1e-5) * s) + b, "bn")
+
+        def conv(v, w):
+            pad = "SAME" if w.shape[0] > 1 else "VALID"
+            return checkpoint_name(
+                jax.lax.conv_general_dilated(v, w, (1, 1), pad, dimension_numbers=DN), "conv")
+
+        (w1, s1, b1), (w2, s2, b2), (w3, s3, b3) = p
+        h = checkpoint_name(jax.nn.relu(bn(conv(x, w1), s1, b1)), "act")
+        h = checkpoint_name(jax.nn.relu(bn(conv(h, w2), s2, b2)), "act")
+        return jax.nn.relu(bn(conv(h, w3), s3, b3) + x)
+
+    ps, x = _params(2), _x()
+    kept = {}
+    for name, unit in (("plain", _plain_unit), ("tagged", tagged_unit)):
+        g = jaxmem.transform(_loss(unit))
+        kept[name] = residual_bytes(lambda ps, g=g: g(ps, x), ps).activation_bytes
+    assert kept["tagged"] == kept["plain"], kept
