@@ -50,6 +50,7 @@ from jaxmem.selective._core import (
     perturbed,
     positive_int,
     recipe,
+    recomputed,
     tag,
     value,
 )
@@ -152,18 +153,7 @@ def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, res,
     if is_zero(g):
         return None, None, None
     if res_rec is not None:
-        # tied to ``g``: the recomputation runs in the backward pass. One producer (a
-        # norm): its ``x`` is tied. Several (``recipes.combine``: a ResNet block output):
-        # every argument is, or XLA computes the untied parts in the forward pass and keeps
-        # them. Measured on ResNet-50 "All", H100 plan, adds recorded (with a max-pool recipe
-        # since left out): 11.94 MiB so; 14.46 tying the first argument only, 12.73 tying
-        # each producer's ``x`` only; tying all arguments of a one-producer recipe too costs
-        # 0.16 MiB without adds recorded.
-        if len(kept_if) > 1:
-            res_x = rec_fn(*tie(res_rec, g))
-        else:
-            xr, *rest = res_rec
-            res_x = rec_fn(tie(xr, g), *rest)
+        res_x = recomputed(rec_fn, res_rec, kept_if, g)
     dx, dw = _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, (res_x, res_w), g)
     return dx, dw, None
 

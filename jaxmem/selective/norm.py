@@ -59,6 +59,7 @@ from jaxmem.selective._core import (
     check_float,
     is_zero,
     perturbed,
+    recomputed,
     remember,
     tag,
     value,
@@ -287,10 +288,7 @@ def _normalize_rec_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, rec_f
         dep = next((c for c in cts if not is_zero(c)), None)
         if dep is None:
             return None, None, None, None
-        # tied to the cotangent: the convolution runs in the backward pass, not hoisted into
-        # the forward one (where XLA would keep its output: the very array saved here)
-        xr, *rest = res_rec
-        xv = rec_fn(tie(xr, dep), *rest).astype(static.v[0].dtype)
+        xv = recomputed(rec_fn, res_rec, kept_if, dep).astype(static.v[0].dtype)
     dx, dscale, dbias = _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype,
                                        ((xv, *small), static), cts)
     return dx, dscale, dbias, None

@@ -77,20 +77,26 @@ def _loss(unit):
     return loss
 
 
+def _norms_of(ps):
+    """The norms' ``(scale, bias)`` of every unit's three layers."""
+    return [[(s, b) for _, s, b in p] for p in ps]
+
+
+def _of_norms(loss, ps, x):
+    """``loss`` as a function of the norms' parameters alone (kernels and input fixed)."""
+    def f(norms):
+        return loss([[(w, s, b) for (w, _, _), (s, b) in zip(p, n)]
+                     for p, n in zip(ps, norms)], x)
+    return f
+
+
 def _case_grad(loss, case):
     """The gradient of ``loss(ps, x)`` the case asks for: the input only, the norms' scales
     and biases only, or everything."""
     if case == "input":
         return lambda ps, x: jax.grad(loss, argnums=1)(ps, x)
     if case == "norm":
-        def g(ps, x):
-            norms = [[(s, b) for _, s, b in p] for p in ps]
-
-            def f(norms):
-                full = [[(w, s, b) for (w, _, _), (s, b) in zip(p, n)] for p, n in zip(ps, norms)]
-                return loss(full, x)
-            return jax.grad(f)(norms)
-        return g
+        return lambda ps, x: jax.grad(_of_norms(loss, ps, x))(_norms_of(ps))
     return lambda ps, x: jax.grad(loss, argnums=(0, 1))(ps, x)
 
 
@@ -146,11 +152,7 @@ def _activation_bytes(case, rec, depth):
     loss = _loss(lambda x, p: _unit(x, p, rec))
     if case == "input":
         return residual_bytes(lambda x: loss(ps, x), x).activation_bytes
-
-    def f(norms):
-        full = [[(w, s, b) for (w, _, _), (s, b) in zip(p, n)] for p, n in zip(ps, norms)]
-        return loss(full, x)
-    return residual_bytes(f, [[(s, b) for _, s, b in p] for p in ps]).activation_bytes
+    return residual_bytes(_of_norms(loss, ps, x), _norms_of(ps)).activation_bytes
 
 
 @pytest.mark.parametrize("case", ["input", "norm"])

@@ -34,8 +34,8 @@ def _gpt_case():
     return model, params, (tok, jnp.roll(tok, -1, 1)), loss
 
 
-def _resnet_case():
-    model = ResNet(block="basic", stage_sizes=(1, 1), width=0.125, num_classes=8,
+def _resnet_case(block="basic", stage_sizes=(1, 1)):
+    model = ResNet(block=block, stage_sizes=stage_sizes, width=0.125, num_classes=8,
                    stem="cifar")
     x = jax.random.normal(jax.random.PRNGKey(2), (8, 8, 8, 3))
     y = jax.random.randint(jax.random.PRNGKey(3), (8,), 0, 8)
@@ -175,27 +175,17 @@ def test_bottleneck_tp_expansion_option_adds_no_collectives():
     against 50, ``benchmarks/results/distributed/h100``; on these host devices and this
     small net XLA:CPU partitions it without one), so ``conv_recompute=False`` is what keeps
     jaxmem's step at no more collectives than plain JAX's, kind by kind: asserted here."""
-    model = ResNet(block="bottleneck", stage_sizes=(1,), width=0.125, num_classes=8,
-                   stem="cifar")
-    x = jax.random.normal(jax.random.PRNGKey(2), (8, 8, 8, 3))
-    y = jax.random.randint(jax.random.PRNGKey(3), (8,), 0, 8)
-    variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
-
-    def loss_of(m):
-        def loss(p, batch):
-            logits = m.apply({"params": p, "batch_stats": variables["batch_stats"]}, batch[0])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-        return loss
-
+    model, params, batch, loss = _resnet_case("bottleneck", (1,))
     mesh = jd.mesh(**MODES["tp"])
     out = {}
     for which, m in (("plain", model), ("recompute", jaxmem.linen.convert(model)),
                      ("kept", jaxmem.linen.convert(model, conv_recompute=False))):
-        step = jd.train_step(loss_of(m), _recording_sgd(), mesh, "tp", donate=False)
-        p, s = step.init(variables["params"])
+        step = jd.train_step(functools.partial(loss, m), _recording_sgd(), mesh, "tp",
+                             donate=False)
+        p, s = step.init(params)
         with jax.set_mesh(mesh):
-            compiled = step.lower(p, s, (x, y)).compile()
-        out[which] = (compiled(p, s, (x, y))[1], jd.collectives(compiled.as_text()))
+            compiled = step.lower(p, s, batch).compile()
+        out[which] = (compiled(p, s, batch)[1], jd.collectives(compiled.as_text()))
     _close(out["recompute"][0], out["plain"][0])
     _close(out["kept"][0], out["plain"][0])
     assert out["kept"][1] <= out["plain"][1], (out["kept"][1].counts, out["plain"][1].counts)
