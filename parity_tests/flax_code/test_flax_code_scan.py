@@ -16,6 +16,7 @@ unrolled network). Checked here:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -28,8 +29,8 @@ from jax.core import ShapedArray
 
 import jaxmem
 from jaxmem._compat import name_p
-from jaxmem.transform.scan_policy import scan_policy
 from jaxmem.measure import compiled_memory, residual_bytes
+from jaxmem.transform.scan_policy import scan_policy
 
 B, T, D, H, V = 2, 8, 16, 2, 16
 
@@ -104,10 +105,17 @@ def _linen_loss(model):
     return loss
 
 
-def _linen(form, act, depth=2, attention=True):
+@functools.cache
+def _model(form, act, depth=2, attention=True):
+    """``(model, params)``: one initialisation per configuration, shared by the tests."""
     model = Net(depth, form, act, attention)
+    return model, jax.jit(model.init)(jax.random.key(2), _data()[0])["params"]
+
+
+@functools.cache
+def _linen(form, act, depth=2, attention=True):
+    model, params = _model(form, act, depth, attention)
     tok, tgt = _data()
-    params = jax.jit(model.init)(jax.random.key(2), tok)["params"]
     conv = jaxmem.linen.convert(model, fewbit=None, attention=False)
     return _linen_loss(model), _linen_loss(conv), params, tok, tgt
 
@@ -296,9 +304,8 @@ def test_functions_inside_scan_body_are_converted(form):
     a user's ``nn.remat`` kept as written: exactly (only the input kept, ``f'`` recomputed)
     or with ``fewbit=3``, and the compiled step is no larger with few-bit codes than
     exact (a GELU read by a product keeps its input either way)."""
-    model = Net(2, form, "gelu", attention=False)
+    model, params = _model(form, "gelu", 2, False)
     tok, tgt = _data()
-    params = jax.jit(model.init)(jax.random.key(2), tok)["params"]
     nbytes = {fb: compiled_memory(jax.grad(_linen_loss(jaxmem.linen.convert(model, fewbit=fb))),
                                   params, tok, tgt).total_bytes for fb in (None, 3)}
     assert nbytes[3] <= nbytes[None], nbytes

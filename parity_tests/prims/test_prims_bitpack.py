@@ -38,7 +38,7 @@ def _codes(shape, bits, seed, dtype="uint8"):
     return np.random.default_rng(seed).integers(0, 2**bits, size=shape).astype(dtype)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(shape=shapes, bits=st.sampled_from(BITS), seed=st.integers(0, 2**16),
        dtype=st.sampled_from(["uint8", "int32", "uint32", "int8"]))
 def test_round_trip_and_stream_every_width(shape, bits, seed, dtype):

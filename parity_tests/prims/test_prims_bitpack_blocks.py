@@ -63,7 +63,7 @@ def _codes(shape, bits, seed):
     return np.random.default_rng(seed).integers(0, 2**bits, size=shape).astype(np.uint8)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(lead=st.lists(st.integers(0, 3), max_size=2).map(tuple), k=st.integers(1, 5),
        w=st.integers(0, 11), bits=st.sampled_from(BITS), seed=st.integers(0, 2**16),
        dtype=st.sampled_from(["uint8", "int32", "bool"]))

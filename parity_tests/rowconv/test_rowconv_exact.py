@@ -108,7 +108,7 @@ def stack_st(draw):
     return layers, (1, H, W, 2)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(stack_st(), st.sampled_from(rc.MODES), st.integers(2, 6), st.data())
 def test_random_stacks_exact(stack, mode, rows, data):
     layers, shape = stack

@@ -160,7 +160,7 @@ def test_dead_code_is_dropped():
 def _mlp_step():
     from jaxmem.models import MLP
 
-    model = MLP(features=(32, 32, 10))
+    model = MLP(features=(32, 10))
     x = _rand(5, (4, 16))
     y = jax.random.randint(jax.random.key(6), (4,), 0, 10)
     params = model.init(jax.random.key(7), x)

@@ -9,6 +9,8 @@ of ``c3``, recomputing the convolution in its backward pass: a unit keeps ``c1``
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,11 +191,12 @@ def test_transform_option_switches_it_off():
     ps, x = _params(1), _x()
     loss = _loss(_plain_unit)
     res = {}
+    want = jax.jit(jax.grad(loss, argnums=1))(ps, x)
     for rec in (True, False):
         g = jaxmem.transform(loss, conv_recompute=rec)
         res[rec] = residual_bytes(lambda x, g=g: g(ps, x), x).activation_bytes
-        want = jax.grad(loss, argnums=1)(ps, x)
-        np.testing.assert_allclose(np.asarray(jax.grad(g, argnums=1)(ps, x)), np.asarray(want),
+        got = jax.jit(jax.grad(g, argnums=1))(ps, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want),
                                    rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
     assert 4 * 4 * C * PIX - 4 * 4 * C <= res[False] - res[True] <= 4 * 4 * C * PIX, res
     with pytest.raises(TypeError, match="conv_recompute"):
@@ -217,7 +220,7 @@ def test_linen_and_nnx_convert_pass_conv_recompute_on():
 
     net = Net()
     v = net.init(jax.random.key(0), x)
-    want = jax.grad(lambda x: net.apply(v, x))(x)
+    want = jax.jit(jax.grad(lambda x: net.apply(v, x)))(x)
 
     def kept(**options):
         m = jaxmem.linen.convert(net, **options)
@@ -245,6 +248,12 @@ def test_linen_and_nnx_convert_pass_conv_recompute_on():
             convert(model, conv_recompute=1)
 
 
+@functools.cache
+def _float32_grads():
+    """The untouched two-unit stack's float32 gradients (kernels, norms, input)."""
+    return jax.jit(jax.grad(_loss(_plain_unit), argnums=(0, 1)))(_params(2), _x())
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_as_close_to_float32_as_jax(dtype):
     """bf16 / f16 units: the recomputed convolution may round differently from the stored
@@ -252,7 +261,7 @@ def test_half_precision_as_close_to_float32_as_jax(dtype):
     gradients are compared with the float32 gradient: the recomputation adds no error to the
     selective ops' own (``conv_recompute`` off, within a tenth), which is JAX's own (the
     untouched unit in that dtype) within a half (f16: 0.18 vs 0.14 here)."""
-    want = jax.grad(_loss(_plain_unit), argnums=(0, 1))(_params(2), _x())
+    want = _float32_grads()
 
     def err(g):
         return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))

@@ -109,7 +109,7 @@ _SHARDED = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     model = Net()
     x = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
-    v = model.init(jax.random.key(1), x, train=False)
+    v = jax.jit(lambda k, x: model.init(k, x, train=False))(jax.random.key(1), x)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     vs = jax.device_put(v, NamedSharding(mesh, P()))
 
@@ -129,7 +129,7 @@ _SHARDED = textwrap.dedent("""
     f = lambda x, w: jnp.sum(S.relu(S.conv(x, w)) ** 2)
     r = lambda x, w: jnp.sum(jax.nn.relu(jax.lax.conv_general_dilated(
         x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))) ** 2)
-    for a, b in zip(jax.jit(jax.grad(f, (0, 1)))(xs, w), jax.grad(r, (0, 1))(x, w)):
+    for a, b in zip(jax.jit(jax.grad(f, (0, 1)))(xs, w), jax.jit(jax.grad(r, (0, 1)))(x, w)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
     print("SHARDED_OK")
 """)
@@ -160,7 +160,7 @@ class _Up(nn.Module):
 def test_linen_conv_transpose_converted_and_exact():
     model = _Up()
     x = jax.random.normal(K[5], (2, 5, 5, 3))
-    p = model.init(K[6], x)["params"]
+    p = jax.jit(model.init)(K[6], x)["params"]
     conv_model = _convert(model)
     loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply({"params": p}, x)))
     np.testing.assert_allclose(conv_model.apply({"params": p}, x), model.apply({"params": p}, x),
@@ -204,7 +204,7 @@ def test_nnx_conv_transpose_converted_and_exact():
     _, p, f_ref = loss(model)
     _, p_sel, f_sel = loss(conv_model)
     np.testing.assert_allclose(conv_model(x), model(x), rtol=1e-5, atol=1e-5)
-    _close(jax.grad(f_sel, (0, 1))(p_sel, x), jax.grad(f_ref, (0, 1))(p, x))
+    _close(jax.jit(jax.grad(f_sel, (0, 1)))(p_sel, x), jax.jit(jax.grad(f_ref, (0, 1)))(p, x))
     assert "jaxmem.selective.conv.input" in str(residual_bytes(f_sel, p_sel, x, argnums=0))
     assert "jaxmem.selective.conv.input" not in str(residual_bytes(f_sel, p_sel, x, argnums=1))
     assert fnl.lax is jax.lax  # the module's lax is restored after each call
@@ -223,7 +223,7 @@ def test_norm_with_mask_falls_back_visibly_and_exactly():
     x = jax.random.normal(K[7], (3, 10))
     mask = jnp.arange(10)[None, :] < jnp.array([[4], [7], [10]])
     model = _MaskedLN()
-    p = model.init(K[0], x, mask)["params"]
+    p = jax.jit(model.init)(K[0], x, mask)["params"]
     loss = lambda m: lambda p, x: jnp.sum(jnp.where(mask, m.apply({"params": p}, x, mask), 0)
                                           ** 3)
     g_sel = jax.jit(jax.grad(loss(_convert(model)), (0, 1)))(p, x)
@@ -235,7 +235,7 @@ def test_norm_with_mask_falls_back_visibly_and_exactly():
 def test_batch_norm_axis_name_is_converted_and_exact():
     model = nn.BatchNorm(use_running_average=False, axis_name="b")
     x = jax.random.normal(K[1], (2, 6, 5))
-    v = jax.vmap(lambda x: model.init(K[2], x), axis_name="b")(x)
+    v = jax.jit(jax.vmap(lambda x: model.init(K[2], x), axis_name="b"))(x)
     v = jax.tree.map(lambda a: a[0], v)
 
     def loss(m):
@@ -253,7 +253,7 @@ def test_batch_norm_axis_name_is_converted_and_exact():
 def test_supported_norms_do_not_warn():
     model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.GroupNorm(num_groups=2)])
     x = jax.random.normal(K[3], (4, 5))
-    p = model.init(K[4], x)
+    p = jax.jit(model.init)(K[4], x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SL.SelectiveFallbackWarning)
         jax.jit(jax.grad(lambda x: jnp.sum(_convert(model).apply(p, x) ** 2)))(x)
@@ -275,7 +275,8 @@ def test_nnx_group_norm_converted_exact_and_smaller():
     sel = _nnx_convert(nnx.clone(ref))
     assert type(sel.gn) is nnx.GroupNorm  # layers are not changed
     x = jax.random.normal(K[5], (2, 6, 6, 3))
-    np.testing.assert_allclose(sel(x), ref(x), rtol=1e-5, atol=1e-5)
+    fwd = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(fwd(sel, x), fwd(ref, x), rtol=1e-5, atol=1e-5)
 
     def grads(m):
         gdef, state = nnx.split(m)
@@ -294,19 +295,20 @@ def test_nnx_group_norm_mask_falls_back_visibly():
     x = jax.random.normal(K[6], (2, 3, 4))
     mask = jnp.ones((2, 3, 4), bool).at[:, 0].set(False)
     ref = nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0))
-    y = gn(x, mask=mask)  # the masked norm is kept as written (exact)
-    np.testing.assert_allclose(y, ref(x, mask=mask), rtol=1e-6, atol=1e-6)
+    fwd = nnx.jit(lambda m, x, mask: m(x, mask=mask))
+    y = fwd(gn, x, mask)  # the masked norm is kept as written (exact)
+    np.testing.assert_allclose(y, fwd(ref, x, mask), rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------- jvp / second order
 def test_jvp_through_converted_model_raises_clear_error_second_order_works():
     model = nn.Sequential([nn.Conv(4, (3, 3)), nn.LayerNorm(), jnp.tanh, nn.Conv(2, (1, 1))])
     x = jax.random.normal(K[7], (2, 5, 5, 3))
-    p = model.init(K[0], x)
+    p = jax.jit(model.init)(K[0], x)
     f = lambda m: lambda x: jnp.sum(jnp.sin(m.apply(p, x)))
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(f(_convert(model)), (x,), (x,))
-    jax.jvp(f(model), (x,), (x,))  # the unconverted model (same params) supports it
+    jax.jit(lambda x: jax.jvp(f(model), (x,), (x,)))(x)  # the unconverted model supports it
     # reverse-over-reverse (Hessian-vector product as grad of grad) is supported
     hvp = lambda m: jax.jit(jax.grad(lambda x: jnp.vdot(jax.grad(f(m))(x), x)))(x)
     np.testing.assert_allclose(hvp(_convert(model)), hvp(model), rtol=1e-4, atol=1e-4)

@@ -87,7 +87,7 @@ def test_linen_convert_flax_builtin_norms_and_dropout():
             return nn.Dense(4)(x.reshape(x.shape[0], -1))
 
     net = Net()
-    v = net.init(jax.random.key(0), X(), False)
+    v = jax.jit(net.init, static_argnums=2)(jax.random.key(0), X(), False)
     rngs = {"dropout": jax.random.key(3)}
 
     def loss(m, p):

@@ -349,7 +349,7 @@ def test_batch_norm_axis_name_under_jax_vmap_and_report():
     for m in (ref, sel):
         loss, params = _synced_loss(m, x)
         vg = jax.value_and_grad(loss, (0, 1), has_aux=True)
-        out.append(jax.vmap(vg, in_axes=(None, 0), axis_name="batch")(params, x))
+        out.append(jax.jit(jax.vmap(vg, in_axes=(None, 0), axis_name="batch"))(params, x))
     _close(out[1], out[0])  # values, new running statistics, parameter and input grads
     loss, params = _synced_loss(sel, x)
     per_device = jax.vmap(lambda p, x: loss(p, x)[0], in_axes=(None, 0), axis_name="batch")
@@ -421,7 +421,7 @@ def test_embed_call_and_attend_match_and_attend_is_selective():
 
     def f(m, q):
         return jnp.sum(jnp.sin(m(tok))) + jnp.sum(jnp.cos(m.attend(q)))
-    vg = nnx.value_and_grad(f, argnums=(0, 1))
+    vg = nnx.jit(nnx.value_and_grad(f, argnums=(0, 1)))
     (v_r, g_r), (v_s, g_s) = vg(ref, q), vg(sel, q)
     np.testing.assert_allclose(v_s, v_r, rtol=1e-6)
     _close(g_s, g_r)

@@ -54,13 +54,13 @@ def _close(got, want, rtol=2e-5):
 def test_grads_under_vmap_of_batched_parameters():
     x, s, b, w = _args()
     ss, bs = jnp.stack([s, 2 * s]), jnp.stack([b, -b])
-    f = lambda g: jax.vmap(jax.grad(g, ALL), in_axes=(None, 0, 0, None))
+    f = lambda g: jax.jit(jax.vmap(jax.grad(g, ALL), in_axes=(None, 0, 0, None)))
     _close(f(ours)(x, ss, bs, w), f(plain)(x, ss, bs, w))
 
 
 def test_grad_of_grad_through_scale():
     x, s, b, w = _args()
-    gg = lambda g: jax.grad(lambda s: jnp.sum(jax.grad(g)(x, s, b, w) ** 2))(s)
+    gg = lambda g: jax.jit(jax.grad(lambda s: jnp.sum(jax.grad(g)(x, s, b, w) ** 2)))(s)
     _close(gg(ours), gg(plain), rtol=1e-4)
 
 
@@ -85,7 +85,7 @@ def test_replicated_parameters_under_shard_map():
                           in_specs=(P("d"), P(), P(), P()), out_specs=P())
         return jax.jit(jax.grad(f, ALL))
 
-    _close(sharded(ours)(x, s, b, w), jax.grad(plain, ALL)(x, s, b, w))
+    _close(sharded(ours)(x, s, b, w), jax.jit(jax.grad(plain, ALL))(x, s, b, w))
 
 
 def test_residuals_are_the_norms_own():

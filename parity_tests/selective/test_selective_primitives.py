@@ -107,9 +107,10 @@ def test_conv_transpose_matches_jax(nd, strides, padding):
 
 def test_linear_check_grads():
     x, w = rnd(0, (2, 6, 6, 3)), rnd(1, (3, 3, 3, 4))
-    check_grads(lambda x, w: S.conv(x, w, strides=2), (x, w), order=1, modes=["rev"],
+    # jitted: check_grads evaluates the function many times (op by op: many small compiles)
+    check_grads(jax.jit(lambda x, w: S.conv(x, w, strides=2)), (x, w), order=1, modes=["rev"],
                 atol=1e-2, rtol=1e-2)
-    check_grads(S.dense, (rnd(0, (3, 4)), rnd(1, (4, 2))), order=1, modes=["rev"])
+    check_grads(jax.jit(S.dense), (rnd(0, (3, 4)), rnd(1, (4, 2))), order=1, modes=["rev"])
 
 
 # ---------------------------------------------------------------------------- norms
@@ -173,12 +174,13 @@ def test_batch_norm_running_stats_and_stat_outputs():
     f = lambda x: jnp.sum(S.normalize(x, axes=(0, 1), feature_axes=(2,))[1] ** 2) + jnp.sum(
         jnp.sin(S.normalize(x, axes=(0, 1), feature_axes=(2,))[2]))
     r = lambda x: jnp.sum(jnp.mean(x, (0, 1)) ** 2) + jnp.sum(jnp.sin(jnp.var(x, (0, 1))))
-    np.testing.assert_allclose(jax.grad(f)(x), jax.grad(r)(x), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), jax.jit(jax.grad(r))(x), rtol=1e-4,
+                               atol=1e-6)
 
 
 def test_norm_check_grads():
     x = rnd(0, (3, 6), 2.0, 1.0)
-    check_grads(lambda x, s, b: S.layer_norm(x, s, b), (x, rnd(1, (6,)), rnd(2, (6,))),
+    check_grads(jax.jit(lambda x, s, b: S.layer_norm(x, s, b)), (x, rnd(1, (6,)), rnd(2, (6,))),
                 order=1, modes=["rev"], atol=5e-2, rtol=5e-2)
 
 
@@ -336,8 +338,8 @@ def test_half_precision(dtype):
         assert a.dtype == dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
-    p = jax.grad(lambda x: jnp.sum(S.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32)))(x)
-    q = jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32)))(x)
+    p = jax.jit(jax.grad(lambda x: jnp.sum(S.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32))))(x)
+    q = jax.jit(jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32))))(x)
     np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(q, np.float32))
 
 
