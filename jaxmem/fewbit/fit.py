@@ -154,32 +154,53 @@ class _Problem:
         return levels, max(err, 0.0)
 
 
-def _dp(prob: _Problem, k: int) -> np.ndarray:
-    """Grid-restricted optimal interior borders via the DP of eqs. 6-7 (returns k-1 points)."""
-    n = prob.n
+#: the DP keeps its segment costs between levels up to this many entries (float64: 256 MiB;
+#: the default grid of 4096 needs 4097**2, 128 MiB); a larger grid recomputes them per level
+_DP_COST_CACHE_ENTRIES = 1 << 25
+
+
+def _segment_costs(prob: _Problem, i: np.ndarray) -> np.ndarray:
+    """``cost[r, j]``: the weighted squared error of one level on ``[t_j, t_i[r]]`` (eq. 3 of
+    the cell, from the cumulative integrals); ``inf`` where ``j >= i[r]``."""
     W, FW, F2 = prob.W, prob.FW, prob.F2
-    inf = np.inf
-    prev = np.full(n + 1, inf)
+    dW = W[i][:, None] - W[None, :]
+    dFW = FW[i][:, None] - FW[None, :]
+    dF2 = F2[i][:, None] - F2[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = dF2 - np.where(dW > 0, dFW**2 / np.where(dW > 0, dW, 1.0), 0.0)
+    cost = np.maximum(cost, 0.0)
+    cost[np.arange(prob.n + 1)[None, :] >= i[:, None]] = np.inf  # j < i only
+    return cost
+
+
+def _dp(prob: _Problem, k: int) -> np.ndarray:
+    """Grid-restricted optimal interior borders via the DP of eqs. 6-7 (returns k-1 points):
+    ``DP(m, i) = min_{j < i} DP(m - 1, j) + cost(j, i)``, ``DP(0, 0) = 0``."""
+    n = prob.n
+    prev = np.full(n + 1, np.inf)
     prev[0] = 0.0
     arg = np.zeros((k + 1, n + 1), dtype=np.int32)
     idx = np.arange(n + 1)
     chunk = max(1, (1 << 22) // (n + 1))
+    starts = range(0, n + 1, chunk)
+    keep = (n + 1) ** 2 <= _DP_COST_CACHE_ENTRIES
+    costs: dict[int, np.ndarray] = {}
     for m in range(1, k + 1):
-        cur = np.full(n + 1, inf)
-        # only i >= m is reachable with m non-empty bins
-        for i0 in range(m, n + 1, chunk):
+        cur = np.full(n + 1, np.inf)
+        for i0 in starts:
             i = idx[i0 : i0 + chunk]
-            dW = W[i][:, None] - W[None, :]
-            dFW = FW[i][:, None] - FW[None, :]
-            dF2 = F2[i][:, None] - F2[None, :]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                cost = dF2 - np.where(dW > 0, dFW**2 / np.where(dW > 0, dW, 1.0), 0.0)
-            cost = np.maximum(cost, 0.0)
+            if i[-1] < m:   # only i >= m is reachable with m non-empty bins
+                continue
+            cost = costs.get(i0)
+            if cost is None:
+                cost = _segment_costs(prob, i)
+                if keep:
+                    costs[i0] = cost
             tot = prev[None, :] + cost
-            tot[idx[None, :] >= i[:, None]] = inf  # j < i
             j = np.argmin(tot, axis=1)
-            arg[m, i] = j
-            cur[i] = tot[np.arange(len(i)), j]
+            ok = i >= m
+            arg[m, i[ok]] = j[ok]
+            cur[i[ok]] = tot[np.arange(len(i)), j][ok]
         prev = cur
     # backtrack from (n, k)
     pts = []

@@ -84,6 +84,23 @@ def test_dp_is_optimal_on_its_grid():
     assert abs(f.error - best) < 1e-7
 
 
+@pytest.mark.parametrize("grid", [40, 2100])
+def test_dp_kept_costs_give_the_recomputed_borders(grid, monkeypatch):
+    """The DP's segment costs kept between levels (the default up to its cap) give the same
+    borders, bit for bit, as costs recomputed per level (grids over the cap); grid 2100 runs
+    in two chunks of rows (1996 + 105)."""
+    import importlib
+
+    fit_mod = importlib.import_module("jaxmem.fewbit.fit")
+    kept = [fewbit.fit(DERIVS[n], b, grid=grid, refine=False).borders
+            for n in ("gelu", "selu") for b in (1, 3)]
+    monkeypatch.setattr(fit_mod, "_DP_COST_CACHE_ENTRIES", 0)
+    again = [fewbit.fit(DERIVS[n], b, grid=grid, refine=False).borders
+             for n in ("gelu", "selu") for b in (1, 3)]
+    for a, b in zip(kept, again):
+        np.testing.assert_array_equal(a, b)
+
+
 def _levels(d, borders):
     edges = np.concatenate([[-10.0], borders, [10.0]])
     out = []
