@@ -50,12 +50,11 @@ def main() -> None:
         print(f"  {i:2d} {lbl}: " + " / ".join(f"{k / MIB:.2f}" for k in keep))
 
     def compile_plan(segment, per_layer, fence):
+        lo, hi = segment or (0, 0)
         runs = [((lbl,), "store") for lbl in labels]
         if segment:
-            lo, hi = segment
             runs = runs[:lo] + [(tuple(labels[lo:hi]), "segment")] + runs[hi:]
-        inside = set(labels[segment[0]:segment[1]]) if segment else set()
-        convs = {lbl: _trace.Conversion("exact") for lbl in labels if lbl not in inside} \
+        convs = {lbl: _trace.Conversion("exact") for lbl in labels[:lo] + labels[hi:]} \
             if per_layer else {}
         step = make_step(loss, None if per_layer else factory, prof.cut_labels, runs, convs,
                          fence=fence)

@@ -263,8 +263,7 @@ def test_normalize_forward_and_recompute_are_the_spellings(inv_mode, argnums):
         # per spelling: every input differentiated, the mask an argument)
         mw = np.where(np.asarray(yf) > 0, np.asarray(w, np.float64), 0.0)
         args = [np.asarray(a, np.float64) for a in (x, scale, bias)]
-        g64 = jax.jit(jax.grad(lambda x, s, b, mw: jaxs(x, s, b, mw)[0], (0, 1, 2)))(*args,
-                                                                                     mw)
+        g64 = jax.jit(jax.grad(lambda x, s, b, mw: jaxs(x, s, b, mw)[0], (0, 1, 2)))(*args, mw)
         g64 = tuple(np.asarray(g64[i], np.float32) for i in argnums)
     close(gg, g64, rtol=1e-5, atol=1e-5)
 
