@@ -460,7 +460,7 @@ def _linen_case(name, *, make_model, variables, batch, tx, rng, apply_batch, dep
         loss, (logits, _) = loss_fn(state["params"], state, batch, None, False)
         return loss, logits
 
-    state = {"params": params, "opt_state": tx.init(params), **extra}
+    state = {"params": params, "opt_state": jax.jit(tx.init)(params), **extra}
     return Case(name=name, api="linen", model=make_model(), state=state, batch=batch,
                 train_step=jax.jit(train_step), step_fn=train_step, eval_step=eval_step,
                 loss_fn=loss_fn, tx=tx, rng=rng, depth=depth)
@@ -499,6 +499,14 @@ def _identity(m):
     return m
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _linen_init(module, key, x, kwargs):
+    """``module.init(key, x, **dict(kwargs))`` as one compiled program (an eager init compiles
+    each initialiser op on its own); equal modules (Linen modules compare by their fields)
+    share one trace and compile."""
+    return module.init(key, x, **dict(kwargs))
+
+
 def linen_resnet(*, convert=None, depth=None, seed=0, batch_size=None, width=8,
                  image=32, axis_name=None) -> Case:
     """``depth`` = residual blocks per stage (two stages); default 1."""
@@ -513,7 +521,8 @@ def linen_resnet(*, convert=None, depth=None, seed=0, batch_size=None, width=8,
         return convert(ResNet(stage_sizes=(depth, depth), num_classes=10, num_filters=width,
                               axis_name=axis_name))
 
-    variables = ResNet(stage_sizes=(depth, depth), num_filters=width).init(ki, x, train=False)
+    variables = _linen_init(ResNet(stage_sizes=(depth, depth), num_filters=width), ki, x,
+                            (("train", False),))
 
     def apply_batch(model, v, batch, rng, train, mutable):
         return model.apply(v, batch[0], train=train, mutable=mutable)
@@ -533,7 +542,7 @@ def _linen_lm(scan, *, remat=False, convert=None, depth=None, seed=0, batch_size
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     ref = LinenLM(vocab_size=vocab, num_layers=depth, d_model=d_model, max_len=seq, scan=scan,
                  remat=remat)
-    variables = ref.init(ki, inputs, deterministic=True)
+    variables = _linen_init(ref, ki, inputs, (("deterministic", True),))
     model = convert(ref)
 
     def apply_batch(model_, v, batch, rng, train, mutable):

@@ -18,7 +18,8 @@ def case():
     rng = np.random.default_rng(0)
     tok = rng.integers(0, 64, (BATCH, 8)).astype(np.int32)
     tgt = np.roll(tok, -1, axis=1)
-    params = model.init(jax.random.PRNGKey(0), tok[:1])["params"]
+    # one compiled init rather than op by op (the same values)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), tok[:1])["params"]
 
     def loss_fn(p, batch):
         logits = model.apply({"params": p}, batch[0])

@@ -215,9 +215,10 @@ def test_lax_scan_transformed_gradients_exact(act):
 
     conv = jaxmem.transform(body, attention=False)
     _assert_same_grads(body, conv, stacked, x, what=f"lax.scan {act}")
-    # x differentiated too (an input-optimisation step)
-    gr = jax.grad(body, argnums=1)(stacked, x)
-    gc = jax.grad(conv, argnums=1)(stacked, x)
+    # x differentiated too (an input-optimisation step); compiled, as above (op by op, a
+    # scan's gradient is dozens of small compiles)
+    gr = jax.jit(jax.grad(body, argnums=1))(stacked, x)
+    gc = jax.jit(jax.grad(conv, argnums=1))(stacked, x)
     _close(gr, gc, "lax.scan input gradient")
 
 

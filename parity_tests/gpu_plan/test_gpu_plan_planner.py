@@ -24,7 +24,7 @@ class _Net(nn.Module):
 def half():
     m = _Net()
     x = jax.random.normal(jax.random.key(0), (512, 256))
-    params = m.init(jax.random.key(1), x)
+    params = jax.jit(m.init)(jax.random.key(1), x)
 
     def loss(p, x):
         return jnp.mean(m.apply(p, x) ** 2)

@@ -84,7 +84,7 @@ def _linen_slope(convert: bool, depth=2):
 
     def measure(d):
         model = _Chain(d)
-        v = model.init(jax.random.key(0), x)
+        v = jax.jit(model.init)(jax.random.key(0), x)
         m = jaxmem.linen.convert(model, attention=False) if convert else model
 
         def loss(p, x):

@@ -40,7 +40,7 @@ def _per_layer(convert):
 
     def total(depth):
         model = Stack(depth)
-        v = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="dev")(
+        v = jax.jit(jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="dev"))(
             jnp.zeros((1, B, H, H, C)))
         v = jax.tree.map(lambda a: a[0], v)
         m = jaxmem.linen.convert(model) if convert else model

@@ -111,7 +111,7 @@ def test_linear_chain_exact_activation_bytes_sum_loss():
 def _flax_chain_params(depth, relu, seed=0):
     model = ConvChain(depth=depth, channels=C, relu=relu)
     x = rand(seed + 7, (N, H, W, C))
-    return model, model.init(jax.random.key(seed), x)["params"], x
+    return model, jax.jit(model.init)(jax.random.key(seed), x)["params"], x
 
 
 def test_figure1_chain_jax_one_input_vs_torch_every_input():

@@ -54,8 +54,8 @@ def test_convchain_init_distribution_is_shared(relu):
     """Both twins draw kernels from N(0, gain / fan_in), gain 2 (ReLU) or 1."""
     c = 32
     std = np.sqrt((2.0 if relu else 1.0) / (9 * c))
-    kj = np.asarray(jm.ConvChain(1, c, relu).init(KEY(), jnp.ones((1, 3, 3, c)))["params"]
-                    ["conv_0"]["kernel"])
+    kj = np.asarray(fjit(jm.ConvChain(1, c, relu).init)(KEY(), jnp.ones((1, 3, 3, c)))
+                    ["params"]["conv_0"]["kernel"])
     torch.manual_seed(0)
     kt = tm.ConvChain(1, c, relu).conv_0.weight.detach().numpy()
     for k in (kj, kt):
@@ -120,9 +120,10 @@ def test_vmap_jit_checkpoint_and_scan():
     model = jm.ConvChain(depth=3, channels=4)
     xs = _normal((3, 2, 6, 6, 4))
     v = fjit(model.init)(KEY(), xs[0])
-    direct = jnp.stack([fjit(model.apply)(v, x) for x in xs])
-    np.testing.assert_allclose(jax.vmap(lambda x: model.apply(v, x))(xs), direct, rtol=1e-5,
-                               atol=1e-6)
+    apply = fjit(model.apply)  # one compiled program for the three examples
+    direct = jnp.stack([apply(v, x) for x in xs])
+    np.testing.assert_allclose(fjit(jax.vmap(lambda x: model.apply(v, x)))(xs), direct,
+                               rtol=1e-5, atol=1e-6)
     loss = lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2)
     g = fjit(jax.grad(loss))(v["params"], xs[0])
     g_ck = fjit(jax.grad(jax.checkpoint(loss)))(v["params"], xs[0])
@@ -131,8 +132,9 @@ def test_vmap_jit_checkpoint_and_scan():
 
     def body(carry, x):
         return carry + loss(v["params"], x), None
+    jloss = fjit(loss)
     np.testing.assert_allclose(fjit(lambda a: jax.lax.scan(body, 0.0, a)[0])(xs),
-                               sum(fjit(loss)(v["params"], x) for x in xs), rtol=1e-5)
+                               sum(jloss(v["params"], x) for x in xs), rtol=1e-5)
 
 
 @pytest.mark.parametrize("which,dtype", [(w, jnp.bfloat16) for w in
@@ -154,9 +156,12 @@ def test_half_precision_forward(which, dtype):
     else:
         cfg = jm.ViTConfig(image_size=8, patch_size=4, d_model=16, n_head=2, n_layer=1)
         mk, x = (lambda d: jm.ViT(cfg, dtype=d)), _normal((2, 8, 8, 3))
-    v = fjit(mk(None).init)(KEY(), x)
-    y32 = fjit(mk(None).apply)(v, x)
-    y16 = fjit(mk(dtype).apply)(v, x if which == "gpt" else x.astype(dtype))
+
+    def both(key, x):  # parameters, float32 and half-precision outputs: one program
+        v = mk(None).init(key, x)
+        return mk(None).apply(v, x), mk(dtype).apply(v, x if which == "gpt" else x.astype(dtype))
+
+    y32, y16 = fjit(both)(KEY(), x)
     assert y16.dtype == dtype
     err = np.linalg.norm(np.asarray(y16, np.float32) - y32) / np.linalg.norm(y32)
     assert err < 3e-2

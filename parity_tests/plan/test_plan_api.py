@@ -120,7 +120,7 @@ def _deep_mlp(depth=12, width=128, batch=512):
 
     m = Net()
     x = jax.random.normal(jax.random.key(0), (batch, width))
-    params = m.init(jax.random.key(1), x)
+    params = jax.jit(m.init)(jax.random.key(1), x)
     return (lambda p, x: jnp.mean(m.apply(p, x) ** 2)), params, x
 
 

@@ -38,7 +38,7 @@ class _GeluMLP(nn.Module):
 def _mlp_case():
     m = _GeluMLP()
     x = jax.random.normal(jax.random.key(0), (128, 64))
-    params = m.init(jax.random.key(1), x)
+    params = jax.jit(m.init)(jax.random.key(1), x)
 
     def loss(p, x):
         return jnp.mean(jnp.tanh(m.apply(p, x)) ** 2)

@@ -39,7 +39,7 @@ def _stack(n=8, batch=512, d=64, dtype=jnp.float32):
     m = _Stack(n)
     x = jax.random.normal(jax.random.key(0), (batch, d), dtype)
     params = jax.tree_util.tree_map(lambda a: a.astype(dtype),
-                                    m.init(jax.random.key(1), x)["params"])
+                                    jax.jit(m.init)(jax.random.key(1), x)["params"])
 
     def loss(p, x):
         return jnp.mean(m.apply({"params": p}, x) ** 2)

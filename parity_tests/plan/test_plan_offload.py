@@ -216,7 +216,7 @@ def test_offload_on_flax_chunks_of_a_traced_loss():
     """Offload every unit of a traced Flax loss (what a unit option ``offload`` runs)."""
     m = models.MLP(features=(16, 16, 4), activation="gelu")
     tok = jax.random.normal(jax.random.key(5), (4, 8))
-    params = m.init(jax.random.key(6), tok)["params"]
+    params = jax.jit(m.init)(jax.random.key(6), tok)["params"]
 
     def loss(p, t):
         return jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0] ** 2)

@@ -2,6 +2,7 @@
 every refusal's ``smallest_bytes`` is reachable, and the loss may be jitted, take typed PRNG
 keys or keyword arguments."""
 
+import functools
 import json
 
 import flax.linen as nn
@@ -43,7 +44,7 @@ class _DropNet(nn.Module):
 def dropout_plan():
     m = _DropNet()
     x = jax.random.normal(jax.random.key(0), (128, 64))
-    params = m.init(jax.random.key(1), x, train=False)["params"]
+    params = jax.jit(functools.partial(m.init, train=False))(jax.random.key(1), x)["params"]
 
     def loss(p, x, key, scale=1.0):
         y = m.apply({"params": p}, x, rngs={"dropout": key})
@@ -88,7 +89,7 @@ def _tanh_mlp(depth=6, width=64, batch=256):
 
     m = Net()
     x = jax.random.normal(jax.random.key(3), (batch, width))
-    params = m.init(jax.random.key(4), x)
+    params = jax.jit(m.init)(jax.random.key(4), x)
     return (lambda p, x: jnp.mean(m.apply(p, x) ** 2)), params, x
 
 
@@ -130,7 +131,7 @@ def test_jitted_loss_and_remat_blocks_are_seen_through():
     x = jax.random.normal(jax.random.key(0), (256, 64))
     for remat, jit in ((False, True), (True, False)):
         m = Net(remat=remat)
-        params = m.init(jax.random.key(1), x)
+        params = jax.jit(m.init)(jax.random.key(1), x)
 
         def loss(p, x, m=m):
             return jnp.mean(m.apply(p, x) ** 2)

@@ -25,7 +25,7 @@ def _model(depth, width, batch, act, residual, seed):
 
     m = Net()
     x = jax.random.normal(jax.random.key(seed), (batch, width))
-    params = m.init(jax.random.key(seed + 1), x)
+    params = jax.jit(m.init)(jax.random.key(seed + 1), x)
     return (lambda p, x: jnp.mean(m.apply(p, x) ** 2)), params, x, jax.random.normal(
         jax.random.key(seed + 2), (batch, width))
 

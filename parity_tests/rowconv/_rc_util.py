@@ -2,35 +2,44 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmem import rowconv as rc
 
 
 def random_params(layers, shape, seed=0, dtype=jnp.float32):
-    """init + a random perturbation so biases / BN stats / scales are not trivial."""
-    params = rc.init(layers, jax.random.PRNGKey(seed), shape, dtype)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 100), max(1, len(leaves)))
-    new = []
-    for k, p in zip(keys, leaves):
-        r = 0.2 * jax.random.normal(k, p.shape, p.dtype)
-        new.append(p + r)
-    params = jax.tree.unflatten(tree, new)
-    return _fix_bn(layers, params)
+    """Parameters distributed as ``rc.init``'s plus a N(0, 0.2^2) perturbation, so biases /
+    BN stats / scales are not trivial: kernels N(0, 1/fan_in), scales 1, biases and means 0,
+    BN variances |1 + noise| + 0.5 (positive).
+
+    The tree (names, shapes, dtypes) is ``rc.init``'s, traced abstractly; the values are drawn
+    with NumPy and put on the device, so no program is compiled per parameter shape."""
+    tree = jax.eval_shape(lambda: rc.init(layers, jax.random.PRNGKey(seed), shape, dtype))
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+        name = path[-1].key
+        if name == "kernel":
+            base = rng.normal(size=s.shape) / math.sqrt(math.prod(s.shape[:-1]))
+        elif name in ("scale", "var"):
+            base = np.ones(s.shape)
+        else:
+            base = np.zeros(s.shape)
+        v = base + 0.2 * rng.normal(size=s.shape)
+        if name == "var":
+            v = np.abs(v) + 0.5
+        return jnp.asarray(np.asarray(v, s.dtype))
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def _fix_bn(layers, params):
-    out = []
-    for layer, p in zip(layers, params):
-        if isinstance(layer, rc.BatchNorm):
-            p = dict(p, var=jnp.abs(p["var"]) + 0.5)
-        elif isinstance(layer, rc.Residual):
-            p = {"branch": _fix_bn(layer.branch, p["branch"]),
-                 "shortcut": _fix_bn(layer.shortcut or [], p["shortcut"])}
-        out.append(p)
-    return out
+def normal(shape, seed=1, dtype=jnp.float32):
+    """A standard-normal array drawn with NumPy (no compiled program per shape)."""
+    return jnp.asarray(np.asarray(np.random.default_rng(seed).normal(size=shape), dtype))
 
 
 def loss_fn(layers, rows, mode, rows_bp=None, rng=None):
@@ -48,4 +57,3 @@ def value_and_grads(layers, params, x, rows, mode="overlap", rows_bp=None, rng=N
                                    has_aux=True))
     (loss, y), grads = f(params, x)
     return y, (loss, grads)
-

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _assert import assert_tree_close
-from _rc_util import random_params
+from _rc_util import normal, random_params
 
 from jaxmem import rowconv as rc
 from jaxmem.measure import compiled_memory
@@ -16,23 +16,23 @@ STACK = [rc.Conv(4, 3), rc.Act(jax.nn.relu), rc.Conv(4, 3), rc.Act(jax.nn.relu),
 
 
 def _x(shape, seed=1, dtype=jnp.float32):
-    return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+    return normal(shape, seed, dtype)
 
 
 def test_rows_more_than_output_rows():
     shape = (1, 20, 8, 2)
-    p = rc.init(STACK, jax.random.PRNGKey(0), shape)
+    p = random_params(STACK, shape)
     with pytest.raises(ValueError, match=r"rows=11 is more than the 10 output rows"):
         rc.apply(STACK, p, _x(shape), rows=11)
 
 
 def test_tile_smaller_than_halo():
     shape = (1, 40, 8, 2)
-    p = rc.init(STACK, jax.random.PRNGKey(0), shape)
+    p = random_params(STACK, shape)
     with pytest.raises(ValueError, match="smaller than its halo.*fewer rows"):
         rc.apply(STACK, p, _x(shape), rows=10, mode="overlap")
     with pytest.raises(ValueError, match="smaller than its halo"):
-        rc.apply([rc.Conv(2, 7)], rc.init([rc.Conv(2, 7)], jax.random.PRNGKey(0), shape),
+        rc.apply([rc.Conv(2, 7)], random_params([rc.Conv(2, 7)], shape),
                  _x(shape), rows=40, mode="share")
 
 
@@ -40,7 +40,7 @@ def test_unsupported_layer_and_args():
     shape = (1, 16, 8, 2)
     with pytest.raises(TypeError, match="unsupported layer.*Dense"):
         rc.init([rc.Conv(2, 3), "dense"], jax.random.PRNGKey(0), shape)
-    p = rc.init(STACK, jax.random.PRNGKey(0), shape)
+    p = random_params(STACK, shape)
     with pytest.raises(ValueError, match="mode must be one of"):
         rc.apply(STACK, p, _x(shape), rows=2, mode="diagonal")
     with pytest.raises(ValueError, match="NHWC"):
@@ -49,17 +49,18 @@ def test_unsupported_layer_and_args():
         rc.init([rc.Conv(2, 3, padding="CIRCULAR")], jax.random.PRNGKey(0), shape)
     with pytest.raises(ValueError, match="rows has 3 entries but the stack has 2 segments"):
         ls = STACK[:2] + [rc.Checkpoint()] + STACK[2:]
-        rc.apply(ls, rc.init(ls, jax.random.PRNGKey(0), shape), _x(shape), rows=[2, 2, 2])
+        rc.apply(ls, random_params(ls, shape), _x(shape), rows=[2, 2, 2])
     with pytest.raises(ValueError, match="needs apply\\(..., rng=key\\)"):
         ls = [rc.Conv(2, 3), rc.Dropout(0.5)]
-        rc.apply(ls, rc.init(ls, jax.random.PRNGKey(0), shape), _x(shape), rows=2)
+        rc.apply(ls, random_params(ls, shape), _x(shape), rows=2)
 
 
 def test_train_mode_batchnorm_rejected():
     shape = (1, 32, 8, 2)
     ls = [rc.Conv(3, 3), rc.BatchNorm(3, use_running_average=False), rc.Act(jax.nn.relu)]
-    p = rc.init(ls, jax.random.PRNGKey(0), shape)
-    rc.apply(ls, p, _x(shape), rows=1)  # untiled: whole-batch statistics, fine
+    p = random_params(ls, shape)
+    # untiled: whole-batch statistics, fine
+    jax.jit(lambda p, x: rc.apply(ls, p, x, rows=1))(p, _x(shape))
     for mode in rc.MODES:
         with pytest.raises(ValueError, match="train-mode BatchNorm.*use_running_average=True"):
             rc.apply(ls, p, _x(shape), rows=2, mode=mode)
@@ -68,8 +69,9 @@ def test_train_mode_batchnorm_rejected():
 def test_compiled_bytes_fall_with_rows():
     shape = (1, 128, 64, 8)
     ls = [rc.Conv(8, 3), rc.Act(jax.nn.relu)] * 4
-    p = rc.init(ls, jax.random.PRNGKey(0), shape)
-    x = _x(shape)
+    # compiled, never run: abstract arguments
+    p = jax.eval_shape(lambda: rc.init(ls, jax.random.PRNGKey(0), shape))
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
 
     def step(rows, mode):
         return lambda p, x: jax.grad(
@@ -111,14 +113,17 @@ def test_under_jit_vmap_scan_checkpoint_and_dtypes():
     ls = STACK
     p = random_params(ls, shape)
     x = _x((3,) + shape[1:])
-    ref = jax.jit(lambda p, x: rc.apply(ls, p, x, rows=1))(p, x)
-    f = jax.jit(lambda p, x: rc.apply(ls, p, x, rows=3, mode="share"))
-    np.testing.assert_allclose(f(p, x), ref, rtol=1e-5, atol=1e-5)
-    v = jax.jit(jax.vmap(lambda xi: rc.apply(ls, p, xi[None], rows=3)[0]))(x)
+    # the untiled reference and the transformed tiled stacks share one compiled program per
+    # comparison (all compared by tolerance)
+    ref, y, v = jax.jit(lambda p, x: (
+        rc.apply(ls, p, x, rows=1), rc.apply(ls, p, x, rows=3, mode="share"),
+        jax.vmap(lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x)))(p, x)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v, ref, rtol=1e-5, atol=1e-5)
-    gv = jax.jit(jax.grad(lambda p: jnp.sum(jax.vmap(
-        lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x) ** 2)))(p)
-    g1 = jax.jit(jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1) ** 2)))(p)
+    gv, g1 = jax.jit(lambda p: (
+        jax.grad(lambda p: jnp.sum(jax.vmap(
+            lambda xi: rc.apply(ls, p, xi[None], rows=3)[0])(x) ** 2))(p),
+        jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1) ** 2))(p)))(p)
     assert_tree_close(gv, g1, rtol=1e-4, atol=1e-4)
 
     def scan_loss(p):
@@ -127,18 +132,20 @@ def test_under_jit_vmap_scan_checkpoint_and_dtypes():
                 lambda p, xi: rc.apply(ls, p, xi[None], rows=2, mode="share"))(p, xi)), None
         return jax.lax.scan(body, 0.0, x)[0]
 
-    gs = jax.jit(jax.grad(scan_loss))(p)
-    g1 = jax.jit(jax.grad(lambda p: jnp.sum(rc.apply(ls, p, x, rows=1))))(p)
+    gs, g1 = jax.jit(lambda p: (jax.grad(scan_loss)(p), jax.grad(
+        lambda p: jnp.sum(rc.apply(ls, p, x, rows=1)))(p)))(p)
     assert_tree_close(gs, g1, rtol=1e-4, atol=1e-4)
     for dt in (jnp.bfloat16, jnp.float16):
-        pd = jax.tree.map(lambda a, dt=dt: a.astype(dt), p)
-        yt, yr = jax.jit(lambda pd, xd: (rc.apply(ls, pd, xd, rows=3),
-                                         rc.apply(ls, pd, xd, rows=1)))(pd, x.astype(dt))
+        def half(p, x, dt=dt):  # parameters and input cast to ``dt`` inside the program
+            pd, xd = jax.tree.map(lambda a: a.astype(dt), p), x.astype(dt)
+            g = jax.grad(lambda pd: jnp.sum(rc.apply(ls, pd, xd, rows=3)
+                                            .astype(jnp.float32)))(pd)
+            return rc.apply(ls, pd, xd, rows=3), rc.apply(ls, pd, xd, rows=1), g
+
+        yt, yr, g = jax.jit(half)(p, x)
         assert yt.dtype == dt
         np.testing.assert_allclose(np.asarray(yt, np.float32), np.asarray(yr, np.float32),
                                    rtol=5e-2, atol=5e-2)
-        g = jax.jit(jax.grad(lambda pd, dt=dt: jnp.sum(rc.apply(ls, pd, x.astype(dt), rows=3)
-                                                      .astype(jnp.float32))))(pd)
         assert all(l.dtype == dt for l in jax.tree.leaves(g))
 
 
@@ -147,10 +154,15 @@ def test_grad_wrt_params_only_matches():
     shape = (1, 40, 8, 2)
     p = random_params(STACK, shape)
     x = _x(shape)
-    g1 = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(rc.apply(STACK, p, x, rows=1)))))(p)
-    for mode in rc.MODES:
-        g = jax.jit(jax.grad(lambda p, mode=mode: jnp.sum(jnp.sin(
-            rc.apply(STACK, p, x, rows=3, mode=mode)))))(p)
+
+    def grads(p):  # untiled and both modes in one compiled program
+        return [jax.grad(lambda p, rows=rows, mode=mode: jnp.sum(jnp.sin(
+            rc.apply(STACK, p, x, rows=rows, mode=mode))))(p)
+            for rows, mode in [(1, "overlap")] + [(3, m) for m in rc.MODES]]
+
+    g1, *gs = jax.jit(grads)(p)
+    assert len(gs) == len(rc.MODES)
+    for g in gs:
         assert_tree_close(g, g1, rtol=1e-4, atol=1e-5)
 
 

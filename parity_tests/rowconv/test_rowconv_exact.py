@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _assert import assert_tree_close
-from _rc_util import random_params, value_and_grads
+from _rc_util import normal, random_params, value_and_grads
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +32,7 @@ def _check(layers, shape, rows, mode, rows_bp=None, rng=None, ref=None):
     """Tiled (``rows``, ``mode``, ``rows_bp``) equals untiled in float64. ``ref`` names the
     stack when several tests share it: its untiled result is computed (and compiled) once."""
     with jax.enable_x64(True):
-        x = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float64)
+        x = normal(shape, 1, jnp.float64)
         params = random_params(layers, shape, dtype=jnp.float64)
         if ref is None or ref not in _UNTILED:
             untiled = value_and_grads(layers, params, x, 1, rng=rng)
@@ -65,7 +65,7 @@ def test_hybrid_segments_exact(mode):
 def test_float32_tolerance():
     layers = MIXED
     shape = (1, 150, 13, 3)
-    x = jax.random.normal(jax.random.PRNGKey(1), shape)
+    x = normal(shape, 1)
     params = random_params(layers, shape)
     y1, (_, g1) = value_and_grads(layers, params, x, 1)
     for mode in rc.MODES:

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _assert import assert_tree_close
-from _rc_util import random_params, value_and_grads
+from _rc_util import normal, random_params, value_and_grads
 
 from jaxmem import rowconv as rc
 
@@ -29,7 +29,7 @@ SHAPE = (1, 40, 5, 2)
 
 def _check(layers, shape, rows, mode, rows_bp=None):
     with jax.enable_x64(True):
-        x = jax.random.normal(jax.random.PRNGKey(7), shape, jnp.float64)
+        x = normal(shape, 7, jnp.float64)
         params = random_params(layers, shape, seed=3, dtype=jnp.float64)
         y1, (l1, g1) = value_and_grads(layers, params, x, 1)
         yn, (ln, gn) = value_and_grads(layers, params, x, rows, mode, rows_bp)
@@ -53,7 +53,7 @@ def test_tile_taller_than_output_too_many_rows_is_value_error(mode, rows):
     layers = _lagging_stack()
     assert rows > rc.halos(layers, SHAPE, 1, mode).max_rows
     params = random_params(layers, SHAPE)
-    x = jax.random.normal(jax.random.PRNGKey(0), SHAPE)
+    x = normal(SHAPE, 0)
     with pytest.raises(ValueError, match="rows="):
         rc.apply(layers, params, x, rows=rows, mode=mode)
 

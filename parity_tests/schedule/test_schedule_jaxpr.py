@@ -163,9 +163,10 @@ def _mlp_step():
     model = MLP(features=(32, 10))
     x = _rand(5, (4, 16))
     y = jax.random.randint(jax.random.key(6), (4,), 0, 10)
-    params = model.init(jax.random.key(7), x)
+    # inits compiled as one program each (the step below is what runs op by op)
+    params = jax.jit(model.init)(jax.random.key(7), x)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2, momentum=0.9))
-    opt = tx.init(params)
+    opt = jax.jit(tx.init)(params)
 
     def step(params, opt, x, y):
         def loss(p):
@@ -184,9 +185,9 @@ def _convchain_step():
 
     model = ConvChain(depth=3, channels=4)
     x = _rand(8, (2, 8, 8, 4))
-    params = model.init(jax.random.key(9), x)
+    params = jax.jit(model.init)(jax.random.key(9), x)
     tx = optax.sgd(0.1, momentum=0.9)
-    opt = tx.init(params)
+    opt = jax.jit(tx.init)(params)
 
     def step(params, opt, x):
         l, g = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)

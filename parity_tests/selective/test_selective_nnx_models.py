@@ -39,9 +39,16 @@ def _close(a, b, rtol=1e-5):
     assert_tree_close(a, b, rtol=rtol, atol=lambda v: rtol * scale(v))
 
 
+def _build(make):
+    """``make()`` with every initialiser in one compiled program (built eagerly, each
+    initialiser op is compiled on its own): the same module, parameters and rng state."""
+    graphdef = nnx.graphdef(nnx.eval_shape(make))
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.state(make()))())
+
+
 def _pair(make):
     """An untouched model and a converted clone of it (same parameters and rng state)."""
-    ref = make()
+    ref = _build(make)
     return ref, _nnx_convert(nnx.clone(ref))
 
 

@@ -115,24 +115,34 @@ def test_convert_errors():
         ms.convert(tnn.Linear(2, 2), layers=(tnn.Tanh,))
 
 
+@functools.cache
+def _float64_resnet():
+    """The Linen ResNet-18 (width 1/8), its float64 input and variables: built once, shared by
+    the cases (each case transfers the variables to a fresh torch model)."""
+    from jaxmem import models
+
+    with jax.enable_x64(True):
+        jm = models.resnet18(width=0.125, num_classes=4)
+        x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3), dtype=jnp.float64)
+        v = jax.jit(functools.partial(jm.init, train=False))(jax.random.key(1), x)
+        v = jax.tree.map(lambda a: a.astype(jnp.float64), v)
+    return jm, x, v
+
+
 @pytest.mark.parametrize("case", ["all", "input", "norm"])
 def test_jaxmem_matches_torch_ref_on_transferred_resnet(case):
     """Same weights in both frameworks; jaxmem (converted Linen model) and torch_ref.memsave
     (converted torch model) give the same gradients for the paper's cases."""
     import jaxmem
     import torch_ref.models as tm
-    from jaxmem import models
     from jaxmem.bench.selective import case_filter, torch_requires_grad
     from jaxmem.selective.subset import grad as sgrad
     from torch_ref.convert import grads_to_jax, jax_to_torch
 
     # float64 in both frameworks: train-mode BatchNorm at batch 4 on a width-1/8 ResNet-18
     # amplifies f32 rounding (machine-dependent kernels) beyond any sensible f32 tolerance
+    jm, x, v = _float64_resnet()
     with jax.enable_x64(True):
-        jm = models.resnet18(width=0.125, num_classes=4)
-        x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3), dtype=jnp.float64)
-        v = jax.jit(functools.partial(jm.init, train=False))(jax.random.key(1), x)
-        v = jax.tree.map(lambda a: a.astype(jnp.float64), v)
         tmod = ms.convert(jax_to_torch(v, tm.resnet18(width=0.125, num_classes=4))).double()
         tmod.train(True)
         torch_requires_grad(case, tmod, v["params"])

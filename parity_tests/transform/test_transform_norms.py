@@ -48,7 +48,7 @@ FLAX = {
 def test_flax_norms_are_exact_and_keep_less(name):
     mod, kind = FLAX[name]
     x = normal((4, 6, 16), scale=2.0) + 0.5
-    params = _perturbed(mod.init(key(), x))
+    params = _perturbed(jax.jit(mod.init)(key(), x))
 
     def f(p, x):
         return jnp.sum(jnp.sin(mod.apply(p, x)) * x)
@@ -90,7 +90,7 @@ def test_hand_written_norms(spelling):
 def test_batch_norm_train_running_statistics_and_gradients():
     bn = nn.BatchNorm(use_running_average=False, momentum=0.9)
     x = normal((8, 5, 12), scale=2.0) + 1.0
-    variables = bn.init(key(), x)
+    variables = jax.jit(bn.init)(key(), x)
     params = _perturbed(variables["params"])
     stats = _perturbed(variables["batch_stats"])
 
@@ -141,7 +141,7 @@ def test_look_alikes_are_left_with_a_reason():
 
     for f in (held, share):
         g = transform(f)
-        close(jax.grad(g)(x), jax.grad(f)(x))
+        close(jax.jit(jax.grad(g))(x), jax.jit(jax.grad(f))(x))
         rows = g.report(x).by_kind("norm")
         assert rows and not any(r.converted for r in rows)
         assert all(r.reason for r in rows)

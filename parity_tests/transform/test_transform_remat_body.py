@@ -110,8 +110,8 @@ def test_mask_predicate_falls_back_where_the_derivative_is_no_selection():
     sub = _subgraph(lambda x: jnp.maximum(x, 0.2 * x), x)
     assert mask_predicate(sub, *two_slopes(sub)) is None
     g = transform(lambda x: jnp.sum(jnp.maximum(x, 0.2 * x) * jnp.arange(16.0)))
-    close(jax.grad(g)(x), jax.grad(lambda x: jnp.sum(jnp.maximum(x, 0.2 * x)
-                                                     * jnp.arange(16.0)))(x))
+    close(jax.jit(jax.grad(g))(x), jax.jit(jax.grad(lambda x: jnp.sum(
+        jnp.maximum(x, 0.2 * x) * jnp.arange(16.0))))(x))
 
 
 def _cnn(act):
@@ -302,8 +302,9 @@ def test_compiled_plan_of_a_scanned_remat_stack(target, monkeypatch):
         return compiled_memory(jax.jit(jax.grad(f)), p, x, target=target).total_bytes
 
     fused = total(transform(loss))
-    close(jax.jit(jax.grad(transform(loss)))(p, x), jax.jit(jax.grad(loss))(p, x),
-          rtol=1e-5, atol=1e-6)
+    if target == "cpu":     # the gradients do not depend on the plan measured: checked once
+        close(jax.jit(jax.grad(transform(loss)))(p, x), jax.jit(jax.grad(loss))(p, x),
+              rtol=1e-5, atol=1e-6)
     with _apart(monkeypatch):
         apart = total(transform(loss))
     assert fused <= apart, (fused, apart)

@@ -30,7 +30,7 @@ class Block(nn.Module):
 def test_rows_name_what_where_and_why():
     x = normal((4, 16))
     model = Block()
-    params = model.init(jax.random.PRNGKey(0), x)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), x)
     rep = report(model.apply, params, x)
     assert isinstance(rep, Report) and all(isinstance(r, Row) for r in rep)
     dots = rep.by_kind("dot")
@@ -59,7 +59,7 @@ def test_rows_name_what_where_and_why():
 def test_fewbit_report_and_module_level_report_agree():
     x = normal((4, 16))
     model = Block()
-    params = model.init(jax.random.PRNGKey(0), x)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), x)
     g = transform(model.apply, fewbit=2)
     a = g.report(params, x)
     b = jaxmem.transform.report(g, params, x)
@@ -114,7 +114,7 @@ def test_a_step_that_differentiates_inside_is_reported_and_warned():
         g(w, x)
     assert [type(s.message) for s in seen] == [jaxmem.GradientInsideWarning]
     assert "jax.grad(jaxmem.transform(loss))" in str(seen[0].message)
-    np.testing.assert_allclose(got, train_step(w, x), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, jax.jit(train_step)(w, x), rtol=1e-6, atol=1e-7)
 
 
 def test_an_inner_gradient_of_a_differentiated_loss_is_not_warned():
@@ -131,5 +131,5 @@ def test_an_inner_gradient_of_a_differentiated_loss_is_not_warned():
         got = jax.jit(jax.grad(transform(penalised)))(w, x)
         jax.jit(jax.grad(transform(_gelu_loss)))(w, x)
         jax.jit(jax.vmap(jax.grad(transform(_gelu_loss)), (None, 0)))(w, x[None])
-    np.testing.assert_allclose(got, jax.grad(penalised)(w, x), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got, jax.jit(jax.grad(penalised))(w, x), rtol=1e-5, atol=1e-7)
     assert not report(transform(_gelu_loss), w, x).by_kind("gradient")

@@ -99,7 +99,9 @@ def test_recorded_add_compiled_slope_on_cpu():
         def measure(d):
             m = compiled_memory(jax.grad(transform(loss, **options)), params(d), x)
             return m.temp_bytes + m.output_bytes
-        return slope(measure, 2) / elems
+        # depths 1 and 2: the second block's input is a recorded block output, as in any
+        # deeper stack (the same figures per block as between depths 2 and 4: 3.996 vs 3.995)
+        return slope(measure, 1) / elems
 
     recorded, apart = per_block(), per_block(residual_adds=False)
     assert apart - recorded >= 3.5, (apart, recorded)
@@ -122,8 +124,9 @@ def test_linen_and_nnx_convert_pass_residual_adds_on():
 
     x = normal((N, S, S, 3))
     net = Net()
-    v = net.init(jax.random.key(0), x)
-    want = jax.grad(lambda v: net.apply(v, x))(v)
+    # one compiled program each (op by op, every conv / norm op compiles on its own)
+    v = jax.jit(net.init)(jax.random.key(0), x)
+    want = jax.jit(jax.grad(lambda v: net.apply(v, x)))(v)
 
     def kept(**options):
         m = jaxmem.linen.convert(net, **options)

@@ -69,7 +69,7 @@ def test_shard_map_under_vmap_and_checkpoint():
     xs = jax.random.normal(jax.random.key(2), (3, 4 * n, 8))
     f = _dp_loss(mesh)
     g = jaxmem.transform(jax.checkpoint(f))
-    want = jax.vmap(jax.grad(f), (None, 0))(p, xs)
+    want = jax.jit(jax.vmap(jax.grad(f), (None, 0)))(p, xs)
     got = jax.jit(jax.vmap(jax.grad(g), (None, 0)))(p, xs)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

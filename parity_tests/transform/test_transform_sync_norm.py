@@ -226,7 +226,8 @@ def test_layer_and_rms_norm_pooled_over_a_named_axis(fast):
     model = _SeqNorms(fast=fast)
     with jax.enable_x64(True):
         xs = normal((4, 3, 7), jnp.float64, 2.0) + normal((4, 1, 7), jnp.float64)
-        v = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="r")(xs)
+        # one compiled init (float64, op by op it compiles each initialiser op)
+        v = jax.jit(jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="r"))(xs)
         p = _perturbed(jax.tree_util.tree_map(lambda a: a[0], v)["params"])
         f = lambda p, x: jnp.sum(jnp.sin(model.apply({"params": p}, x)) ** 2)
         g = transform(f)
@@ -245,7 +246,7 @@ def test_group_norm_pooled_over_a_named_axis():
     gn = nn.GroupNorm(num_groups=2, axis_name="r")
     with jax.enable_x64(True):
         xs = normal((3, 2, 4, 4, 6), jnp.float64, 2.0) + normal((3, 2, 1, 1, 6), jnp.float64)
-        v = jax.vmap(lambda x: gn.init(jax.random.key(0), x), axis_name="r")(xs)
+        v = jax.jit(jax.vmap(lambda x: gn.init(jax.random.key(0), x), axis_name="r"))(xs)
         p = _perturbed(jax.tree_util.tree_map(lambda a: a[0], v))
         f = lambda p, x: jnp.sum(jnp.sin(gn.apply(p, x)) ** 2)
         g = transform(f)

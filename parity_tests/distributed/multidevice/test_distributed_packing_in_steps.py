@@ -38,7 +38,7 @@ def _case():
     base = MLPBlock(HIDDEN, gelu_approximate=True)
     x = jax.random.normal(jax.random.PRNGKey(0), (8, 4, 16))
     y = jax.random.normal(jax.random.PRNGKey(2), (8, 4, 16))
-    params = base.init(jax.random.PRNGKey(1), x)["params"]
+    params = jax.jit(base.init)(jax.random.PRNGKey(1), x)["params"]
     return base, jaxmem.linen.convert(base, fewbit=3), params, (x, y)
 
 

@@ -31,6 +31,11 @@ def _dropout_stack():
 
 
 def _params(layers, shape, seed=0):
+    # one compiled program rather than op by op
+    return jax.jit(lambda: _make_params(layers, shape, seed))()
+
+
+def _make_params(layers, shape, seed):
     p = rc.init(layers, jax.random.PRNGKey(seed), shape)
     leaves, tree = jax.tree.flatten(p)
     keys = jax.random.split(jax.random.PRNGKey(seed + 7), len(leaves))

@@ -156,7 +156,7 @@ def test_fewbit_residual_stays_sharded_over_model(hidden, axes):
 
     base = MLPBlock(hidden, gelu_approximate=True)
     x = jax.random.normal(jax.random.PRNGKey(0), (8, 4, 16))
-    params = base.init(jax.random.PRNGKey(1), x)["params"]
+    params = jax.jit(base.init)(jax.random.PRNGKey(1), x)["params"]
     m = jd.mesh(data=4, model=2)
     sh = jd.param_shardings(params, m, "tp")
     counts = {}
