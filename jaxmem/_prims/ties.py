@@ -183,20 +183,23 @@ def tie(x, dep):
     return _map_tie(x, dep, _tie, "tie")
 
 
-def after(x, dep):
+def after(x, dep, *, everywhere: bool = False):
     """``x`` unchanged (bit for bit), scheduled after ``dep`` on XLA:GPU inside
     ``shard_map``: an ``optimization_barrier`` over ``(x, dep)`` where ``x`` or ``dep``
     varies over a manual mesh axis; nothing on XLA:CPU, nothing outside ``shard_map`` (one
-    device: measured, the barrier cost a ViT train step 4.8 MiB of its H100 plan and saved
-    nothing on ResNet-50, BERT or GPT-2) and nothing where XLA's SPMD partitioner splits the
-    program.
+    device: measured, the barrier after every dense weight gradient cost a ViT train step
+    4.8 MiB of its H100 plan and saved nothing on ResNet-50, BERT or GPT-2) unless
+    ``everywhere`` (then on one device too), and nothing where XLA's SPMD partitioner splits
+    the program.
 
     For an order that helps XLA:GPU only: a backward's input gradient made to wait for the
-    weight gradient (``jaxmem.selective.linear``). On XLA:CPU the arithmetic tie costs a
-    buffer there (measured: a vmapped sync BatchNorm 4.5 -> 12.5 B/element per layer); under
-    SPMD a use of the whole reduced weight gradient turns its reduce-scatter into an
-    all-reduce. Same arguments and result as :func:`tie`."""
-    if not any(varying_axes(a) for a in jax.tree.leaves((x, dep)) if a is not None):
+    weight gradient (``jaxmem.selective.linear``), a bias add's cotangent for the bias
+    gradient (``jaxmem.selective.bias_add``, ``everywhere``). On XLA:CPU the arithmetic tie
+    costs a buffer there (measured: a vmapped sync BatchNorm 4.5 -> 12.5 B/element per
+    layer); under SPMD a use of the whole reduced weight gradient turns its reduce-scatter
+    into an all-reduce. Same arguments and result as :func:`tie`."""
+    if not everywhere and not any(varying_axes(a) for a in jax.tree.leaves((x, dep))
+                                  if a is not None):
         return x
     return _map_tie(x, dep, _after, "after")
 

@@ -15,6 +15,8 @@ saves residuals according to which inputs are perturbed):
   recomputed; a following bilinear layer shares that input and recomputes ``f(x)``);
 * :func:`max_pool` -- the packed argmax position inside each window;
 * :func:`dropout` -- only the PRNG key;
+* :func:`bias_add` -- nothing kept; the bias gradient formed where the cotangent arrives
+  (XLA:GPU otherwise keeps every layer's output cotangent until the optimizer update);
 * :func:`attention`, :func:`attention_core` (flash-style backward, nothing ``T x S`` kept)
   and :func:`softmax` (stores its output once) -- :mod:`jaxmem.selective.attention`.
 
@@ -30,6 +32,7 @@ Every residual is tagged ``checkpoint_name(..., "jaxmem.selective.<op>.<what>")`
 from jaxmem.selective._core import NAME_PREFIX
 from jaxmem.selective.activation import hard_tanh, leaky_relu, relu, relu6
 from jaxmem.selective.attention import attention, attention_core, softmax
+from jaxmem.selective.bias import bias_add
 from jaxmem.selective.bits import pack_bits, unpack_bits
 from jaxmem.selective.dropout import dropout
 from jaxmem.selective.linear import (
@@ -55,8 +58,8 @@ from jaxmem.selective.subset import (
 )
 
 __all__ = [
-    "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bilinear", "combine", "conv",
-    "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "grad",
+    "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bias_add", "bilinear", "combine",
+    "conv", "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "grad",
     "group_norm", "hard_tanh", "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad",
     "normalize", "pack_bits", "partition", "path_str", "relu", "relu6", "rms_norm",
     "smooth_activation", "softmax", "train_step", "trainable_mask", "unpack_bits",

@@ -17,8 +17,10 @@ and ``<.>`` the mean over ``axes``, the exact vector-Jacobian products are
 
 ``inv_mode`` picks the forward's spelling (the gradients are the same):
 ``'rsqrt'`` (above), ``'recip_sqrt'`` (``rstd = 1/sqrt(var + eps)``), and the dividing ones
-``'divide'``: ``y = (x - mu) / sqrt(var + eps) * scale + bias`` and ``'scale_divide'``:
-``y = (x - mu) * scale / sqrt(var + eps) + bias``, and ``'rsqrt_then_scale'`` /
+``'divide'``: ``y = (x - mu) / sqrt(var + eps) * scale + bias``, ``'scale_divide'``:
+``y = (x - mu) * scale / sqrt(var + eps) + bias`` and ``'scale_over_sd'``:
+``y = (x - mu) * (scale / sqrt(var + eps)) + bias`` (a hand-written GPT block's), and
+``'rsqrt_then_scale'`` /
 ``'recip_sqrt_then_scale'``: ``y = ((x - mu) * rstd) * scale + bias`` (Equinox's
 ``LayerNorm`` / ``RMSNorm``: ``rstd`` applied to the centred input first, then the scale),
 each rounding as that expression does.
@@ -87,9 +89,13 @@ def _stats(x, axes, subtract_mean, fast_variance):
 
 #: ``inv_mode`` values; the dividing ones divide by ``sqrt(var + eps)``; the ``_then_scale``
 #: ones multiply ``x - mu`` by ``rstd`` (as their base mode computes it), then by ``scale``
-_INV_MODES = ("rsqrt", "recip_sqrt", "divide", "scale_divide", "rsqrt_then_scale",
+_INV_MODES = ("rsqrt", "recip_sqrt", "divide", "scale_divide", "scale_over_sd",
+               "rsqrt_then_scale",
               "recip_sqrt_then_scale")
-_DIVIDING = ("divide", "scale_divide")
+_DIVIDING = ("divide", "scale_divide", "scale_over_sd")
+#: dividing modes whose division involves the scale: ``sqrt(var + eps)`` is kept when the
+#: scale alone is differentiated too
+_SCALE_DIVIDING = ("scale_divide", "scale_over_sd")
 _THEN_SCALE = "_then_scale"
 
 
@@ -150,8 +156,9 @@ def _rstd_from_kept(kept, how, eps, dep):
 def _affine_out(x, mu, r, scale, bias, out_dtype, inv_mode="rsqrt"):
     """``y`` in the spelling's order of operations, ``r`` from :func:`_inv_std`:
     ``(x - mu) * (r * scale) + bias`` (``r = 1/sqrt(var+eps)``); ``'divide'``:
-    ``(x - mu) / r * scale + bias``; ``'scale_divide'``: ``(x - mu) * scale / r + bias``
-    (``r = sqrt(var+eps)``); ``'*_then_scale'``: ``((x - mu) * r) * scale + bias``."""
+    ``(x - mu) / r * scale + bias``; ``'scale_divide'``: ``(x - mu) * scale / r + bias``;
+    ``'scale_over_sd'``: ``(x - mu) * (scale / r) + bias`` (``r = sqrt(var+eps)``);
+    ``'*_then_scale'``: ``((x - mu) * r) * scale + bias``."""
     if inv_mode == "divide":
         y = (x - mu) / r
         if scale is not None:
@@ -161,6 +168,8 @@ def _affine_out(x, mu, r, scale, bias, out_dtype, inv_mode="rsqrt"):
         if scale is not None:
             y = y * scale
         y = y / r
+    elif inv_mode == "scale_over_sd":
+        y = (x - mu) * (scale / r)
     elif inv_mode.endswith(_THEN_SCALE):
         y = (x - mu) * r
         if scale is not None:
@@ -195,7 +204,7 @@ def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale,
     # ``var`` (and ``x - mu``) is differentiated exactly when ``x`` is; 'scale_divide''s
     # numerator ``(x - mu) * scale`` when ``scale`` is too
     r, kept, how = _inv_std_kept(var, eps, inv_mode, perturbed(x) or (
-        inv_mode == "scale_divide" and perturbed(scale)))
+        inv_mode in _SCALE_DIVIDING and perturbed(scale)))
     y = _affine_out(xv, mu, r, sv, bv, out_dtype, inv_mode)
     res = (
         # ``x`` arrives tagged ``norm.input`` (see ``normalize``); stored as is, it is the
@@ -308,7 +317,7 @@ def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     xv, mv, vv, sv, bv = map(value, (x, mean, var, scale, bias))
     # JAX's autodiff of a dividing spelling keeps ``sqrt(var + eps)`` when its numerator
     # (``x - mean``, times ``scale`` for 'scale_divide') has a tangent too (_inv_std_kept)
-    num = perturbed(x) or perturbed(mean) or (eps[1] == "scale_divide" and perturbed(scale))
+    num = perturbed(x) or perturbed(mean) or (eps[1] in _SCALE_DIVIDING and perturbed(scale))
     r, kept, how = _inv_std_kept(vv, *eps, perturbed(var) or (eps[1] in _DIVIDING and num))
     y = _affine_out(xv, mv, r, sv, bv, out_dtype, eps[1])
     need_x = perturbed(scale) or perturbed(var)
@@ -492,7 +501,8 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
     ``inv_mode``: the forward's spelling, rounding as it does: ``'rsqrt'`` (flax:
     ``(x - mu) * (rsqrt(var + eps) * scale) + bias``), ``'recip_sqrt'`` (``1/sqrt``,
     torch-exact twins), ``'divide'`` (``(x - mu) / sqrt(var + eps) * scale + bias``),
-    ``'scale_divide'`` (``(x - mu) * scale / sqrt(var + eps) + bias``) or
+    ``'scale_divide'`` (``(x - mu) * scale / sqrt(var + eps) + bias``), ``'scale_over_sd'``
+    (``(x - mu) * (scale / sqrt(var + eps)) + bias``; needs ``scale``) or
     ``'rsqrt_then_scale'`` / ``'recip_sqrt_then_scale'`` (``((x - mu) * rstd) * scale +
     bias``, Equinox's order; ``rstd`` as in ``'rsqrt'`` / ``'recip_sqrt'``).
     Returns ``(y, mean, var)``; ``mean``/``var`` keep the reduced axes (size 1) and are
@@ -507,6 +517,9 @@ def normalize(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | No
     bias = _param(bias, pshape, "bias", "normalize")
     eps = check_eps("normalize", eps)
     _check_inv_mode(inv_mode)
+    if inv_mode == "scale_over_sd" and scale is None:
+        raise ValueError("normalize: inv_mode='scale_over_sd' divides the scale by "
+                         "sqrt(var + eps); it needs a scale")
     out_dtype = _out_dtype(x, scale, bias, dtype)
     x_in = x
     r = recipe(x) if axis_name is None and depth(x) == 1 else None

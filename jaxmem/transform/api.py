@@ -1,7 +1,7 @@
 """``jaxmem.transform(f, ...)``: convert what a program computes, not what it calls.
 
 ``transform(f, *, fewbit=None, attention=True, products=True, activations=True, norms=True,
-dropout=True, pools=True, residual_adds=True)`` returns
+dropout=True, pools=True, residual_adds=True, conv_recompute=True, biases=True)`` returns
 a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
 outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
 ``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
@@ -54,7 +54,8 @@ def _array_leaves(fn: Callable, args: tuple, kwargs: dict):
 def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
               dropout: bool = True, pools: bool = True,
-              residual_adds: bool = True, conv_recompute: bool = True) -> Callable:
+              residual_adds: bool = True, conv_recompute: bool = True,
+              biases: bool = True) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -89,6 +90,11 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         norm's residuals and the kernel instead of its own input and recomputes the
         convolution in its backward pass (exact; one more 1x1 convolution per such norm in
         the backward). ``False`` keeps the convolution output instead.
+      biases: with ``products``, re-emit the bias add of a product (``x @ w + b``, a
+        convolution's bias) with :func:`jaxmem.selective.bias_add`: the same sums, but on
+        XLA:GPU the layer's output cotangent flows on only once the bias gradient exists,
+        so it is not kept until the optimizer update (nothing changes on
+        XLA:CPU).
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -107,7 +113,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         raise TypeError(f"transform: f must be a callable, got {type(f).__name__}")
     options = Options(fewbit=fewbit, attention=attention, products=products,
                       activations=activations, norms=norms, dropout=dropout, pools=pools,
-                      residual_adds=residual_adds, conv_recompute=conv_recompute)
+                      residual_adds=residual_adds, conv_recompute=conv_recompute,
+                      biases=biases)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -158,6 +158,10 @@ class Interpreter:
                 add(item)
             if products and FUSE_PRODUCTS and in_recomputed_body():
                 found = fuse_activation_products(graph, found)
+        if opts.products and opts.biases:
+            from jaxmem.transform.match_bias import match_biases
+            for item in match_biases(graph, taken, path):
+                add(item)
         plan: dict[int, Match] = {}
         for item in found:
             if isinstance(item, Match):

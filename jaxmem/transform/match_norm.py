@@ -506,6 +506,7 @@ def _spelling(region: _Region):
       ``((x - mu) * rstd) * scale [+ bias]``;
     * ``'divide'``: ``(x - mu) / sd [* scale] [+ bias]``;
     * ``'scale_divide'``: ``(x - mu) * scale / sd [+ bias]``,
+    * ``'scale_over_sd'``: ``(x - mu) * (scale / sd) [+ bias]``,
 
     ``rstd`` ``rsqrt(.)`` or ``1/sqrt(.)``, ``sd`` ``sqrt(.)``, then a cast at most, with
     no cast to a narrower dtype before it (the conversion computes in the statistics'
@@ -527,6 +528,18 @@ def _spelling(region: _Region):
             return None, ("it divides by something other than sqrt(var + eps) (once): not "
                           "bit-identical to a conversion")
         num = eqns[divs[0]].invars[0]
+        if _outside(region, num) and not is_literal(num):
+            # ``scale / sd`` (x-sized by broadcasting), then ``(x - mu)`` times it
+            q = eqns[divs[0]].outvars[0]
+            users = [eqns[j] for j in g.uses(q) if j in anc]
+            if len(users) != 1 or users[0].primitive.name != "mul" or not any(
+                    a is q and _is_centered(region, c)
+                    for a, c in (users[0].invars, users[0].invars[::-1])):
+                return None, ("it divides the scale by sqrt(var + eps) but does not multiply "
+                              "x - mean by that: not bit-identical to a conversion")
+            why, _ = _steps(region, users[0].outvars[0], ("add", "convert_element_type"),
+                            "its product of x - mean and scale / sqrt(var + eps)")
+            return (None, why) if why else ("scale_over_sd", "")
         if _is_centered(region, num):
             inv, steps = "divide", ("mul", "add", "convert_element_type")
         else:
@@ -564,8 +577,8 @@ def _spelling(region: _Region):
     if len(found) != 1:
         return None, ("its order of operations is none of (x - mean) * (rstd [* scale]) "
                       "[+ bias], ((x - mean) * rstd) * scale [+ bias], (x - mean) / sd "
-                      "[* scale] [+ bias], (x - mean) * scale / sd [+ bias]: not "
-                      "bit-identical to a conversion")
+                      "[* scale] [+ bias], (x - mean) * scale / sd [+ bias], (x - mean) * "
+                      "(scale / sd) [+ bias]: not bit-identical to a conversion")
     e, kind, scaled = found[0]
     steps = ("add", "convert_element_type") if scaled else (
         "mul", "add", "convert_element_type")

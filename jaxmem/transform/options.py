@@ -27,6 +27,9 @@ class Options:
       convolution of another normalisation's (activated) output keeps that norm's residuals
       and the kernel instead of its own input, and recomputes the convolution in its backward
       pass (a ResNet bottleneck's 4x-wide expansion).
+    biases: with ``products``, re-emit bias adds with :func:`jaxmem.selective.bias_add` (the bias gradient
+      formed where the cotangent arrives: XLA:GPU keeps no output cotangent until the
+      optimizer update).
     """
 
     fewbit: int | None = None
@@ -38,6 +41,7 @@ class Options:
     pools: bool = True
     residual_adds: bool = True
     conv_recompute: bool = True
+    biases: bool = True
 
     def __post_init__(self):
         fb = self.fewbit
@@ -45,7 +49,7 @@ class Options:
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
         for name in ("attention", "products", "activations", "norms", "dropout", "pools",
-                     "residual_adds", "conv_recompute"):
+                     "residual_adds", "conv_recompute", "biases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")

@@ -31,7 +31,7 @@ class GradientInsideWarning(UserWarning):
 class Row:
     """One decision of the transformation.
 
-    kind: ``"dot"``, ``"conv"``, ``"activation"``, ``"attention"``, ``"norm"``,
+    kind: ``"dot"``, ``"conv"``, ``"bias"``, ``"activation"``, ``"attention"``, ``"norm"``,
     ``"dropout"``, ``"pool"``, ``"higher-order"``, ``"gradient"`` (the function
     differentiates inside: see :class:`GradientInsideWarning`).
     matched: what was found (primitives, shapes).  became: the op it was re-emitted with

@@ -108,8 +108,10 @@ def test_eval_shape_and_init_calls_are_not_part_of_the_step():
     rep = jaxmem.report(step, v)
     rows = collections.Counter((e.path, e.kind, e.status) for e in rep.entries)
     assert rows == collections.Counter({("Dense_0", "dot", "converted"): 1,
+                                        ("Dense_0", "bias", "converted"): 1,
                                         ("", "activation", "converted"): 1,
-                                        ("Dense_1", "dot", "converted"): 1}), str(rep)
+                                        ("Dense_1", "dot", "converted"): 1,
+                                        ("Dense_1", "bias", "converted"): 1}), str(rep)
     whys = {why for _, why in rep.pretrace}
     # an init runs the untouched code (nothing to record); shape inference is discarded
     assert whys == {"jax.eval_shape (shape inference)"}, whys

@@ -9,10 +9,11 @@ ResNet-50's gradients were 3e-2 off JAX's on XLA:CPU, its forward 1e-5). The cau
 the ``sqrt`` had one use and XLA rewrote ``1/sqrt`` to ``rsqrt``, which differs in the last
 bit for about a third of all inputs. Likewise the dividing spellings
 ``(x - mu) / sqrt(var + eps) * scale + bias`` (hand-written / PyTorch-style batch and layer
-norms) and ``scale * (x - mu) / sqrt(var + eps) + bias``: re-emitted as a multiplication by
-``1/sqrt`` they differed in the last bit; they are re-emitted as divisions in the user's
-order (``inv_mode='divide'`` / ``'scale_divide'``). Fresh random inputs per run
-(``_util``)."""
+norms), ``scale * (x - mu) / sqrt(var + eps) + bias`` and a hand-written GPT block's
+``(x - mu) * (scale / sqrt(var + eps)) + bias``: re-emitted as a multiplication by ``1/sqrt``
+they differed in the last bit; they are re-emitted as divisions in the user's order
+(``inv_mode='divide'`` / ``'scale_divide'`` / ``'scale_over_sd'``). Fresh random inputs per
+run (``_util``)."""
 from __future__ import annotations
 
 import sys
@@ -108,8 +109,17 @@ THEN_SCALE = {"eqx-ln": _eqx_ln, "then-scale-1/sqrt-bn": _then_scale_bn,
 _THEN_ARGS = [pytest.param(bn, id=name) for name, bn in THEN_SCALE.items()]
 
 #: the dividing spellings: id -> (spelling, kind reported)
+def _scale_over_sd_ln(x, scale, bias, eps=1e-5):
+    """A hand-written GPT block's layer norm: ``(x - mu) * (scale / sqrt(var + eps)) + bias``
+    (the scale divided first, an x-sized factor by broadcasting)."""
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
+    return (x - mu) * (scale / jnp.sqrt(var + eps)) + bias
+
+
 DIVIDING = {"divide-bn": (_div_bn, "batch norm"), "scale-divide-bn": (_scale_div_bn, "batch norm"),
-            "divide-ln": (_div_ln, "layer norm")}
+            "divide-ln": (_div_ln, "layer norm"),
+            "scale-over-sd-ln": (_scale_over_sd_ln, "layer norm")}
 _DIV_ARGS = [pytest.param(bn, id=name) for name, (bn, _) in DIVIDING.items()]
 
 
@@ -224,7 +234,8 @@ def test_dividing_spellings_keep_what_the_rsqrt_spelling_keeps(name):
 @pytest.mark.parametrize("argnums", [(0, 1, 2), (1, 2), (0,), (2,)],
                          ids=["all", "scale-bias", "x", "bias"])
 @pytest.mark.parametrize("inv_mode", ["rsqrt", "recip_sqrt", "divide", "scale_divide",
-                                      "rsqrt_then_scale", "recip_sqrt_then_scale"])
+                                      "scale_over_sd", "rsqrt_then_scale",
+                                      "recip_sqrt_then_scale"])
 def test_normalize_forward_and_recompute_are_the_spellings(inv_mode, argnums):
     """``normalize(inv_mode=...)`` under differentiation of any of its inputs computes the
     spelling's own forward bit for bit (JAX's program of it), its gradients JAX's to f32
@@ -234,6 +245,7 @@ def test_normalize_forward_and_recompute_are_the_spellings(inv_mode, argnums):
              "recip_sqrt": lambda c, v, s, b: c * (1.0 / jnp.sqrt(v + 1e-5) * s) + b,
              "divide": lambda c, v, s, b: c / jnp.sqrt(v + 1e-5) * s + b,
              "scale_divide": lambda c, v, s, b: s * c / jnp.sqrt(v + 1e-5) + b,
+             "scale_over_sd": lambda c, v, s, b: c * (s / jnp.sqrt(v + 1e-5)) + b,
              "rsqrt_then_scale": lambda c, v, s, b: c * jax.lax.rsqrt(v + 1e-5) * s + b,
              "recip_sqrt_then_scale":
                  lambda c, v, s, b: c * (1.0 / jnp.sqrt(v + 1e-5)) * s + b}[inv_mode]
