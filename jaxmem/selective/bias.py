@@ -36,11 +36,13 @@ def _bias_add(broadcast, b_struct, a, b):
 
 def _bias_add_fwd(broadcast, b_struct, a, b):
     del b_struct
-    return a.value + broadcast(b.value), (a.perturbed, b.perturbed)
+    # which cotangents are asked for, as the residuals' structure (no arrays kept)
+    return a.value + broadcast(b.value), (() if a.perturbed else None,
+                                          () if b.perturbed else None)
 
 
 def _bias_add_bwd(broadcast, b_struct, res, g):
-    a_perturbed, b_perturbed = res
+    a_perturbed, b_perturbed = (r is not None for r in res)
     if is_zero(g):
         return None, None
     db = None
