@@ -173,8 +173,10 @@ def report(fn, *args, **kwargs) -> Report:
       >>> x = jnp.ones((2, 3))
       >>> params = model.init(jax.random.key(0), x)
       >>> rep = jaxmem.report(jaxmem.linen.convert(model).apply, params, x)
-      >>> sorted({(e.path, e.kind, e.status) for e in rep.entries})
+      >>> sorted({(e.path, e.kind, e.status) for e in rep.entries if e.kind != 'bias'})
       [('', 'activation', 'converted'), ('Dense_0', 'dot', 'converted'), ('Dense_1', 'dot', 'converted')]
+      >>> sorted({e.path for e in rep.by_kind('bias')})
+      ['Dense_0', 'Dense_1']
       >>> sorted({e.status for e in jaxmem.report(model.apply, params, x).entries})
       ['fallback']
     """

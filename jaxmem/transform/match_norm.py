@@ -528,7 +528,7 @@ def _spelling(region: _Region):
             return None, ("it divides by something other than sqrt(var + eps) (once): not "
                           "bit-identical to a conversion")
         num = eqns[divs[0]].invars[0]
-        if _outside(region, num) and not is_literal(num):
+        if not _is_centered(region, num) and _outside(region, num):
             # ``scale / sd`` (x-sized by broadcasting), then ``(x - mu)`` times it
             q = eqns[divs[0]].outvars[0]
             users = [eqns[j] for j in g.uses(q) if j in anc]

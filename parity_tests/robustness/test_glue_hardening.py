@@ -123,7 +123,8 @@ def test_report_sees_the_calls_of_a_function_jitted_before():
     for _ in range(2):  # and a report does not hide the calls from the next one
         rep = jaxmem.report(lambda p, x: inner(p, x), params, x)
         assert sorted((e.path, e.kind, e.status) for e in rep.entries) == [
-            ("", "activation", "converted"), ("Dense_0", "dot", "converted"),
+            ("", "activation", "converted"), ("Dense_0", "bias", "converted"),
+            ("Dense_0", "dot", "converted"), ("Dense_1", "bias", "converted"),
             ("Dense_1", "dot", "converted")], str(rep)
 
 
@@ -169,7 +170,8 @@ def test_linen_subclass_calling_super_is_reported_once():
     x = _x(6, (2, 4))
     params = m.init(jax.random.key(0), x)
     rep = jaxmem.report(jaxmem.linen.convert(m).apply, params, x)
-    assert [(e.kind, e.status) for e in rep.entries] == [("dot", "converted")], str(rep)
+    assert [(e.kind, e.status) for e in rep.entries] == [("dot", "converted"),
+                                                         ("bias", "converted")], str(rep)
 
 
 def test_report_works_under_cprofile_and_leaves_it_running():
