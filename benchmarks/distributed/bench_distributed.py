@@ -330,18 +330,18 @@ DP, FSDP and TP reduce-scatter the gradient onto each device's update
 shard (`shard_update=True`); DP-AR is the all-reduce step they replace. On the H100 plan
 that is what XLA:GPU compiles: one combined reduce-scatter whose result is a device's eighth
 of the gradient; the all-reduces left are the scalar loss, the embedding tables' gradients
-(scatter-adds; GPT: 0.63 MiB) and ResNet-50's BatchNorm statistics. Against DP-AR, DP's
-`temp` goes 30.03 -> 30.76 MiB (default) and 28.48 -> 26.29 MiB (jaxmem) for GPT, 12.31 ->
-8.85 and 11.91 -> 9.57 MiB for ResNet-50; a stateful optimizer adds its sharded state to
+(scatter-adds; GPT: 0.63 MiB) and ResNet-50's BatchNorm statistics. DP against DP-AR:
+the tables' two columns; a stateful optimizer adds its sharded state to
 this (Adam: 2/8 instead of 2 x the parameters a device;
 `parity_tests/distributed/test_distributed_gpu_plan.py`). XLA:CPU has no reduce-scatter rewrite: it all-reduces the
 gradient and slices it (CPU collectives table), so DP and DP-AR compile to the same `temp`
 there, and the CPU `floor` of DP is what the step asks for, not what XLA:CPU does; on CPU
-DP sits near the all-reduce floor (GPT 26.48 vs 25.36 MiB, ResNet-50 11.69 vs 11.69), so its
-percentage shrinks while the activations shrink as on one device (residual column).
+DP sits near the all-reduce floor (`jaxmem temp / floor` column), so its percentage shrinks
+while the activations shrink as on one device (residual column).
 
-Why the H100 plan's per-device saving stays below one device's (XLA's live-range dump of
-each compiled step: the bytes live at its peak, arguments excluded). GPT DP: 29.50 MiB
+Why the H100 plan's per-device saving stays below one device's: a reading of XLA's
+live-range dump of each compiled step (the bytes live at its peak, arguments excluded) made on
+2026-11-26, with that day's conversion (its figures are not this run's). GPT DP: 29.50 MiB
 (default) and 22.16 MiB (jaxmem) live at the peak, 7.34 MiB less, close to the 7.94 MiB
 jaxmem saves on one device at batch 2; but XLA:GPU's heap packing leaves 4.13 MiB of
 jaxmem's allocation unused at the peak (1.25 MiB of the default's), so `temp` falls by
@@ -358,7 +358,10 @@ f32[128,3,3,128], and weight gradients of cuDNN's backward-filter convolutions,
 f32[512,1,1,256] and f32[512,1,1,128]) where the default's holds one 2.25 MiB transpose
 fusion; jaxmem's smaller residuals (3.59 vs 6.95 MiB) do not set that peak. ResNet-50 TP:
 5.94 -> 6.84 MiB live at the peak, the same kind of peak. The collectives of every jaxmem
-step are, kind by kind, no more than the default's on both plans."""
+step are, kind by kind, no more than the default's on both plans, except ResNet-50 under TP:
+the bottleneck expansion that its BatchNorm's backward recomputes (`conv_recompute=True`)
+repeats its forward all-gather (the `<= default` column; `conv_recompute=False` keeps the
+forward's communication only)."""
 
 
 def summary(rows, targets):
