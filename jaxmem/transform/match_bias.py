@@ -25,9 +25,9 @@ from jaxmem.transform.report import Row
 
 __all__ = ["match_biases"]
 
-#: linear, shape-only (or float-cast) equations a bias goes through before it is added
-#: (not a cast: one left outside keeps its transpose where autodiff puts it, e.g. after
-#: ``vmap`` has summed a shared float32 bias's float64 gradients over the batch)
+#: linear, shape-only equations a bias goes through before it is added (not a cast: one left
+#: outside keeps its transpose where autodiff puts it, e.g. after ``vmap`` has summed a shared
+#: float32 bias's float64 gradients over the batch)
 _BROADCAST_LIKE = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze",
                              "transpose"})
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
