@@ -165,7 +165,7 @@ def main():
     ap.add_argument("--time", type=int, default=0, metavar="N",
                     help="also time the CPU steps, N runs each (default: no timing)")
     a = ap.parse_args()
-    cmd = "python benchmarks/selective/gpu_plan_cases.py " + " ".join(sys.argv[1:])
+    cmd = " ".join(["python benchmarks/selective/gpu_plan_cases.py", *sys.argv[1:]])
     rs = rows(a.models.split(","), a.cases.split(","), a.batch, a.size, a.width,
               tuple(a.targets.split(",")), a.main_only, a.time)
     os.makedirs(OUT, exist_ok=True)
