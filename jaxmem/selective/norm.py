@@ -90,8 +90,7 @@ def _stats(x, axes, subtract_mean, fast_variance):
 #: ``inv_mode`` values; the dividing ones divide by ``sqrt(var + eps)``; the ``_then_scale``
 #: ones multiply ``x - mu`` by ``rstd`` (as their base mode computes it), then by ``scale``
 _INV_MODES = ("rsqrt", "recip_sqrt", "divide", "scale_divide", "scale_over_sd",
-               "rsqrt_then_scale",
-              "recip_sqrt_then_scale")
+              "rsqrt_then_scale", "recip_sqrt_then_scale")
 _DIVIDING = ("divide", "scale_divide", "scale_over_sd")
 #: dividing modes whose division involves the scale: ``sqrt(var + eps)`` is kept when the
 #: scale alone is differentiated too
@@ -201,8 +200,8 @@ def _normalize_fwd(axes, eps, subtract_mean, fast_variance, out_dtype, x, scale,
     xv, sv, bv = value(x), value(scale), value(bias)
     mu, var = _stats(xv, axes, subtract_mean, fast_variance)
     need_x = perturbed(x) or perturbed(scale)
-    # ``var`` (and ``x - mu``) is differentiated exactly when ``x`` is; 'scale_divide''s
-    # numerator ``(x - mu) * scale`` when ``scale`` is too
+    # ``var`` (and ``x - mu``) is differentiated exactly when ``x`` is; the scale-dividing
+    # spellings' division (``(x - mu) * scale / sd``, ``scale / sd``) when ``scale`` is too
     r, kept, how = _inv_std_kept(var, eps, inv_mode, perturbed(x) or (
         inv_mode in _SCALE_DIVIDING and perturbed(scale)))
     y = _affine_out(xv, mu, r, sv, bv, out_dtype, inv_mode)
@@ -316,7 +315,8 @@ def _affine(eps, out_dtype, x, mean, var, scale, bias):
 def _affine_fwd(eps, out_dtype, x, mean, var, scale, bias):
     xv, mv, vv, sv, bv = map(value, (x, mean, var, scale, bias))
     # JAX's autodiff of a dividing spelling keeps ``sqrt(var + eps)`` when its numerator
-    # (``x - mean``, times ``scale`` for 'scale_divide') has a tangent too (_inv_std_kept)
+    # (``x - mean``; the scale's division for the scale-dividing ones) has a tangent too
+    # (_inv_std_kept)
     num = perturbed(x) or perturbed(mean) or (eps[1] in _SCALE_DIVIDING and perturbed(scale))
     r, kept, how = _inv_std_kept(vv, *eps, perturbed(var) or (eps[1] in _DIVIDING and num))
     y = _affine_out(xv, mv, r, sv, bv, out_dtype, eps[1])

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxmem.transform.graph import Graph, bind_eqn, is_literal, location, name_stack
 from jaxmem.transform.match import Match, aval_str, is_float
+from jaxmem.transform.match_fused import _PRODUCTS
 from jaxmem.transform.report import Row
 
 __all__ = ["match_biases"]
@@ -30,7 +31,6 @@ __all__ = ["match_biases"]
 #: float32 bias's float64 gradients over the batch)
 _BROADCAST_LIKE = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze",
                              "transpose"})
-_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def _size(v) -> int:

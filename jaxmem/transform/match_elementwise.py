@@ -63,7 +63,7 @@ from jaxmem.transform.graph import (
     support,
 )
 from jaxmem.transform.match import Match, aval_str, is_float
-from jaxmem.transform.match_fused import in_recomputed_body
+from jaxmem.transform.match_fused import _PRODUCTS, in_recomputed_body
 from jaxmem.transform.report import Row
 
 __all__ = ["ELEMENTWISE", "Subgraph", "match_activations"]
@@ -377,9 +377,6 @@ def exact_activation(sub: Subgraph):
         return smooth_activation(sub, x, name=name)
 
     return op
-
-
-_PRODUCTS = ("dot_general", "conv_general_dilated")
 
 
 def _feeds_product(graph: Graph, o) -> bool:
