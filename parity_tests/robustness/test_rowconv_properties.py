@@ -9,13 +9,12 @@ float32: 1e-5).  Non-elementwise ``Act`` functions are refused; elementwise ones
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _assert import assert_tree_close, scaled_atol
+from _rc_params import random_params
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -72,24 +71,6 @@ def stacks(draw):
     return layers, shape, out
 
 
-def _params(layers, shape, dtype, seed):
-    """``rc.init``'s parameters (kernels N(0, 1/fan_in), scales 1, biases 0) plus a
-    N(0, 0.3^2) perturbation. The tree is ``rc.init``'s, traced abstractly; the values are
-    drawn with NumPy (no compiled program per random parameter shape)."""
-    tree = jax.eval_shape(lambda: rc.init(layers, jax.random.PRNGKey(seed), shape, dtype))
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, s):
-        name = path[-1].key
-        if name == "kernel":
-            base = rng.normal(size=s.shape) / math.sqrt(math.prod(s.shape[:-1]))
-        else:
-            base = np.full(s.shape, 1.0 if name == "scale" else 0.0)
-        return jnp.asarray(np.asarray(base + 0.3 * rng.normal(size=s.shape), s.dtype))
-
-    return jax.tree_util.tree_map_with_path(leaf, tree)
-
-
 def _normal(shape, seed, dtype):
     return jnp.asarray(np.asarray(np.random.default_rng(seed).normal(size=shape),
                                   jnp.dtype(dtype)))
@@ -115,7 +96,7 @@ def test_tiled_equals_untiled_outputs_and_gradients(x64, stack, mode, dtype, dat
     rows = data.draw(st.integers(2, top), label="rows")
     rows_bp = data.draw(st.sampled_from([None, 1, top]), label="rows_bp")
     with x64(dtype):
-        params = _params(layers, shape, dtype, seed=rows)
+        params = random_params(layers, shape, rows, dtype, noise=0.3, positive_var=False)
         x = _normal(shape, 3, dtype)
         y1, g1 = _run(layers, params, x, 1, mode, None)
         yn, gn = _run(layers, params, x, rows, mode, rows_bp)
@@ -129,7 +110,7 @@ def test_tiled_half_precision_close_to_untiled(dtype, mode):
     layers = [rc.Conv(3, 3), rc.Act(jax.nn.relu), rc.Pool("max", 2), rc.Conv(2, 3),
               rc.Act(jax.nn.gelu)]
     shape = (1, 12, 4, 2)
-    params = _params(layers, shape, dtype, 0)
+    params = random_params(layers, shape, 0, dtype, noise=0.3, positive_var=False)
     x = _normal(shape, 1, dtype)
     y1, g1 = _run(layers, params, x, 1, mode, None)
     rows = rc.segment_rows(layers, shape, 3, mode)[0]

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _assert import assert_tree_close
-from _rc_util import normal, random_params
+from _rc_params import random_params
+from _rc_util import normal
 
 from jaxmem import rowconv as rc
 from jaxmem.measure import compiled_memory

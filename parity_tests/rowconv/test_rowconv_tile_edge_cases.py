@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _assert import assert_tree_close
-from _rc_util import normal, random_params, value_and_grads
+from _rc_params import random_params
+from _rc_util import normal, value_and_grads
 
 from jaxmem import rowconv as rc
 
