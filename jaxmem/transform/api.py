@@ -93,8 +93,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
       biases: with ``products``, re-emit the bias add of a product (``x @ w + b``, a
         convolution's bias) with :func:`jaxmem.selective.bias_add`: the same sums, but on
         XLA:GPU the layer's output cotangent flows on only once the bias gradient exists,
-        so it is not kept until the optimizer update (nothing changes on
-        XLA:CPU).
+        so it is not kept until the optimizer update (nothing changes on XLA:CPU).
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the

@@ -27,9 +27,9 @@ class Options:
       convolution of another normalisation's (activated) output keeps that norm's residuals
       and the kernel instead of its own input, and recomputes the convolution in its backward
       pass (a ResNet bottleneck's 4x-wide expansion).
-    biases: with ``products``, re-emit bias adds with :func:`jaxmem.selective.bias_add` (the bias gradient
-      formed where the cotangent arrives: XLA:GPU keeps no output cotangent until the
-      optimizer update).
+    biases: with ``products``, re-emit the bias adds of products with
+      :func:`jaxmem.selective.bias_add` (the bias gradient formed where the cotangent
+      arrives: XLA:GPU keeps no output cotangent until the optimizer update).
     """
 
     fewbit: int | None = None
