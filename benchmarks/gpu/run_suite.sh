@@ -7,6 +7,8 @@
 #   BENCH=quick|full|""  `jaxmem bench` (BENCH_ARGS adds flags, e.g. --sections ...)
 #   STEPS=1     benchmarks/gpu/step_times.py all (STEPS_ARGS adds flags): step time and
 #               allocator peak of JAX default vs each technique; runs before the suite
+#   DEADLINE=S  the suite's limit is what is left of S seconds from the start (default: its
+#               own SUITE_TIMEOUT, 400 s), so one call ends inside the device tool's limit
 # Results under $OUT (device tool) or ./gpu-out; at most 8 files come back.
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 source benchmarks/gpu/setup.sh > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
@@ -25,7 +27,9 @@ if [ "${STEPS:-0}" = 1 ]; then
   timeout ${STEPS_TIMEOUT:-340} python3 benchmarks/gpu/step_times.py all "$OUT" ${STEPS_ARGS:-} \
     2>&1 | grep -v -i warn | tail -30
 fi
-if [ "${SUITE:-1}" = 1 ]; then   # SIGINT at the limit: pytest still prints its summary
+if [ -n "${DEADLINE:-}" ]; then SUITE_TIMEOUT=$(( DEADLINE - SECONDS )); fi
+if [ "${SUITE:-1}" = 1 ] && [ "${SUITE_TIMEOUT:-400}" -gt 30 ]; then
+  # SIGINT at the limit: pytest still prints its summary
   # -v: one line per test as it ends, so the names of failures survive a run cut short
   timeout -s INT -k 20 ${SUITE_TIMEOUT:-400} python3 -m pytest -n ${WORKERS:-8} -v -p no:cacheprovider -rfE \
     --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-parity_tests} 2>&1 | tee "$OUT/suite.log" | grep -v " PASSED " | tail -40

@@ -2,7 +2,8 @@
 
 Command (on a machine with a GPU; see benchmarks/gpu/run_suite.sh, stage STEPS=1):
     python benchmarks/gpu/step_times.py all OUTDIR [--small] [--groups a,b] [--jobs 6]
-    python benchmarks/gpu/step_times.py plan OUT.json [--small]  # here: H100 plan, no GPU
+        [--dump a,b]   # also XLA's buffer assignment / live ranges of those groups
+    python benchmarks/gpu/step_times.py plan OUT.json [--small] [--target h200]  # no GPU
     python benchmarks/gpu/step_times.py md RESULT.json [PLAN.json] > OUT.md
 
 A *group* is one comparison: the same arguments, a baseline (what a user writes without
@@ -21,15 +22,17 @@ two stages:
    one step of each variant in turn (after two warm-up steps each); the median per variant and
    its ratio to the baseline's median.
 
-``plan`` compiles the same variants for XLA:GPU's H100 plan without a GPU
-(``jaxmem.measure.compiled_memory(..., target="h100")``), to set the compile-only plan beside
-the real device's plan and its allocator peak.
+``plan`` compiles the same variants for XLA:GPU's plan of ``--target`` (default ``h100``)
+without a GPU (``jaxmem.measure.compiled_memory(..., target=...)``; cuDNN attention
+variants included), to set the compile-only plan beside the real device's plan and its
+allocator peak.
 
 Groups (``--small``: tiny sizes, for checking the script on a CPU):
 
 * ``sel_r50_{input,norm,all}``: ResNet-50 (width 1, 1000 classes), batch 32, 224x224, BatchNorm
   in train mode; gradient of what the case trains (``jaxmem.bench.selective.make_step``);
-  baseline JAX default, variant ``jaxmem.linen.convert(model, attention=False)``.
+  baseline JAX default, variants ``jaxmem.linen.convert(model, attention=False)`` and the same
+  with ``conv_recompute=False`` ("conv kept": less recomputation, more bytes).
 * ``gpt_block_{bf16,f32}``: four GPT-2 blocks in plain JAX (batch 8, ctx 1024, d 768, 12
   heads; ``benchmarks/fewbit/gpt_block_gpu_plan.py``), gradient of all parameters; einsum
   attention untouched (baseline), under ``jaxmem.transform`` (exact) and
@@ -41,6 +44,11 @@ Groups (``--small``: tiny sizes, for checking the script on a CPU):
 * ``rowconv_vgg16``: VGG-16 trunk at 1024x1024 (width 0.125, batch 1), gradient of the
   parameters; untiled (baseline), OverL-H with N=8 and N=16 row tiles per segment.
 * ``rowconv_vgg16_w1``: the same trunk at full width; untiled vs OverL-H N=16.
+* ``flax_{linen_lm,linen_resnet,nnx_vit}``: Flax code as users write it
+  (``jaxmem.bench.flax_models``), batch 8x ``benchmarks/third_party``'s, jitted full train
+  step (gradient and optax update, train state donated); baseline untouched, variants the training loss under
+  ``jaxmem.transform`` exact and with ``fewbit=3``
+  (``benchmarks/third_party/flax_models_transform.py``'s steps).
 """
 from __future__ import annotations
 
@@ -56,7 +64,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 MiB = 2.0 ** 20
 GROUPS = ("sel_r50_input", "sel_r50_norm", "sel_r50_all", "gpt_block_bf16", "gpt_block_f32",
-          "gpt_linen", "rowconv_vgg16", "rowconv_vgg16_w1")
+          "gpt_linen", "rowconv_vgg16", "rowconv_vgg16_w1", "flax_linen_lm", "flax_linen_resnet",
+          "flax_nnx_vit")
+#: batch multiple of ``flax_*`` groups over ``benchmarks/third_party``'s CPU-sized batches
+FLAX_BATCH_SCALE = 8
+#: set by the ``plan`` stage: build GPU-only variants (cuDNN attention) for a compile-only plan
+_FOR_GPU_PLAN = False
 
 
 # --------------------------------------------------------------------------- the groups
@@ -69,11 +82,17 @@ def _selective(case, small):
     width, classes, batch, side = (0.125, 10, 2, 64) if small else (1.0, 1000, 32, 224)
     model = zoo.resnet50(width=width, num_classes=classes)
     x = jax.random.normal(jax.random.key(0), (batch, side, side, 3))
-    v = model.init(jax.random.key(1), x, train=False)
+    # initialised on one image: the same variables, and no batch-32 forward pass to raise the
+    # allocator's high-water mark above what a variant's step reaches (run 12 lost the
+    # jaxmem variants' peaks to it)
+    v = model.init(jax.random.key(1), x[:1], train=False)
     conv = jaxmem.linen.convert(model, attention=False)
+    # the 1x1 convolution after a norm kept instead of recomputed in the backward pass
+    kept = jaxmem.linen.convert(model, attention=False, conv_recompute=False)
     return {"args": (v["params"], x), "baseline": "jax",
             "variants": {"jax": make_step(model, v, case),
-                         "jaxmem": make_step(conv, v, case)},
+                         "jaxmem": make_step(conv, v, case),
+                         "jaxmem conv kept": make_step(kept, v, case)},
             "shape": f"ResNet-50 width {width}, batch {batch}, {side}x{side}"}
 
 
@@ -83,7 +102,7 @@ def _gpt_block(dtype, small):
 
     import jaxmem
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "fewbit"))
-    from gpt_block_gpu_plan import _loss_fn, _params
+    from gpt_block_gpu_plan import _as_on_an_h100, _loss_fn, _params
     batch, ctx, d, heads, depth = (2, 64, 64, 2, 2) if small else (8, 1024, 768, 12, 4)
     dt = jnp.dtype(dtype)
     x = jax.random.normal(jax.random.key(1), (batch, ctx, d)).astype(dt)
@@ -92,11 +111,15 @@ def _gpt_block(dtype, small):
     variants = {"einsum": jax.grad(ein),
                 "einsum+transform": jax.grad(jaxmem.transform(ein)),
                 "einsum+transform(fewbit=3)": jax.grad(jaxmem.transform(ein, fewbit=3))}
-    if dt == jnp.bfloat16 and jax.default_backend() == "gpu":
+    if dt == jnp.bfloat16 and (jax.default_backend() == "gpu" or _FOR_GPU_PLAN):
+        if jax.default_backend() != "gpu":
+            _as_on_an_h100()          # JAX's cuDNN checks answered as on a GPU machine
         cud = _loss_fn(heads, "jax_cudnn")
         variants["cudnn"] = jax.grad(cud)
         variants["cudnn+transform(fewbit=3)"] = jax.grad(jaxmem.transform(cud, fewbit=3))
     return {"args": (params, x), "baseline": "einsum", "variants": variants,
+            "reports": {"einsum+transform": jaxmem.transform(ein),
+                        "einsum+transform(fewbit=3)": jaxmem.transform(ein, fewbit=3)},
             "shape": f"{depth} GPT-2 blocks, {dtype}, batch {batch}, ctx {ctx}, d {d}, "
                      f"{heads} heads"}
 
@@ -161,6 +184,20 @@ def _rowconv(width, ns, small):
             "shape": f"VGG-16 trunk width {width}, batch 1, {side}x{side}"}
 
 
+def _flax(name, small):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "third_party"))
+    import flax_models_transform as T
+
+    from jaxmem.bench import flax_models as FM
+    batch = T.BATCH[name] * (1 if small else FLAX_BATCH_SCALE)
+    case = FM.STEPS[name](batch_size=batch)
+    return {"args": case.pure_args, "baseline": "default", "carry": 1, "donate": (0,),
+            "variants": {"default": case.pure_step,
+                         "transform": T._step(case, T._transformer(None)),
+                         "transform(fewbit=3)": T._step(case, T._transformer(3))},
+            "shape": f"{name} (jaxmem.bench.flax_models), batch {batch}, full train step"}
+
+
 def build(group, small):
     if group.startswith("sel_r50_"):
         return _selective(group[len("sel_r50_"):], small)
@@ -174,6 +211,8 @@ def build(group, small):
         return _rowconv(0.125, (8, 16), small)
     if group == "rowconv_vgg16_w1":
         return _rowconv(1.0, (16,), small)
+    if group.startswith("flax_"):
+        return _flax(group[len("flax_"):], small)
     raise ValueError(f"unknown group {group!r}; known: {', '.join(GROUPS)}")
 
 
@@ -222,6 +261,11 @@ def compile_group(group, small, cache_dir):
         except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a row
             out["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(group, name, out["variants"][name], flush=True)
+    for name, fn in g.get("reports", {}).items():   # what the transformation did, per row
+        try:
+            print(f"report of {group} {name}:\n{fn.report(*g['args']).table()}", flush=True)
+        except Exception as e:  # noqa: BLE001 -- a diagnostic only
+            print(f"report of {group} {name} failed: {type(e).__name__}: {e}", flush=True)
     out["device"] = str(jax.devices()[0].device_kind)
     return out
 
@@ -282,17 +326,19 @@ def run_group(group, small, cache_dir, planned, rounds):
             "device": str(dev.device_kind), "rounds": rounds, "variants": res}
 
 
-def plan_group(group, small):
-    """The same variants compiled for the H100 plan without a GPU."""
+def plan_group(group, small, target="h100"):
+    """The same variants compiled for ``target``'s XLA:GPU plan without a GPU."""
+    global _FOR_GPU_PLAN
     from jaxmem.measure import compiled_memory
+    _FOR_GPU_PLAN = True
     g = build(group, small)
-    out = {"group": group, "shape": g["shape"], "variants": {}}
+    out = {"group": group, "shape": g["shape"], "target": target, "variants": {}}
     for name, fn in g["variants"].items():
         try:
             c = compiled_memory(fn, *g.get("variant_args", {}).get(name, g["args"]),
                                 donate_argnums=g.get("donate", ()),
-                                target="h100")
-            out["variants"][name] = {"h100_plan": {"temp": c.temp_bytes,
+                                target=target)
+            out["variants"][name] = {"gpu_plan": {"temp": c.temp_bytes,
                                                    "output": c.output_bytes,
                                                    "argument": c.argument_bytes,
                                                    "alias": c.alias_bytes}}
@@ -303,14 +349,17 @@ def plan_group(group, small):
 
 
 # --------------------------------------------------------------------------- driver
-def _child(stage, group, small, cache_dir, extra, timeout):
+def _child(stage, group, small, cache_dir, extra, timeout, dump=None):
     cmd = [sys.executable, __file__, stage, group, cache_dir, json.dumps(extra)]
     if small:
         cmd.append("--small")
+    env = dict(os.environ)
+    if dump:   # XLA's buffer assignment and live ranges of every module this child compiles
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
     # the child's output file stays open until _collect reads and closes it
     fh = open(os.path.join("/tmp", f"step_times_{stage}_{group}.txt"), "w+")  # noqa: SIM115
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT), fh, timeout
+                            cwd=ROOT, env=env), fh, timeout
 
 
 def _collect(p, group, log):
@@ -326,8 +375,26 @@ def _collect(p, group, log):
         "group": group, "error": f"rc={proc.returncode}: {text[-600:]}"}
 
 
-def run_all(outdir, groups, small, jobs, rounds, compile_timeout, run_timeout):
+def _pack_dumps(dump_root, outdir):
+    """The memory reports of the XLA dumps (``*memory-usage-report.txt``,
+    ``*buffer-assignment.txt``, ``*live-range.txt``) as ``outdir/xla_dumps.tgz``."""
+    import tarfile
+    keep = ("memory-usage-report.txt", "buffer-assignment.txt", "live-range.txt")
+    with tarfile.open(os.path.join(outdir, "xla_dumps.tgz"), "w:gz") as tar:
+        for d, _, files in os.walk(dump_root):
+            # the steps' modules only: a buffer assignment of 16 KiB or more (not the small
+            # programs that building the arguments compiles)
+            big = {f.split(".")[0] for f in files if f.endswith("buffer-assignment.txt")
+                   and os.path.getsize(os.path.join(d, f)) >= 16384}
+            for f in files:
+                if f.endswith(keep) and f.split(".")[0] in big:
+                    p = os.path.join(d, f)
+                    tar.add(p, arcname=os.path.relpath(p, dump_root))
+
+
+def run_all(outdir, groups, small, jobs, rounds, compile_timeout, run_timeout, dump=()):
     os.makedirs(outdir, exist_ok=True)
+    dump_root = os.path.join("/tmp", "step_times_xla_dumps")
     cache = os.path.join("/tmp", "jaxmem-step-times-cache")
     log = open(os.path.join(outdir, "step_times.log"), "w")  # noqa: SIM115 -- closed below
     compiled, pending = {}, list(groups)
@@ -337,7 +404,9 @@ def run_all(outdir, groups, small, jobs, rounds, compile_timeout, run_timeout):
         while pending and len(running) < jobs:
             gname = pending.pop(0)
             started[gname] = time.time()
-            running.append((gname, _child("compile", gname, small, cache, {}, compile_timeout)))
+            running.append((gname, _child(
+                "compile", gname, small, cache, {}, compile_timeout,
+                os.path.join(dump_root, gname) if gname in dump else None)))
         time.sleep(0.5)
         for gname, p in list(running):
             proc, _, tmo = p
@@ -347,6 +416,8 @@ def run_all(outdir, groups, small, jobs, rounds, compile_timeout, run_timeout):
                 compiled[gname] = _collect(p, gname, log)
                 running.remove((gname, p))
     print(f"compile stage {time.time() - t_start:.0f} s", flush=True)
+    if dump:
+        _pack_dumps(dump_root, outdir)
     results = []
     for gname in groups:               # stage 2: one group at a time, alone on the GPU
         planned = compiled.get(gname, {}).get("variants", {})
@@ -386,14 +457,15 @@ def markdown(result, plan=None):
     """The results as a table; ratios against each group's baseline."""
     with open(result) as fh:
         res = json.load(fh)["results"]
-    plans = {}
+    plans, target = {}, "GPU"
     if plan:
         with open(plan) as fh:
             for r in json.load(fh)["results"]:
                 plans[r["group"]] = r.get("variants", {})
+                target = r.get("target", target)
     dev = next((r.get("device") for r in res if r.get("device")), "?")
     lines = [("| group | variant | step ms | time ratio | device plan temp+out MiB | "
-              "allocator peak above arguments MiB | H100 plan, compile-only, temp+out MiB |"),
+              f"allocator peak above arguments MiB | {target} plan, compile-only, temp+out MiB |"),
              "|---|---|---|---|---|---|---|"]
 
     def plan_bytes(v, key):
@@ -417,7 +489,7 @@ def markdown(result, plan=None):
                 f"| {r['group']} | {n} | {v['step_ms']:.2f} | {v['time_ratio']:.2f}x | "
                 f"{_cell(plan_bytes(v, 'device_plan'), plan_bytes(base, 'device_plan'))} | "
                 f"{_cell(peak, base.get('peak_above_before'), bound)} | "
-                f"{_cell(plan_bytes(h, 'h100_plan'), plan_bytes(hbase, 'h100_plan'))} |")
+                f"{_cell(plan_bytes(h, 'gpu_plan'), plan_bytes(hbase, 'gpu_plan'))} |")
     return f"Device: {dev}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -428,6 +500,10 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--groups", default=",".join(GROUPS))
     ap.add_argument("--jobs", type=int, default=6)
+    ap.add_argument("--target", default="h100", help="plan stage: the GPU whose plan")
+    ap.add_argument("--dump", default="", help="all: groups whose XLA memory reports to keep "
+                    "(OUTDIR/xla_dumps.tgz; programs compiled in this run: a cache hit "
+                    "writes none)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--compile-timeout", type=float, default=240)
     ap.add_argument("--run-timeout", type=float, default=90)
@@ -435,7 +511,7 @@ def main():
     groups = [g for g in a.groups.split(",") if g]
     if a.stage == "all":
         run_all(a.rest[0], groups, a.small, a.jobs, a.rounds, a.compile_timeout,
-                a.run_timeout)
+                a.run_timeout, tuple(g for g in a.dump.split(",") if g))
     elif a.stage == "compile":
         print("RESULT " + json.dumps(compile_group(a.rest[0], a.small, a.rest[1])), flush=True)
     elif a.stage == "run":
@@ -443,7 +519,7 @@ def main():
         print("RESULT " + json.dumps(run_group(a.rest[0], a.small, a.rest[1],
                                                 extra["planned"], extra["rounds"])), flush=True)
     elif a.stage == "plan":
-        out = {"results": [plan_group(g, a.small) for g in groups]}
+        out = {"results": [plan_group(g, a.small, a.target) for g in groups]}
         with open(a.rest[0], "w") as fh:
             json.dump(out, fh, indent=1)
     else:
