@@ -89,6 +89,13 @@ def _one(graph: Graph, i: int, taken: set[int], path: str) -> Match | Row | None
     thr = lt.invars[1] if lt is not None else None
     computed = thr is not None and not is_literal(thr) and graph.producer.get(thr) in found
     if computed:
+        # the mask is regenerated with ``x``'s divisor as its keep probability: a threshold
+        # of another value (``where(bernoulli(k, 0.8), x / 0.9, 0)``) would change the mask
+        t = graph.uniform(thr)
+        if t is None or np.float32(t) != np.float32(kp):
+            return Row("dropout", what, "", False,
+                       f"the mask's keep probability ({t}) is not the divisor ({kp:g})",
+                       where, ns, path)
         found = found - _threshold_eqns(graph, thr, found)
 
     # a batch of keys (``jax.vmap`` over per-example keys, Equinox): one mask per key,

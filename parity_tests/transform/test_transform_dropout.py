@@ -76,6 +76,27 @@ def test_mask_used_elsewhere_or_other_bits_are_left():
     assert not [r for r in g.report(x, k).by_kind("dropout") if r.converted]
 
 
+@pytest.mark.parametrize("threshold", ["computed", "literal"])
+def test_a_keep_probability_other_than_the_divisor_is_left(threshold):
+    """``where(bernoulli(k, 0.8), x / 0.9, 0)``: regenerating the mask with the divisor's
+    keep probability would give other bits (a wrong gradient); the select stays as written.
+    The threshold computed from constants is Equinox's ``1 - stop_gradient(p)``."""
+    x = normal((32, 32))
+    k = key()
+
+    def f(x, k):
+        p = 1 - jax.lax.stop_gradient(0.2) if threshold == "computed" else 0.8
+        keep = jax.random.bernoulli(k, p, x.shape)
+        return jnp.sum(jnp.sin(jnp.where(keep, x / 0.9, 0.0)))
+
+    g = transform(f)
+    close(jax.grad(g)(x, k), jax.grad(f)(x, k), rtol=1e-5, atol=1e-6)
+    rows = g.report(x, k).by_kind("dropout")
+    assert not [r for r in rows if r.converted]
+    if threshold == "computed":
+        assert rows and "is not the divisor" in rows[0].reason
+
+
 def test_dropout_option_off():
     x = normal((4, 16))
     f = lambda x, k: jnp.sum(_by_hand(x, k) ** 2)
