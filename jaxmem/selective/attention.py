@@ -154,8 +154,11 @@ class AttentionSpec:
     ``-0.7 * finfo(s.dtype).max`` (capped at the float32 range), a float is that value in
     the scores' dtype (``jnp.where(mask, s, -1e9)``).  The weights are
     ``softmax(s.astype(softmax_dtype)).astype(weights_dtype)`` (no cast where ``None``),
-    multiplied by ``keep / (1 - dropout_rate)`` when ``dropout_rate > 0``, and contracted
-    with ``v`` (``pv_precision``).  ``causal``: ``"bottom_right"`` keeps key ``j <= i + S - T``,
+    multiplied by ``keep / (1 - dropout_rate)`` when ``dropout_rate > 0`` (Flax's spelling; with
+    ``dropout_select``, ``where(keep, w / (1 - dropout_rate), 0)``: Equinox's), and contracted
+    with ``v`` (``pv_precision``).  The mask ``keep`` is ``bernoulli(rng, 1 - dropout_rate)``
+    of the weights' shape, or of ``(1, ..., 1, T, S)`` with ``broadcast_dropout``; a batch of
+    keys (``rng`` of shape ``K``) draws one mask per key over the weights' leading ``K`` axes.  ``causal``: ``"bottom_right"`` keeps key ``j <= i + S - T``,
     ``"top_left"`` keeps ``j <= i``.
     """
     scale: float | None = None
@@ -167,6 +170,7 @@ class AttentionSpec:
     weights_dtype: str | None = None
     dropout_rate: float = 0.0
     broadcast_dropout: bool = True
+    dropout_select: bool = False
     qk_precision: object = None
     pv_precision: object = None
 
@@ -218,14 +222,28 @@ def _scores(q, k, bias, mask, spec: AttentionSpec):
     return s, keep, pre
 
 
-def _dropout_multiplier(rng, spec: AttentionSpec, key_ndim: int, w_shape, dtype):
-    """Flax's attention dropout: ``bernoulli(rng, 1 - rate, shape) / (1 - rate)`` in ``dtype``
-    (shape ``(1,) * (key.ndim - 2) + (T, S)`` when ``broadcast_dropout``, else the weights')."""
+def _dropout_keep(rng, spec: AttentionSpec, key_ndim: int, w_shape):
+    """The dropout mask ``bernoulli(rng, 1 - rate, shape)`` (shape ``(1,) * (key.ndim - 2) +
+    (T, S)`` when ``broadcast_dropout``, else the weights'); a batch of keys draws one mask
+    per key over the leading axes (``jax.vmap``, as a vmapped model draws them)."""
     keep_prob = 1.0 - spec.dropout_rate
     shape = ((1,) * (key_ndim - 2) + tuple(w_shape[-2:]) if spec.broadcast_dropout
              else tuple(w_shape))
-    keep = jax.random.bernoulli(rng, keep_prob, shape)
-    return keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+    nk = rng.ndim if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng.ndim - 1
+    draw = lambda k: jax.random.bernoulli(k, keep_prob, shape[nk:])
+    for _ in range(nk):
+        draw = jax.vmap(draw)
+    return draw(rng)
+
+
+def _drop(w, keep, spec: AttentionSpec, dtype):
+    """The dropout of ``w`` (weights, or their cotangent: the same linear map): Flax's
+    ``w * (keep / keep_prob)`` with the multiplier in ``dtype`` (the inputs'), or, with
+    ``dropout_select``, ``where(keep, w / keep_prob, 0)`` in ``w``'s dtype."""
+    if spec.dropout_select:
+        kp = jnp.asarray(1.0 - spec.dropout_rate, dtype=w.dtype)
+        return jnp.where(keep, w / kp, jnp.zeros((), w.dtype))
+    return w * (keep.astype(dtype) / jnp.asarray(1.0 - spec.dropout_rate, dtype=dtype))
 
 
 def _unbroadcast(g, shape, dtype):
@@ -245,7 +263,7 @@ def _forward(q, k, v, bias, mask, rng, spec: AttentionSpec):
     if spec.weights_dtype is not None:
         w = w.astype(jnp.dtype(spec.weights_dtype))
     if spec.dropout_rate > 0.0:
-        w = w * _dropout_multiplier(rng, spec, k.ndim, w.shape, q.dtype)
+        w = _drop(w, _dropout_keep(rng, spec, k.ndim, w.shape), spec, q.dtype)
     o = jnp.einsum("...hqk,...khd->...qhd", w, v, precision=spec.pv_precision)
     # row statistics of the softmax, float32 (float64 for float64 scores)
     sf = s.astype(_stat_dtype(s.dtype))
@@ -278,16 +296,16 @@ def _core_bwd(spec, res, do):
     p = jnp.exp(s.astype(m.dtype) - m) / den                        # recomputed softmax
     wd = jnp.dtype(spec.weights_dtype) if spec.weights_dtype is not None else s.dtype
     w = p.astype(wd)
-    mult = None
+    keep_d = None
     if spec.dropout_rate > 0.0:
-        mult = _dropout_multiplier(rng, spec, k.ndim, s.shape, q.dtype)
-        w = w * mult
+        keep_d = _dropout_keep(rng, spec, k.ndim, s.shape)
+        w = _drop(w, keep_d, spec, q.dtype)
     prec = _bwd_precision(spec.pv_precision)
     dv = jnp.einsum("...hqk,...qhd->...khd", w, do.astype(jnp.result_type(w, v)),
                     precision=prec)
     dw = jnp.einsum("...qhd,...khd->...hqk", do, v.astype(do.dtype), precision=prec)
-    if mult is not None:
-        dw = dw * mult
+    if keep_d is not None:
+        dw = _drop(dw, keep_d, spec, q.dtype)
     g = dw.astype(p.dtype)
     dx = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))           # softmax vjp
     if keep is not None:

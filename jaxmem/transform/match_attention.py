@@ -24,6 +24,8 @@ Flax's ``dot_product_attention``, ``jax.nn.dot_product_attention(implementation=
     p = p * bernoulli(key)/keep      optional (Flax's attention dropout; the recipe is
                                      checked by re-tracing ``jax.random.bernoulli``, and
                                      the core regenerates the mask from ``key``)
+      | where(bernoulli(key), p / keep, 0)   (Equinox's, hand-written JAX's; also one
+                                     mask per key of a batch of keys under ``vmap``)
     p = p * f                        optional, f constant along T and S (a head mask,
                                      also as ``einsum("...hqk,h->...hqk")`` + transpose);
                                      re-emitted as ``o * f`` since ``(P f) v = (P v) f``
@@ -52,6 +54,7 @@ import numpy as np
 
 from jaxmem.transform.graph import Graph, is_literal, location, name_stack
 from jaxmem.transform.match import Match, aval_str
+from jaxmem.transform.match_random import BernoulliMask, bernoulli_mask, key_recipe, signature
 from jaxmem.transform.report import Row
 
 __all__ = ["match_attention"]
@@ -322,46 +325,19 @@ def _peel_factor(graph: Graph, x, part: set[int]):
     return x, None
 
 
-def _signature(eqn) -> str:
-    params = sorted((k, repr(v)) for k, v in eqn.params.items()
-                    if k not in ("sharding", "out_sharding"))
-    lits = [repr(np.asarray(v.val).tolist()) for v in eqn.invars if is_literal(v)]
-    return f"{eqn.primitive.name}{params}{lits}"
-
-
-def _recipe(graph: Graph, keep, part: set[int]):
-    """The equations computing ``keep`` from one PRNG key (the input of its
-    ``random_bits``): ``(indices, key)`` or ``None``."""
-    found: set[int] = set()
-    keys: list = []
-    stack = [keep]
-    seen: set = set()
-    while stack:
-        v = stack.pop()
-        if is_literal(v) or v in seen:
-            continue
-        seen.add(v)
-        i = graph.producer.get(v)
-        if i is None:
-            if v in graph.consts:
-                continue
-            return None                       # depends on an input other than the key
-        eqn = graph.jaxpr.eqns[i]
-        found.add(i)
-        if eqn.primitive.name == "random_bits":
-            keys.append(eqn.invars[0])
-            continue
-        stack.extend(eqn.invars)
-    if len({id(k) for k in keys}) != 1:
-        return None
-    return found, keys[0]
-
-
 def _peel_dropout(graph: Graph, x, part: set[int]):
-    """``x = P * (bernoulli(key, keep, shape) / keep)`` (Flax's attention dropout, the mask
-    broadcast over the batch axes or not), recognised by re-tracing
-    ``jax.random.bernoulli`` and comparing equations: returns ``(P, (key, keep, broadcast))``
-    or ``(x, None)``.  ``attention_core`` regenerates the very mask from ``key``."""
+    """Attention dropout on the weights ``P``, returning ``(P, (key, keep, broadcast,
+    select))`` or ``(x, None)``; ``attention_core`` regenerates the very mask from ``key``:
+
+    * ``x = P * (bernoulli(key, keep, shape) / keep)`` (Flax's, the mask broadcast over the
+      batch axes or not; ``select`` False);
+    * ``x = where(bernoulli(key, keep, shape), P / keep, 0)`` (Equinox's, hand-written
+      JAX's: one mask per key of a batch of keys under ``jax.vmap``; ``select`` True).
+
+    The mask is checked by re-tracing ``jax.random.bernoulli`` and comparing equations."""
+    found = _peel_select_dropout(graph, x, part)
+    if found is not None:
+        return found
     import jax
 
     from jaxmem.transform.graph import inline_calls
@@ -387,16 +363,13 @@ def _peel_dropout(graph: Graph, x, part: set[int]):
         keep = hc[1].invars[0]
         if keep.aval.dtype != np.bool_ or len(keep.aval.shape) != rank:
             continue
-        rec = _recipe(graph, keep, part)
+        rec = key_recipe(graph, keep, part)
         if rec is None:
             continue
         eqns, key = rec
         shape = tuple(keep.aval.shape)
-        if shape == tuple(p.aval.shape):
-            broadcast = False
-        elif shape[-2:] == tuple(p.aval.shape[-2:]) and all(n == 1 for n in shape[:-2]):
-            broadcast = True
-        else:
+        broadcast = _dropout_broadcast(shape, tuple(p.aval.shape))
+        if broadcast is None:
             continue
         dt = src.aval.dtype
 
@@ -410,11 +383,55 @@ def _peel_dropout(graph: Graph, x, part: set[int]):
         except (TypeError, ValueError):
             continue
         mine_eqns = [graph.jaxpr.eqns[i] for i in eqns | {hc[0], hd[0]}]
-        if sorted(map(_signature, mine_eqns)) != sorted(map(_signature, rj.eqns)):
+        if sorted(map(signature, mine_eqns)) != sorted(map(signature, rj.eqns)):
             continue
         part |= mine | eqns | {hc[0], hd[0]}
-        return p, (key, kp, broadcast)
+        return p, (key, kp, broadcast, False)
     return x, None
+
+
+def _dropout_broadcast(shape, pshape) -> bool | None:
+    """A mask of ``shape`` on weights of ``pshape``: ``False`` one bit per weight, ``True``
+    shared over the batch axes (``(1, ..., 1, T, S)``), ``None`` another sharing."""
+    if shape == pshape:
+        return False
+    if shape[-2:] == pshape[-2:] and len(shape) == len(pshape) and all(n == 1 for n in shape[:-2]):
+        return True
+    return None
+
+
+def _peel_select_dropout(graph: Graph, x, part: set[int]):
+    """``x = where(bernoulli(key, keep, shape), P / keep, 0)`` -> ``(P, (key, keep,
+    broadcast, True))``, or ``None`` (not this form, or a mask the core cannot regenerate:
+    then the weights stay unmatched and the report says why)."""
+    h = _prod(graph, x, "select_n")
+    if h is None or len(h[1].invars) != 3:
+        return None
+    pred, zero, scaled = h[1].invars
+    if pred.aval.dtype != np.bool_ or graph.uniform(zero) != 0.0:
+        return None
+    hd = _prod(graph, scaled, "div")
+    if hd is None or is_literal(hd[1].invars[0]):
+        return None
+    p = hd[1].invars[0]
+    kp = graph.uniform(hd[1].invars[1])
+    if kp is None or not 0 < kp < 1 or 1.0 - (1.0 - kp) != kp:
+        return None
+    mine = {h[0], hd[0]}
+    keep = pred
+    hb = _prod(graph, pred, "broadcast_in_dim")
+    if hb is not None:
+        mine.add(hb[0])
+        keep = hb[1].invars[0]
+    shape, pshape = tuple(keep.aval.shape), tuple(p.aval.shape)
+    broadcast = _dropout_broadcast(shape, pshape)
+    found = bernoulli_mask(graph, keep, kp)
+    if broadcast is None or not isinstance(found, BernoulliMask):
+        return None
+    if found.nk and (broadcast or pshape[:found.nk] != shape[:found.nk]):
+        return None
+    part |= mine | found.eqns
+    return p, (found.key, kp, broadcast, True)
 
 
 def _fill(graph: Graph, v, dtype) -> str | float | None:
@@ -615,9 +632,10 @@ def _match_one(graph: Graph, d2_index: int):
               "out_perm": tuple(out_perm), "keep_negated": keep_negated,
               "factor": factor, "dropout_key": None}
     if dropout is not None:
-        key, kp, broadcast = dropout
+        key, kp, broadcast, select = dropout
         spec["dropout_rate"] = 1.0 - kp
         spec["broadcast_dropout"] = broadcast
+        spec["dropout_select"] = select
         layout["dropout_key"] = key
 
     def scores_source(var, v2f):

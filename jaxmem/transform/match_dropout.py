@@ -17,9 +17,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxmem.transform.graph import Graph, first_location, inline_calls, is_literal, name_stack
+from jaxmem.transform.graph import Graph, first_location, is_literal, name_stack
 from jaxmem.transform.match import Match, aval_str
-from jaxmem.transform.match_attention import _recipe, _signature
+from jaxmem.transform.match_random import bernoulli_mask
 from jaxmem.transform.report import Row
 
 __all__ = ["match_dropout"]
@@ -32,20 +32,6 @@ def _prod(graph: Graph, v, name: str):
     if i is None or graph.jaxpr.eqns[i].primitive.name != name:
         return None
     return i, graph.jaxpr.eqns[i]
-
-
-def _threshold_eqns(graph: Graph, thr, found: set[int]) -> set[int]:
-    """The equations among ``found`` computing the constant threshold ``thr``."""
-    out: set[int] = set()
-    stack = [thr]
-    while stack:
-        v = stack.pop()
-        j = None if is_literal(v) else graph.producer.get(v)
-        if j is None or j not in found or j in out or graph.uniform(v) is None:
-            continue
-        out.add(j)
-        stack.extend(graph.jaxpr.eqns[j].invars)
-    return out
 
 
 def _one(graph: Graph, i: int, taken: set[int], path: str) -> Match | Row | None:
@@ -69,39 +55,23 @@ def _one(graph: Graph, i: int, taken: set[int], path: str) -> Match | Row | None
     if hb is not None:
         part.add(hb[0])
         keep = hb[1].invars[0]
-    rec = _recipe(graph, keep, part)
     where = first_location([sel, hd[1]] + ([hb[1]] if hb is not None else []))
     ns = name_stack(sel)
     what = f"dropout {aval_str(x)} keep {kp:g}"
-    if rec is None:
-        return None                         # a select on something else than random bits
-    found, key = rec
     shape = tuple(keep.aval.shape)
     xshape = tuple(x.aval.shape)
+    found = bernoulli_mask(graph, keep, kp)
+    if found is None:
+        return None                         # a select on something else than random bits
     if len(shape) != len(xshape) or any(a not in (1, b) for a, b in zip(shape, xshape)):
         return Row("dropout", what, "", False, "the mask does not broadcast along x's axes",
                    where, ns, path)
-
-    # the threshold is a literal (Flax) or computed from constants in the program
-    # (Equinox's ``1 - stop_gradient(p)``): then those equations are left out and the
-    # recipe is re-traced with the threshold as an argument
-    lt = next((eqns[j] for j in found if eqns[j].primitive.name == "lt"), None)
-    thr = lt.invars[1] if lt is not None else None
-    computed = thr is not None and not is_literal(thr) and graph.producer.get(thr) in found
-    if computed:
-        # the mask is regenerated with ``x``'s divisor as its keep probability: a threshold
-        # of another value (``where(bernoulli(k, 0.8), x / 0.9, 0)``) would change the mask
-        t = graph.uniform(thr)
-        if t is None or np.float32(t) != np.float32(kp):
-            return Row("dropout", what, "", False,
-                       f"the mask's keep probability ({t}) is not the divisor ({kp:g})",
-                       where, ns, path)
-        found = found - _threshold_eqns(graph, thr, found)
-
+    if isinstance(found, str):
+        return Row("dropout", what, "", False, found, where, ns, path)
     # a batch of keys (``jax.vmap`` over per-example keys, Equinox): one mask per key,
     # over the leading axes
-    nk = len(key.aval.shape)
-    if shape[:nk] != tuple(key.aval.shape) or xshape[:nk] != shape[:nk]:
+    key, nk = found.key, found.nk
+    if xshape[:nk] != shape[:nk]:
         return Row("dropout", what, "", False, "a batch of keys that is not x's leading axes",
                    where, ns, path)
 
@@ -110,20 +80,7 @@ def _one(graph: Graph, i: int, taken: set[int], path: str) -> Match | Row | None
             fn = jax.vmap(fn)
         return fn
 
-    def ref(k, *p):
-        return per_key(lambda kk: jax.random.bernoulli(kk, p[0] if p else kp, shape[nk:]))(k)
-
-    try:
-        kstruct = jax.ShapeDtypeStruct(key.aval.shape, key.aval.dtype)
-        extra = [jax.ShapeDtypeStruct((), thr.aval.dtype)] if computed else []
-        rj = inline_calls(jax.make_jaxpr(ref)(kstruct, *extra), [kstruct, *extra]).jaxpr
-    except (TypeError, ValueError) as e:
-        return Row("dropout", what, "", False, f"the key cannot be re-traced: {e}", where, ns,
-                   path)
-    mine = [eqns[j] for j in found]
-    if sorted(map(_signature, mine)) != sorted(map(_signature, rj.eqns)):
-        return Row("dropout", what, "", False,
-                   "the mask is not jax.random.bernoulli(key, keep, shape)", where, ns, path)
+    found = found.eqns
     part |= found
     if part & taken:
         return None
