@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxmem._compat import core
+from jaxmem.transform.fewbit_sites import deciding
 from jaxmem.transform.interpret import INNER_GRADIENT, Interpreter
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import GradientInsideWarning, Report, collect, collecting, tracing
@@ -128,7 +129,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
 
         with tracing():
             closed = jax.make_jaxpr(flat_f)(*dyn_vals)
-            outs, inner_gradient = interp.run_outermost(closed, dyn_vals)
+            with deciding(interp, closed, dyn_vals):
+                outs, inner_gradient = interp.run_outermost(closed, dyn_vals)
             arrays = iter(outs)
         if (inner_gradient is not None and not collecting()
                 and not _maybe_differentiated(dyn_vals)):

@@ -23,12 +23,14 @@ autodiff keeps one or more ``x``-sized float arrays for ``f'``.  It is re-emitte
   minimises ``E (f'(x) - q(x))^2`` on ``[-10, 10]`` (Gaussian weight) for *this* ``f``
   (cached per subgraph structure), and :func:`jaxmem.fewbit.ops.fewbit_op` keeps only the
   ``b``-bit bin of ``x``: ``dx = dy * q(x)``.  Forward exact, gradient approximate.
-  Not where ``f(x)`` is the input of a product re-emitted as a selective bilinear op (and
-  nothing else reading it keeps it): that product would keep ``f(x)`` in full beside the
-  code, so the exact op below is emitted instead (``x`` kept once, ``f(x)`` recomputed by
-  the product: fewer kept bytes, exact gradient) -- except in the body of a checkpoint
-  without a policy, which the backward pass recomputes whole
-  (:mod:`~jaxmem.transform.match_fused`).
+  Where ``f(x)`` is the input of a product re-emitted as a selective bilinear op (and
+  nothing else reading it keeps it), that product keeps ``f(x)`` in full beside the code;
+  the exact op below keeps ``x`` alone (``f(x)`` recomputed by the product: fewer stored
+  bytes per site, exact gradient) but holds the recomputed ``f(x)`` in its backward. The
+  whole program decides (:mod:`~jaxmem.transform.fewbit_sites`): few such sites outside
+  ``scan`` bodies keep their codes, many get the exact op -- except in the body of a
+  checkpoint without a policy, which the backward pass recomputes whole
+  (:mod:`~jaxmem.transform.match_fused`): codes there.
 * **exact, input kept** when ``f`` is smooth and ``fewbit`` is ``None``:
   :func:`jaxmem.selective.smooth_activation` keeps ``x`` only and recomputes JAX's own
   ``vjp`` of the subgraph at ``x`` in the backward (exact), and a selective product fed
@@ -52,6 +54,7 @@ import numpy as np
 from jaxmem._compat import core
 from jaxmem._prims.host import on_host
 from jaxmem._prims.ties import vary_like
+from jaxmem.transform.fewbit_sites import code_after_products, note_site
 from jaxmem.transform.graph import (
     Graph,
     ancestors,
@@ -601,9 +604,13 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None) -> Ma
                   where, ns, path)
         return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
                      fn=sub)
-    if _product_keeps_output(graph, o, products) and not in_recomputed_body():
+    if (_product_keeps_output(graph, o, products) and not in_recomputed_body()
+            and not code_after_products()):
         # the product keeps f(x) beside a few-bit code; the exact op keeps x alone and the
-        # product recomputes f(x) from it: fewer bytes, and the gradient is exact
+        # product recomputes f(x) from it: fewer stored bytes, and the gradient is exact --
+        # unless the whole program has so few such sites that the exact op's backward
+        # working set (one recomputed f(x)) outweighs their codes (fewbit_sites)
+        note_site(r)
         op = exact_activation(sub)
         row = Row("activation", what, "exact (input kept, f' recomputed)", True,
                   f"fewbit={fewbit} not applied: the following product would keep f(x) "

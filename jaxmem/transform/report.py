@@ -110,6 +110,16 @@ def record(row: Row) -> None:
 
 
 @contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """Record nothing inside the context (the matchers run to count, not to re-emit)."""
+    token = _ROWS.set(None)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+@contextlib.contextmanager
 def collect() -> Iterator[list]:
     """Collect the rows recorded while tracing inside the context (an enclosing collection
     gets them too, when this one ends)."""

@@ -246,11 +246,30 @@ def test_fused_op_with_a_frozen_second_weight_and_bf16():
 
 
 def test_fewbit_keeps_its_code_in_a_recomputed_body():
+    """Under a checkpoint without a policy the code stays however many layers there are;
+    outside one, twelve layers whose products read the activation keep the exact op
+    (``jaxmem.transform.fewbit_sites``; a single layer keeps its code there too)."""
     p, x = _params(), normal((32, 16), scale=2.0)
-    inside = _activation_row(transform(_mlp("none"), fewbit=3), p, x)
-    assert inside.became == "3-bit code (fitted table)"
-    outside = _activation_row(transform(_mlp("off"), fewbit=3), p, x)
-    assert outside.became == "exact (input kept, f' recomputed)"
+
+    def deep(policy):
+        def layer(p, x):
+            return GELU(x @ p["w1"] + p["b1"]) @ p["w2"]
+        if policy == "none":
+            layer = jax.checkpoint(layer)
+
+        def loss(p, x):
+            for _ in range(12):
+                x = layer(p, x)
+            return jnp.mean(x ** 2)
+        return loss
+
+    def became(g):
+        return {r.became for r in g.report(p, x).by_kind("activation") if r.converted}
+
+    assert became(transform(deep("none"), fewbit=3)) == {"3-bit code (fitted table)"}
+    assert became(transform(deep("off"), fewbit=3)) == {"exact (input kept, f' recomputed)"}
+    single = _activation_row(transform(_mlp("off"), fewbit=3), p, x)
+    assert single.became == "3-bit code (fitted table)"
 
 
 # ------------------------------------------------------------------- XLA's plans

@@ -188,30 +188,70 @@ def _mlp(act, extra=None):
     return loss
 
 
+def _stack(act, depth):
+    """``depth`` layers ``h = act(h @ w1 + b1) @ w3``: as many activations read by products."""
+    def loss(p, x):
+        h = x
+        for _ in range(depth):
+            h = act(h @ p["w1"] + p["b1"]) @ p["w3"]
+        return jnp.mean(h ** 2)
+    return loss
+
+
+def _stack_params():
+    return dict(_params(), w3=normal((64, 16), scale=0.2))
+
+
 @pytest.mark.parametrize("name", ["gelu erf", "gelu tanh", "silu", "tanh"])
-def test_fewbit_keeps_the_exact_op_where_a_product_reads_the_output(name):
-    """Under ``fewbit`` a smooth activation read by a selective product stays exact: the
-    product would keep ``f(x)`` beside a few-bit code, while the exact op keeps ``x`` alone
-    (the product recomputes ``f(x)`` from it). Same residuals as without ``fewbit``, no
-    code, and the gradient is the exact one (also for ``tanh``, which the exact path leaves
-    to JAX without ``fewbit``)."""
-    f = _mlp(ACTS[name])
-    p, x = _params(), normal((32, 16), scale=2.0)
+def test_fewbit_keeps_the_exact_op_where_many_products_read_outputs(name):
+    """Under ``fewbit`` a smooth activation read by a selective product stays exact when the
+    program has many such sites: the product would keep ``f(x)`` beside a few-bit code,
+    while the exact op keeps ``x`` alone (the product recomputes ``f(x)`` from it). Same
+    residuals as without ``fewbit``, no code, and the gradient is the exact one (also for
+    ``tanh``, which the exact path leaves to JAX without ``fewbit``)."""
+    f = _stack(ACTS[name], 12)
+    p, x = _stack_params(), normal((32, 16), scale=2.0)
     g3 = transform(f, fewbit=3)
-    row, = [r for r in g3.report(p, x).by_kind("activation") if r.converted]
-    assert row.became == "exact (input kept, f' recomputed)"
-    assert "fewbit=3 not applied" in row.reason and "product" in row.reason
+    rows = [r for r in g3.report(p, x).by_kind("activation") if r.converted]
+    assert len(rows) == 12
+    assert all(r.became == "exact (input kept, f' recomputed)" for r in rows)
+    assert all("fewbit=3 not applied" in r.reason and "product" in r.reason for r in rows)
     got = jax.jit(jax.value_and_grad(g3))(p, x)
     close(got, jax.jit(jax.value_and_grad(f))(p, x))
     if name != "tanh":  # the same step as without fewbit
         want = jax.jit(jax.value_and_grad(transform(f)))(p, x)
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got),
                                                         jax.tree_util.tree_leaves(want)))
-    # autodiff keeps x once, shared by the activation and the product; no code
+    # autodiff keeps x once per layer, shared by the activation and the product; no code
     res = residual_bytes(g3, p, x)
-    assert len([e for e in res.entries if e.shape == (32, 64)]) == 1
+    assert len([e for e in res.entries if e.shape == (32, 64)]) == 12
     assert not [e for e in res.entries if e.dtype == jnp.uint8]
     assert res.activation_bytes <= residual_bytes(transform(f), p, x).activation_bytes
+
+
+@pytest.mark.xla_cpu
+@pytest.mark.parametrize("depth", [1, 24])
+def test_fewbit_after_products_picks_the_smaller_plan(depth, monkeypatch):
+    """The whole program decides (``jaxmem.transform.fewbit_sites``): one activation read
+    by a product keeps its 3-bit code (the exact op's backward would hold a recomputed
+    ``f(x)`` at the peak: more than one code), 24 keep the exact op (24 codes outweigh that
+    buffer). On XLA:CPU each choice compiles to fewer bytes than the other, forced (32 x 64
+    activations: 52.5 vs 57.9 KB at depth 1, 283.4 vs 299.0 KB at depth 24). XLA:GPU's H100
+    plan keeps this small stack smaller coded at every depth (xla_cpu: XLA:CPU's plan)."""
+    from jaxmem.transform import fewbit_sites
+    f = _stack(ACTS["gelu erf"], depth)
+    p, x = _stack_params(), normal((32, 16), scale=2.0)
+
+    def total():
+        return compiled_memory(jax.grad(transform(f, fewbit=3)), p, x).total_bytes
+
+    rows = [r for r in transform(f, fewbit=3).report(p, x).by_kind("activation")
+            if r.converted]
+    coded = all(r.became == "3-bit code (fitted table)" for r in rows)
+    assert len(rows) == depth and coded == (depth == 1)
+    chosen = total()
+    monkeypatch.setattr(fewbit_sites, "WORKING_SET", 0.0 if coded else 1e9)   # the other
+    assert chosen < total()
 
 
 @pytest.mark.parametrize("variant,why", [
@@ -256,9 +296,10 @@ def _mlp_stack(variant, target, depth):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_compiled_fewbit_step_is_the_exact_step_where_products_read_the_activation(target):
-    """Every GELU of the stack feeds a product: ``fewbit=3`` compiles to the very step
-    ``transform`` gives (with few-bit codes, the products kept ``gelu(x)`` in f32 beside
-    them: a different plan, with approximate gradients). Three blocks: a first (its input
-    the argument), an interior and a last one, each block identical to the others."""
-    exact = _mlp_stack(transform, target, 3)
-    assert _mlp_stack(lambda f: transform(f, fewbit=3), target, 3) == exact
+    """Every GELU of the stack feeds a product, and there are enough of them (nine) for the
+    exact op to win (``fewbit_sites``): ``fewbit=3`` compiles to the very step ``transform``
+    gives (with few-bit codes, the products kept ``gelu(x)`` in f32 beside them: a
+    different plan, with approximate gradients). A first block (its input the argument),
+    interior ones and a last one, each block identical to the others."""
+    exact = _mlp_stack(transform, target, 9)
+    assert _mlp_stack(lambda f: transform(f, fewbit=3), target, 9) == exact
