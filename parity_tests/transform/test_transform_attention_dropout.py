@@ -25,6 +25,22 @@ def _qkv():
     return normal((B, T, H, D)), normal((B, T, H, D)), normal((B, T, H, D))
 
 
+def _fresh_key():
+    return jax.random.key(int(np.random.default_rng().integers(1 << 30)))
+
+
+def _dropout_inside_and_exact(f, *args, rtol=1e-5, atol=1e-6):
+    """``transform(f)``: one attention row, converted with its dropout; the value and the
+    gradients w.r.t. ``q, k, v`` those of ``f`` (the same mask). Returns the transform."""
+    g = transform(f)
+    row, = g.report(*args).by_kind("attention")
+    assert row.converted and "dropout" in row.matched
+    close(jax.jit(g)(*args), jax.jit(f)(*args), rtol=1e-5)
+    close(jax.jit(jax.grad(g, (0, 1, 2)))(*args), jax.jit(jax.grad(f, (0, 1, 2)))(*args),
+          rtol=rtol, atol=atol)
+    return g
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_attention_dropout_regenerates_the_same_mask(broadcast):
     q, k, v = _qkv()
@@ -34,13 +50,7 @@ def test_attention_dropout_regenerates_the_same_mask(broadcast):
                                      deterministic=False, broadcast_dropout=broadcast)
         return jnp.sum(o ** 2)
 
-    key = jax.random.key(int(np.random.default_rng().integers(1 << 30)))
-    g = transform(f)
-    row, = g.report(q, k, v, key).by_kind("attention")
-    assert row.converted and "dropout" in row.matched
-    close(jax.jit(g)(q, k, v, key), jax.jit(f)(q, k, v, key), rtol=1e-5)
-    close(jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v, key),
-          jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v, key), rtol=1e-4, atol=1e-5)
+    _dropout_inside_and_exact(f, q, k, v, _fresh_key(), rtol=1e-4, atol=1e-5)
 
 
 def test_legacy_uint32_key_and_a_different_key_differ():
@@ -67,10 +77,6 @@ def _select_attention(q, k, v, key, keep=0.9, divisor=None, shape=None, mask=Non
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def _fresh_key():
-    return jax.random.key(int(np.random.default_rng().integers(1 << 30)))
-
-
 @pytest.mark.parametrize("shared", [False, True], ids=["per weight", "shared over b, h"])
 def test_select_dropout_on_the_weights_is_inside_the_attention(shared):
     q, k, v = _qkv()
@@ -78,13 +84,9 @@ def test_select_dropout_on_the_weights_is_inside_the_attention(shared):
     shape = (1, 1, T, T) if shared else None
     f = lambda q, k, v, key: jnp.sum(_select_attention(q, k, v, key, shape=shape) * w)
     key = _fresh_key()
-    g = transform(f)
-    row, = g.report(q, k, v, key).by_kind("attention")
-    assert row.converted and "dropout" in row.matched
+    g = _dropout_inside_and_exact(f, q, k, v, key)
     assert not g.report(q, k, v, key).by_kind("dropout")     # not converted apart
-    close(jax.jit(g)(q, k, v, key), jax.jit(f)(q, k, v, key), rtol=1e-5)
     got = jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v, key)
-    close(got, jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v, key), rtol=1e-5, atol=1e-6)
     # against float64 autodiff of the same program (the mask drawn as in float32: under
     # x64, bernoulli draws float64 uniforms, other bits)
     mask = jax.random.bernoulli(key, 0.9, shape or (B, H, T, T))
@@ -108,12 +110,7 @@ def test_one_mask_per_example_key_under_vmap():
         return _select_attention(q[None], k[None], v[None], key)[0]
 
     f = lambda q, k, v, keys: jnp.sum(jax.vmap(one)(q, k, v, keys) * w)
-    g = transform(f)
-    row, = g.report(q, k, v, keys).by_kind("attention")
-    assert row.converted and "dropout" in row.matched
-    close(jax.jit(g)(q, k, v, keys), jax.jit(f)(q, k, v, keys), rtol=1e-5)
-    close(jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v, keys),
-          jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v, keys), rtol=1e-5, atol=1e-6)
+    _dropout_inside_and_exact(f, q, k, v, keys)
     # each example's mask follows its own key
     other = keys.at[1].set(_fresh_key())
     a, b = jax.jit(jax.vmap(one))(q, k, v, keys), jax.jit(jax.vmap(one))(q, k, v, other)
