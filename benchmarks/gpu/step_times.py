@@ -46,8 +46,8 @@ Groups (``--small``: tiny sizes, for checking the script on a CPU):
 * ``rowconv_vgg16_w1``: the same trunk at full width; untiled vs OverL-H N=16.
 * ``flax_{linen_lm,linen_resnet,nnx_vit}``: Flax code as users write it
   (``jaxmem.bench.flax_models``), batch 8x ``benchmarks/third_party``'s, jitted full train
-  step (gradient and optax update, train state donated); baseline untouched, variants the training loss under
-  ``jaxmem.transform`` exact and with ``fewbit=3``
+  step (gradient and optax update, train state donated); baseline untouched, variants the
+  training loss under ``jaxmem.transform`` exact and with ``fewbit=3``
   (``benchmarks/third_party/flax_models_transform.py``'s steps).
 """
 from __future__ import annotations

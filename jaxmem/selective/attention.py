@@ -154,12 +154,13 @@ class AttentionSpec:
     ``-0.7 * finfo(s.dtype).max`` (capped at the float32 range), a float is that value in
     the scores' dtype (``jnp.where(mask, s, -1e9)``).  The weights are
     ``softmax(s.astype(softmax_dtype)).astype(weights_dtype)`` (no cast where ``None``),
-    multiplied by ``keep / (1 - dropout_rate)`` when ``dropout_rate > 0`` (Flax's spelling; with
-    ``dropout_select``, ``where(keep, w / (1 - dropout_rate), 0)``: Equinox's), and contracted
-    with ``v`` (``pv_precision``).  The mask ``keep`` is ``bernoulli(rng, 1 - dropout_rate)``
-    of the weights' shape, or of ``(1, ..., 1, T, S)`` with ``broadcast_dropout``; a batch of
-    keys (``rng`` of shape ``K``) draws one mask per key over the weights' leading ``K`` axes.  ``causal``: ``"bottom_right"`` keeps key ``j <= i + S - T``,
-    ``"top_left"`` keeps ``j <= i``.
+    multiplied by ``keep / (1 - dropout_rate)`` when ``dropout_rate > 0`` (Flax's spelling;
+    with ``dropout_select``, ``where(keep, w / (1 - dropout_rate), 0)``: Equinox's), and
+    contracted with ``v`` (``pv_precision``).  The mask ``keep`` is ``bernoulli(rng, 1 -
+    dropout_rate)`` of the weights' shape, or of ``(1, ..., 1, T, S)`` with
+    ``broadcast_dropout``; a batch of keys (``rng`` of shape ``K``) draws one mask per key
+    over the weights' leading ``K`` axes.  ``causal``: ``"bottom_right"`` keeps key
+    ``j <= i + S - T``, ``"top_left"`` keeps ``j <= i``.
     """
     scale: float | None = None
     divisor: float | None = None

@@ -363,7 +363,7 @@ def _peel_dropout(graph: Graph, x, part: set[int]):
         keep = hc[1].invars[0]
         if keep.aval.dtype != np.bool_ or len(keep.aval.shape) != rank:
             continue
-        rec = key_recipe(graph, keep, part)
+        rec = key_recipe(graph, keep)
         if rec is None:
             continue
         eqns, key = rec

@@ -60,17 +60,17 @@ def _one(graph: Graph, i: int, taken: set[int], path: str) -> Match | Row | None
     what = f"dropout {aval_str(x)} keep {kp:g}"
     shape = tuple(keep.aval.shape)
     xshape = tuple(x.aval.shape)
-    found = bernoulli_mask(graph, keep, kp)
-    if found is None:
+    mask = bernoulli_mask(graph, keep, kp)
+    if mask is None:
         return None                         # a select on something else than random bits
     if len(shape) != len(xshape) or any(a not in (1, b) for a, b in zip(shape, xshape)):
         return Row("dropout", what, "", False, "the mask does not broadcast along x's axes",
                    where, ns, path)
-    if isinstance(found, str):
-        return Row("dropout", what, "", False, found, where, ns, path)
+    if isinstance(mask, str):
+        return Row("dropout", what, "", False, mask, where, ns, path)
     # a batch of keys (``jax.vmap`` over per-example keys, Equinox): one mask per key,
     # over the leading axes
-    key, nk = found.key, found.nk
+    key, nk = mask.key, mask.nk
     if xshape[:nk] != shape[:nk]:
         return Row("dropout", what, "", False, "a batch of keys that is not x's leading axes",
                    where, ns, path)
@@ -80,8 +80,7 @@ def _one(graph: Graph, i: int, taken: set[int], path: str) -> Match | Row | None
             fn = jax.vmap(fn)
         return fn
 
-    found = found.eqns
-    part |= found
+    part |= mask.eqns
     if part & taken:
         return None
     for j in part:

@@ -29,10 +29,9 @@ def signature(eqn) -> str:
     return f"{eqn.primitive.name}{params}{lits}"
 
 
-def key_recipe(graph: Graph, keep, part: set[int]):
+def key_recipe(graph: Graph, keep):
     """The equations computing ``keep`` from one PRNG key (the input of its
     ``random_bits``) and constants: ``(indices, key)`` or ``None``."""
-    del part
     found: set[int] = set()
     keys: list = []
     stack = [keep]
@@ -86,7 +85,7 @@ def bernoulli_mask(graph: Graph, keep, keep_prob: float) -> BernoulliMask | str 
 
     Returns a :class:`BernoulliMask`, ``None`` where ``keep`` is not computed from one key
     (a select on something else), or the reason it is random bits of another recipe."""
-    rec = key_recipe(graph, keep, set())
+    rec = key_recipe(graph, keep)
     if rec is None:
         return None
     found, key = rec
