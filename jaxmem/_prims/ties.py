@@ -150,6 +150,9 @@ def _barrier_off_cpu(x, dep):
 _tie = _make_tie(lambda x, dep: _arith(x, dep), lambda x, dep: _arith(x, dep))
 #: :func:`after`: a barrier on XLA:GPU where the program is not split, nothing elsewhere
 _after = _make_tie(_barrier_off_cpu, lambda x, dep: x)
+#: :func:`after` with ``split=True``: a barrier on XLA:GPU, on every shard where XLA's SPMD
+#: partitioner splits the program too
+_after_split = _make_tie(_barrier_off_cpu, _barrier_off_cpu)
 
 
 def _tie_leaf(a, dep, op):
@@ -183,7 +186,7 @@ def tie(x, dep):
     return _map_tie(x, dep, _tie, "tie")
 
 
-def after(x, dep, *, everywhere: bool = False):
+def after(x, dep, *, everywhere: bool = False, split: bool = False):
     """``x`` unchanged (bit for bit), scheduled after ``dep`` on XLA:GPU inside
     ``shard_map``: an ``optimization_barrier`` over ``(x, dep)`` where ``x`` or ``dep``
     varies over a manual mesh axis; nothing on XLA:CPU, nothing outside ``shard_map`` (one
@@ -197,7 +200,11 @@ def after(x, dep, *, everywhere: bool = False):
     gradient (``jaxmem.selective.bias_add``, ``everywhere``). On XLA:CPU the arithmetic tie
     costs a buffer there (measured: a vmapped sync BatchNorm 4.5 -> 12.5 B/element per
     layer); under SPMD a use of the whole reduced weight gradient turns its reduce-scatter
-    into an all-reduce. Same arguments and result as :func:`tie`."""
+    into an all-reduce, unless ``dep`` is already laid out as it will be reduced
+    (:func:`jaxmem._prims.grad_layout.reduced_here`): ``split=True`` then keeps the barrier
+    on every shard of a split program too. Same arguments and result as :func:`tie`."""
+    if split:
+        return _map_tie(x, dep, _after_split, "after")
     if not everywhere and not any(varying_axes(a) for a in jax.tree.leaves((x, dep))
                                   if a is not None):
         return x

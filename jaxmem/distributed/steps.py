@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._prims.bitpack import shard_axes
+from jaxmem._prims.grad_layout import gradient_layout
 from jaxmem.distributed.sharding import (
     MODES,
     _check_mesh,
@@ -96,7 +97,7 @@ class TrainStep:
 
     def __init__(self, loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
                  rules: Sequence | None = None, batch_axis: str = "data", donate: bool = True,
-                 shard_update: bool = True):
+                 shard_update: bool = True, reduce_early: bool | None = None):
         if not callable(loss_fn):
             raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -110,6 +111,12 @@ class TrainStep:
         self.batch_sharding = batch_sharding(mesh, batch_axis)
         self.donate = bool(donate)
         self.shard_update = bool(shard_update)
+        if reduce_early not in (None, True, False):
+            raise TypeError(f"train_step: reduce_early must be None, True or False, got "
+                            f"{reduce_early!r}")
+        if reduce_early is None:
+            reduce_early = mesh.devices.flat[0].platform != "cpu"
+        self.reduce_early = reduce_early
         self._cache: dict = {}
 
     # -- layouts -------------------------------------------------------------------------
@@ -148,8 +155,25 @@ class TrainStep:
     def _tracing(self) -> Iterator[None]:
         """The context the step is traced in: the step's mesh, and the mesh axes that may
         split a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``)."""
-        with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]):
+        layout = self._gradient_layout()
+        store = gather = None
+        if layout is not None and self.mode == "fsdp":
+            mesh = self.mesh
+            store = lambda shape: self.param_shardings(jax.ShapeDtypeStruct(shape, np.float32))
+            gather = NamedSharding(mesh, P())
+        with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]), \
+                gradient_layout(layout, store, gather):
             yield
+
+    def _gradient_layout(self):
+        """``shape -> NamedSharding``: where the step reduces a weight gradient of that shape
+        (:meth:`update_shardings`), for the backward rules of jaxmem's layers to reduce it
+        where they form it (:mod:`jaxmem._prims.grad_layout`). Only under ``"dp"`` and
+        ``"fsdp"`` without ``rules``, where that layout is a function of the shape alone;
+        ``None`` otherwise."""
+        if not self.reduce_early or self.mode not in ("dp", "fsdp") or self.rules:
+            return None
+        return lambda shape: self.update_shardings(jax.ShapeDtypeStruct(shape, np.float32))
 
     def _loss_and_grads(self, params, batch, use, ush):
         # FSDP (ZeRO-3) gathers each parameter where the forward uses it (``use``
@@ -162,7 +186,7 @@ class TrainStep:
     def _compiled_fns(self, params):
         # the packed layout depends on (mesh, mode): both are part of the key, so one
         # TrainStep never reuses a program traced for another layout
-        key = (self.mesh, self.mode, self.shard_update, _key(params))
+        key = (self.mesh, self.mode, self.shard_update, self.reduce_early, _key(params))
         if key not in self._cache:
             import optax
 
@@ -214,7 +238,8 @@ class TrainStep:
 
 def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
                rules: Sequence | None = None, batch_axis: str = "data",
-               donate: bool = True, shard_update: bool = True) -> TrainStep:
+               donate: bool = True, shard_update: bool = True,
+               reduce_early: bool | None = None) -> TrainStep:
     """A sharded training step: ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
     ``mode``: ``"dp"``, ``"fsdp"`` or ``"tp"`` (see :mod:`jaxmem.distributed.sharding`);
@@ -233,6 +258,15 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         :func:`~jaxmem.distributed.update_shardings` and update there, with the optimizer
         state laid out alike (default); ``False``: the gradient laid out like the
         parameters (an all-reduce under ``"dp"``) and the update with them.
+      reduce_early: under ``"dp"`` and ``"fsdp"`` (without ``rules``), jaxmem's layers
+        (dense / conv weights, biases, norm scales) reduce their parameter gradient onto
+        its update layout where their backward forms it, and pass the input gradient on
+        only once it exists (XLA:GPU). Left free, XLA:GPU forms every weight gradient at
+        the end of the backward pass, next to the combined reduce-scatter, and keeps every
+        layer's cotangents alive until then. Values are unchanged; XLA:GPU's reductions
+        are then one per parameter instead of a few combined ones, and each waits for its
+        layer. ``None`` (default): on for GPU and TPU meshes, off on CPU (XLA:CPU already
+        orders them; there it adds all-gathers).
 
     Returns:
       A :class:`TrainStep`: ``step.init(params) -> (params, opt_state)`` places both with
@@ -261,4 +295,4 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         params, opt_state, loss = step(params, opt_state, batch)
     """
     return TrainStep(loss_fn, optimizer, mesh, mode, rules=rules, batch_axis=batch_axis,
-                     donate=donate, shard_update=shard_update)
+                     donate=donate, shard_update=shard_update, reduce_early=reduce_early)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import jax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.ties import after, typed_struct, vary_like
+from jaxmem._prims.grad_layout import input_after
+from jaxmem._prims.ties import typed_struct, vary_like
 from jaxmem.selective._core import check_float, is_zero
 
 __all__ = ["bias_add"]
@@ -50,7 +51,7 @@ def _bias_add_bwd(broadcast, b_struct, res, g):
         (db,) = jax.linear_transpose(broadcast, b_struct)(g)
     ga = None
     if a_perturbed:
-        ga = g if db is None else after(g, db, everywhere=True)
+        ga, db = input_after(g, db, everywhere=True)
     return ga, db
 
 

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxmem._prims.grad_layout import gathered, input_after, stored
 from jaxmem._prims.recipes import extend
-from jaxmem._prims.ties import after, tie, typed_struct, vary_like
+from jaxmem._prims.ties import tie, typed_struct, vary_like
 from jaxmem.selective._core import (
     as_int,
     check_float,
@@ -93,7 +94,7 @@ def _bilinear_fwd(fn, name, x_struct, w_struct, dx_fn, x, w):
     y = fn(x.value, _late(w.value, x.value, name in _LATE_FWD))
     # keep x only if dL/dW is requested, W only if dL/dx is requested.
     res_x = tag(x.value, name + ".input") if w.perturbed else None
-    res_w = w.value if x.perturbed else None
+    y, res_w = stored(w.value, y) if x.perturbed else (y, None)
     return y, (res_x, res_w)
 
 
@@ -103,6 +104,7 @@ def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
         return None, None
     dx = dw = None
     if res_w is not None:
+        res_w = gathered(res_w, g)  # a sharded step's stored shard, gathered back here
         # tied to ``g``: the flipped / transposed copy of the weight that the input-gradient
         # convolution uses can then only be made in the backward pass. Without
         # it XLA (CPU) builds every layer's copy at the start of the step and keeps them all
@@ -119,8 +121,9 @@ def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
         # layer's weight gradient at the end of a multi-device backward (next to its
         # all-reduce) and keeps each layer's cotangent alive until then (measured: Dense ->
         # cross-replica BatchNorm under shard_map on 2 / 8 H100s of the plan, 8.3 B/element
-        # per layer untied, 4.3 with it). ``after`` is nothing on XLA:CPU and under SPMD.
-        dx = after(dx, dw)
+        # per layer untied, 4.3 with it). ``after`` is nothing on XLA:CPU and under SPMD,
+        # unless a sharded train step says where it reduces ``dW`` (``input_after``).
+        dx, dw = input_after(dx, dw)
     return dx, dw
 
 
@@ -144,7 +147,7 @@ def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w
     shared = w.perturbed and kept(rec, kept_if, perturbed)
     res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
     res_rec = tuple(value(p) for p in rec) if shared else None
-    res_w = w.value if x.perturbed else None
+    y, res_w = stored(w.value, y) if x.perturbed else (y, None)
     return y, (res_x, res_rec, res_w)
 
 

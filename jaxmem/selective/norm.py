@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxmem._prims.grad_layout import active, input_after
 from jaxmem._prims.recipes import depth, extend, kept, recipe
 from jaxmem._prims.ties import laid_out_like as _laid_out_like
 from jaxmem._prims.ties import tie, vary_like
@@ -262,6 +263,8 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
             if not is_zero(g_var):
                 acc = acc + g_var * (2.0 / n) * (xhat / rstd)
             dx = acc.astype(x_s.dtype)
+    if active():  # a sharded train step: reduce dscale, dbias here and dx after them
+        dx, (dscale, dbias) = input_after(dx, (dscale, dbias))
     return dx, dscale, dbias
 
 

@@ -74,7 +74,7 @@ def _recording_sgd():
 
 
 @functools.cache
-def _step(name, mode, which):
+def _step(name, mode, which, reduce_early=None):
     """((gradients, new parameters) after one step, collectives, update shardings) of the
     compiled sharded step."""
     params, batch, plain_loss, jm_loss = _case(name)
@@ -82,7 +82,7 @@ def _step(name, mode, which):
     opt = _recording_sgd()
     m = jd.mesh(**MODES[mode])
     step = jd.train_step(loss, opt, m, mode.removesuffix("-ar"), donate=False,
-                         shard_update=not mode.endswith("-ar"))
+                         shard_update=not mode.endswith("-ar"), reduce_early=reduce_early)
     p, s = step.init(params)
     with jax.set_mesh(m):  # the mesh in context sets the blocks of packed residuals
         compiled = step.lower(p, s, batch).compile()
@@ -119,6 +119,26 @@ def test_sharded_grads_and_update_equal_single_device(name, mode):
     assert any("data" in str(sh.spec) for sh in jax.tree.leaves(ush)) != (mode == "dp-ar")
     params = _case(name)[0]
     _close(new, jax.tree.map(lambda p, g: p - LR * g, params, want))
+
+
+@pytest.mark.parametrize("name,mode", [(n, m) for n, m in LAYOUTS if m != "tp"])
+def test_gradients_reduced_early_equal_single_device(name, mode):
+    """``reduce_early=True`` (the default on GPU meshes, forced here on CPU): jaxmem's layers
+    lay their parameter gradients out as the step reduces them, inside the backward pass.
+    Gradients and update are the one-device ones, on the same update shards."""
+    (got, new), _, ush = _step(name, mode, "jaxmem", reduce_early=True)
+    want = _single_device_grads(name)
+    _close(got, want)
+    for g, sh in zip(jax.tree.leaves(got), jax.tree.leaves(ush)):
+        assert g.sharding.is_equivalent_to(sh, g.ndim)
+    _close(new, jax.tree.map(lambda p, g: p - LR * g, _case(name)[0], want))
+
+
+def test_reduce_early_is_off_on_cpu_and_checked():
+    m = jd.mesh(data=8)
+    assert jd.train_step(lambda p, b: 0.0, optax.sgd(0.1), m, "dp").reduce_early is False
+    with pytest.raises(TypeError, match="reduce_early"):
+        jd.train_step(lambda p, b: 0.0, optax.sgd(0.1), m, "dp", reduce_early="yes")
 
 
 @pytest.mark.parametrize("name,mode", LAYOUTS)
