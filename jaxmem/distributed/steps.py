@@ -115,7 +115,7 @@ class TrainStep:
             raise TypeError(f"train_step: reduce_early must be None, True or False, got "
                             f"{reduce_early!r}")
         if reduce_early is None:
-            reduce_early = mesh.devices.flat[0].platform != "cpu"
+            reduce_early = mesh.devices.flat[0].platform == "gpu"
         self.reduce_early = reduce_early
         self._cache: dict = {}
 
@@ -265,8 +265,8 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         the end of the backward pass, next to the combined reduce-scatter, and keeps every
         layer's cotangents alive until then. Values are unchanged; XLA:GPU's reductions
         are then one per parameter instead of a few combined ones, and each waits for its
-        layer. ``None`` (default): on for GPU and TPU meshes, off on CPU (XLA:CPU already
-        orders them; there it adds all-gathers).
+        layer. ``None`` (default): on for GPU meshes; off on CPU (XLA:CPU already orders
+        them; there it adds all-gathers) and TPU (not measured).
 
     Returns:
       A :class:`TrainStep`: ``step.init(params) -> (params, opt_state)`` places both with
