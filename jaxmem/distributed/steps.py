@@ -87,6 +87,29 @@ def _placed(params, use, grad):
     return jax.tree.map(one, params, use, grad)
 
 
+def _by_shape(params, shardings, by_rule=None):
+    """``shape -> sharding`` for the parameters' shapes whose parameters all share one
+    sharding (``None`` for any other shape): what a backward rule, which sees a weight's
+    shape but not its path, may assume about it (:mod:`jaxmem._prims.grad_layout`). A
+    matrix used transposed (a tied embedding as the output projection) is found under its
+    reversed shape with its layout transposed, where no parameter has that shape. Other
+    shapes: ``by_rule(shape)`` when given (a layout that is a function of the shape alone,
+    e.g. a kernel a layer reshapes), else ``None``."""
+    table: dict = {}
+    for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)):
+        shape = tuple(np.shape(leaf))
+        seen = table.setdefault(shape, sh)
+        if seen is not None and seen.spec != sh.spec:
+            table[shape] = None  # two layouts for one shape: leave it to XLA
+    for shape, sh in list(table.items()):
+        if len(shape) == 2 and sh is not None and shape[::-1] not in table:
+            spec = tuple(sh.spec) + (None,) * (2 - len(sh.spec))
+            table[shape[::-1]] = NamedSharding(sh.mesh, P(*spec[::-1]))
+    if by_rule is None:
+        return lambda shape: table.get(tuple(shape))
+    return lambda shape: table[tuple(shape)] if tuple(shape) in table else by_rule(shape)
+
+
 class TrainStep:
     """A jitted, sharded ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -152,28 +175,25 @@ class TrainStep:
 
     # -- the step ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _tracing(self) -> Iterator[None]:
-        """The context the step is traced in: the step's mesh, and the mesh axes that may
-        split a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``)."""
-        layout = self._gradient_layout()
-        store = gather = None
-        if layout is not None and self.mode == "fsdp":
-            mesh = self.mesh
-            store = lambda shape: self.param_shardings(jax.ShapeDtypeStruct(shape, np.float32))
-            gather = NamedSharding(mesh, P())
+    def _tracing(self, params) -> Iterator[None]:
+        """The context the step is traced in: the step's mesh, the mesh axes that may split
+        a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``), and where
+        the step reduces (and, under ``"fsdp"``, keeps) each weight gradient and weight
+        (:meth:`_gradient_layout`)."""
+        layout = store = gather = None
+        if self.reduce_early:
+            # under "dp" / "fsdp" without rules a layout is a function of the shape alone
+            rule = self.mode in ("dp", "fsdp") and not self.rules
+            sds = lambda shape: jax.ShapeDtypeStruct(shape, np.float32)
+            layout = _by_shape(params, self.update_shardings(params),
+                               (lambda s: self.update_shardings(sds(s))) if rule else None)
+            if self.mode == "fsdp":
+                store = _by_shape(params, self.param_shardings(params),
+                                  (lambda s: self.param_shardings(sds(s))) if rule else None)
+                gather = NamedSharding(self.mesh, P())
         with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]), \
                 gradient_layout(layout, store, gather):
             yield
-
-    def _gradient_layout(self):
-        """``shape -> NamedSharding``: where the step reduces a weight gradient of that shape
-        (:meth:`update_shardings`), for the backward rules of jaxmem's layers to reduce it
-        where they form it (:mod:`jaxmem._prims.grad_layout`). Only under ``"dp"`` and
-        ``"fsdp"`` without ``rules``, where that layout is a function of the shape alone;
-        ``None`` otherwise."""
-        if not self.reduce_early or self.mode not in ("dp", "fsdp") or self.rules:
-            return None
-        return lambda shape: self.update_shardings(jax.ShapeDtypeStruct(shape, np.float32))
 
     def _loss_and_grads(self, params, batch, use, ush):
         # FSDP (ZeRO-3) gathers each parameter where the forward uses it (``use``
@@ -218,21 +238,21 @@ class TrainStep:
     def __call__(self, params, opt_state, batch):
         """One optimizer step; returns ``(params, opt_state, loss)``. Donates the first two."""
         jstep = self._compiled_fns(params)[0]
-        with self._tracing():
+        with self._tracing(params):
             return jstep(params, opt_state, batch)
 
     def grads(self, params, batch):
         """``(loss, grads)`` of ``loss_fn`` with the step's shardings (grads laid out like the
         parameters)."""
         jgrads = self._compiled_fns(params)[1]
-        with self._tracing():
+        with self._tracing(params):
             return jgrads(params, batch)
 
     def lower(self, params, opt_state, batch):
         """``jax.jit(...).lower`` of the step (for ``.compile().as_text()`` /
         ``memory_analysis()``); accepts ``jax.ShapeDtypeStruct`` leaves."""
         jstep = self._compiled_fns(params)[0]
-        with self._tracing():
+        with self._tracing(params):
             return jstep.lower(params, opt_state, batch)
 
 
@@ -258,10 +278,12 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         :func:`~jaxmem.distributed.update_shardings` and update there, with the optimizer
         state laid out alike (default); ``False``: the gradient laid out like the
         parameters (an all-reduce under ``"dp"``) and the update with them.
-      reduce_early: under ``"dp"`` and ``"fsdp"`` (without ``rules``), jaxmem's layers
-        (dense / conv weights, biases, norm scales) reduce their parameter gradient onto
-        its update layout where their backward forms it, and pass the input gradient on
-        only once it exists (XLA:GPU). Left free, XLA:GPU forms every weight gradient at
+      reduce_early: jaxmem's layers (dense / conv weights, biases, norm scales) reduce
+        their parameter gradient onto its update layout where their backward forms it, and
+        pass the input gradient on only once it exists (XLA:GPU); under ``"fsdp"`` they keep
+        a weight for the backward as its shard and gather it again there. A layer sees a
+        weight's shape, not its path: shapes whose parameters disagree on a layout are
+        left to XLA. Left free, XLA:GPU forms every weight gradient at
         the end of the backward pass, next to the combined reduce-scatter, and keeps every
         layer's cotangents alive until then. Values are unchanged; XLA:GPU's reductions
         are then one per parameter instead of a few combined ones, and each waits for its

@@ -64,7 +64,8 @@ def _compiled(mode, shard_update=True, reduce_early=None, layers=1, tokens=T):
     loss, params, batch = _case(layers, tokens)
     opt = optax.adam(1e-3)
     devs = list(target_mesh("h100", (NDEV,), ("data",)).devices.flat)
-    step = jd.train_step(loss, opt, jd.mesh(data=NDEV, devices=devs), mode,
+    shape = {"data": NDEV // 2, "model": 2} if mode == "tp" else {"data": NDEV}
+    step = jd.train_step(loss, opt, jd.mesh(**shape, devices=devs), mode,
                          shard_update=shard_update, reduce_early=reduce_early)
     assert step.reduce_early is (reduce_early is not False)  # on by default on GPU meshes
     compiled, _ = compile_lowered(step.lower(params, jax.eval_shape(opt.init, params), batch),
@@ -102,13 +103,15 @@ def test_per_device_bytes_below_the_all_reduce_dp_step(mode):
     assert _total(m) < _total(ar), (_total(m), _total(ar))
 
 
-@pytest.mark.parametrize("mode,shard_update", [("dp", True), ("fsdp", True), ("dp", False)])
+@pytest.mark.parametrize("mode,shard_update",
+                         [("dp", True), ("fsdp", True), ("dp", False), ("tp", True)])
 def test_gradients_reduced_where_formed_lower_per_device_bytes(mode, shard_update):
     """``reduce_early`` (on by default for GPU meshes): each jaxmem layer reduces its weight
     gradient where its backward forms it and passes its input gradient on after it, so
     XLA:GPU no longer keeps every layer's cotangent until one combined reduction at the end
-    (FSDP: each weight also kept as its shard and gathered again in the backward). Fewer
-    temporaries (three blocks, 128 tokens a device), the same reduction bytes (one per
+    (FSDP: each weight also kept as its shard and gathered again in the backward; TP on a
+    4 x 2 mesh, the layout found by the weight's shape). Fewer temporaries (three blocks,
+    128 tokens a device), the same reduction bytes (one per
     parameter instead of one combined; never an all-reduce of a reduce-scattered
     gradient); FSDP gathers the dense weights twice."""
     m, c = _compiled(mode, shard_update, layers=3, tokens=64)

@@ -121,7 +121,7 @@ def test_sharded_grads_and_update_equal_single_device(name, mode):
     _close(new, jax.tree.map(lambda p, g: p - LR * g, params, want))
 
 
-@pytest.mark.parametrize("name,mode", [(n, m) for n, m in LAYOUTS if m != "tp"])
+@pytest.mark.parametrize("name,mode", LAYOUTS)
 def test_gradients_reduced_early_equal_single_device(name, mode):
     """``reduce_early=True`` (the default on GPU meshes, forced here on CPU): jaxmem's layers
     lay their parameter gradients out as the step reduces them, inside the backward pass.
