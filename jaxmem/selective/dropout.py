@@ -3,7 +3,13 @@
 ``y = where(m, x / p, 0)`` with ``m ~ Bernoulli(p)``, ``p = 1 - rate`` (Flax's arithmetic,
 ``jax.random.bernoulli(key, p, shape)``). ``dL/dx = where(m, g / p, 0)``: the mask is a
 deterministic function of the key, so the backward pass regenerates it from the key (a few
-bytes) instead of keeping a mask or the scaled input.
+bytes) instead of keeping a mask or the scaled input. In the backward pass the key is tied
+(``ties.tie``) to the cotangent, so XLA does not merge that draw with the forward's (which
+would keep the forward's mask after all). Known costs on XLA:CPU: a chain of dropouts
+separated by elementwise ops only satisfies the tie early (it reads one element) and keeps
+8 B per element per layer; with a convolution between them XLA:CPU draws every layer's
+forward bits at the start of the step (8 B per element per layer; tying the forward's key to
+the input removed that but cost scanned models 2 points of their CPU plan).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxmem._prims.ties import tie
 from jaxmem.selective._core import check_float, is_zero, tag
 
 __all__ = ["dropout"]
@@ -43,7 +50,10 @@ def _dropout_bwd(keep, bshape, res, g):
     (key,) = res
     if key is None or is_zero(g):
         return None, None
-    m = _mask(key, keep, g.shape, bshape)
+    # the key tied to ``g``: left untied, the regenerated mask is the very computation of the
+    # forward's, and XLA (CPU and GPU) merges the two (CSE), keeping the forward's mask alive
+    # until the backward pass (1 B/element: measured, 8 such masks in an HF GPT-2 step's peak)
+    m = _mask(tie(key, g), keep, g.shape, bshape)
     return None, lax.select(m, g / keep, jnp.zeros_like(g))
 
 
