@@ -149,30 +149,10 @@ def test_dropout_regenerated_not_merged_with_the_forward():
     draws each mask from a key tied to the cotangent; untied, XLA:CPU merged that draw with
     the forward's and kept the bits (measured 32.1 B per residual-stream element and block,
     16.1 B tied). The H100 plan: ``parity_tests/gpu_plan/test_gpu_plan_dropout.py``."""
+    from _dropout_blocks import D, R, args, loss
+
     from jaxmem.transform import transform
 
-    r, d, h = 512, 128, 512
-
-    def ln(x):
-        m = x.mean(-1, keepdims=True)
-        return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
-
-    def drop(k, y):
-        return jnp.where(jax.random.bernoulli(k, 0.9, y.shape), y / 0.9, 0)
-
-    def loss(ps, x, key):
-        for (w1, w2, w3), k in zip(ps, jax.random.split(key, len(ps))):
-            k1, k2 = jax.random.split(k)
-            x = x + drop(k1, jax.nn.gelu(ln(x) @ w1) @ w2)
-            x = x + drop(k2, ln(x) @ w3)
-        return jnp.sum(x ** 2)
-
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     g = jax.jit(jax.grad(transform(loss)))
-
-    def temp(depth):
-        ps = [(s(d, h), s(h, d), s(d, d)) for _ in range(depth)]
-        return compiled_memory(g, ps, s(r, d), jax.random.key(0)).temp_bytes
-
-    per_elem = slope(temp, 2) / (r * d)
+    per_elem = slope(lambda d: compiled_memory(g, *args(d)).temp_bytes, 2) / (R * D)
     assert per_elem <= 20.0, per_elem
