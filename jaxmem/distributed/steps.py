@@ -175,25 +175,31 @@ class TrainStep:
 
     # -- the step ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _tracing(self, params) -> Iterator[None]:
+    def _tracing(self, layouts) -> Iterator[None]:
         """The context the step is traced in: the step's mesh, the mesh axes that may split
-        a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``), and where
-        the step reduces (and, under ``"fsdp"``, keeps) each weight gradient and weight
-        (:meth:`_gradient_layout`)."""
-        layout = store = gather = None
-        if self.reduce_early:
-            # under "dp" / "fsdp" without rules a layout is a function of the shape alone
-            rule = self.mode in ("dp", "fsdp") and not self.rules
-            sds = lambda shape: jax.ShapeDtypeStruct(shape, np.float32)
-            layout = _by_shape(params, self.update_shardings(params),
-                               (lambda s: self.update_shardings(sds(s))) if rule else None)
-            if self.mode == "fsdp":
-                store = _by_shape(params, self.param_shardings(params),
-                                  (lambda s: self.param_shardings(sds(s))) if rule else None)
-                gather = NamedSharding(self.mesh, P())
+        a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``), and
+        ``layouts`` (:meth:`_gradient_layouts`)."""
         with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]), \
-                gradient_layout(layout, store, gather):
+                gradient_layout(*layouts):
             yield
+
+    def _gradient_layouts(self, params, psh, ush):
+        """``(layout, store, gather)`` for :func:`jaxmem._prims.grad_layout.gradient_layout`:
+        where the step reduces each weight gradient (``ush``, by shape) and, under
+        ``"fsdp"``, keeps each weight (``psh``) and gathers it back (replicated). All
+        ``None`` without ``reduce_early``."""
+        if not self.reduce_early:
+            return None, None, None
+        # under "dp" / "fsdp" without rules a layout is a function of the shape alone
+        rule = self.mode in ("dp", "fsdp") and not self.rules
+        sds = lambda shape: jax.ShapeDtypeStruct(shape, np.float32)
+        layout = _by_shape(params, ush,
+                           (lambda s: self.update_shardings(sds(s))) if rule else None)
+        if self.mode != "fsdp":
+            return layout, None, None
+        store = _by_shape(params, psh,
+                          (lambda s: self.param_shardings(sds(s))) if rule else None)
+        return layout, store, NamedSharding(self.mesh, P())
 
     def _loss_and_grads(self, params, batch, use, ush):
         # FSDP (ZeRO-3) gathers each parameter where the forward uses it (``use``
@@ -232,27 +238,27 @@ class TrainStep:
                             donate_argnums=(0, 1) if self.donate else ())
             jgrads = jax.jit(grads_fn, in_shardings=(psh, self.batch_sharding),
                              out_shardings=(rep, psh))
-            self._cache[key] = (jstep, jgrads)
+            self._cache[key] = (jstep, jgrads, self._gradient_layouts(params, psh, ush))
         return self._cache[key]
 
     def __call__(self, params, opt_state, batch):
         """One optimizer step; returns ``(params, opt_state, loss)``. Donates the first two."""
-        jstep = self._compiled_fns(params)[0]
-        with self._tracing(params):
+        jstep, _, layouts = self._compiled_fns(params)
+        with self._tracing(layouts):
             return jstep(params, opt_state, batch)
 
     def grads(self, params, batch):
         """``(loss, grads)`` of ``loss_fn`` with the step's shardings (grads laid out like the
         parameters)."""
-        jgrads = self._compiled_fns(params)[1]
-        with self._tracing(params):
+        _, jgrads, layouts = self._compiled_fns(params)
+        with self._tracing(layouts):
             return jgrads(params, batch)
 
     def lower(self, params, opt_state, batch):
         """``jax.jit(...).lower`` of the step (for ``.compile().as_text()`` /
         ``memory_analysis()``); accepts ``jax.ShapeDtypeStruct`` leaves."""
-        jstep = self._compiled_fns(params)[0]
-        with self._tracing(params):
+        jstep, _, layouts = self._compiled_fns(params)
+        with self._tracing(layouts):
             return jstep.lower(params, opt_state, batch)
 
 
