@@ -491,8 +491,8 @@ def main():
            "gradient onto each device's update shard (`shard_update=True`, the default); "
            "DP-AR is data parallel with the gradient all-reduced and the update replicated "
            "(`shard_update=False`), for comparison. On GPU meshes jaxmem's layers reduce "
-           "their parameter gradients where their backward forms them under DP, FSDP and "
-           "DP-AR (`train_step(..., reduce_early=None)`: on for GPU, off on CPU); "
+           "their parameter gradients where their backward forms them under every layout "
+           "(`train_step(..., reduce_early=None)`: on for GPU, off on CPU); "
            "`jaxmem-late` is the same model with `reduce_early=False`."), "",
           PLAN_LIMITS.format(jax=meta["jax"]), ""]
     for t in shown:
