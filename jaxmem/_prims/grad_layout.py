@@ -24,9 +24,10 @@ from typing import Any
 
 import jax
 
-from jaxmem._prims.ties import after, tie
+from jaxmem._prims.ties import after, tie, together
 
-__all__ = ["active", "gathered", "gradient_layout", "input_after", "reduced_here", "stored"]
+__all__ = ["active", "bilinear_gradients", "gathered", "gradient_layout", "input_after",
+           "reduced_here", "stored"]
 
 _LAYOUT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "jaxmem_gradient_layout", default=None)
@@ -101,6 +102,22 @@ def input_after(dx, grads, *, everywhere: bool = False):
                 dx = after(dx, g, split=True)
         out.append(g)
     return dx, (out[0] if single else tuple(out))
+
+
+def bilinear_gradients(dx, dw, joint: bool = True):
+    """``(dx, dw)`` of a bilinear layer's backward pass, ordered for XLA:GPU.
+
+    With a :func:`gradient_layout` in context, inside ``shard_map`` or when not ``joint``:
+    :func:`input_after` (``dw`` reduced where it is formed, ``dx`` waiting for it; nothing on
+    one device). Otherwise (one device, or a program XLA's SPMD partitioner splits):
+    :func:`jaxmem._prims.ties.together`, one barrier over both on XLA:GPU where the program
+    is not split, so the optimizer's in-place update of a donated weight follows the product
+    ``g W^T`` that reads it and XLA does not copy the weight to protect that read; nothing
+    on XLA:CPU. Convolutions pass ``joint=False``: on the H100 plan the joint barrier raised
+    ResNet-18's "all" gradient step from 4.80 to 5.59 MiB."""
+    if active() or _inside_shard_map() or not joint:
+        return input_after(dx, dw)
+    return together(dx, dw)
 
 
 def stored(w, out):

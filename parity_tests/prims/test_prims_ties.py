@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmem.selective as S
-from jaxmem._prims.ties import tie, typed_struct, vary_like
+from jaxmem._prims.ties import tie, together, typed_struct, vary_like
 
 SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.5, -2.25, 3e-8], np.float32)
 
@@ -148,3 +148,37 @@ def test_norm_gradients_with_nonfinite_cotangent_stay_local(dtype):
     tol = 2e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(ds, np.float32)[1:], np.asarray(dp, np.float32)[1:],
                                rtol=tol, atol=tol)
+
+
+def test_together_returns_both_bit_exact_under_grad_vmap_scan():
+    rng = np.random.default_rng(6)
+    a = jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(4, 3)), jnp.bfloat16)
+    ra, rb = jax.jit(together)(a, b)
+    _bits_equal(ra, a)
+    _bits_equal(rb, b)
+    assert rb.dtype == jnp.bfloat16
+    # scalars, empty arrays and None pass through with their shapes
+    s, e = together(jnp.float32(2.5), jnp.zeros((0, 3)))
+    assert s.shape == () and float(s) == 2.5 and e.shape == (0, 3)
+    assert together(None, a)[0] is None and together(a, None)[1] is None
+    # derivatives pass through to each side
+    ga, gb = jax.grad(lambda a, b: jnp.sum(together(a, b)[0] ** 2)
+                      + jnp.sum(together(a, b)[1].astype(jnp.float32) * 3.0), (0, 1))(a, b)
+    np.testing.assert_array_equal(ga, 2 * a)
+    np.testing.assert_array_equal(gb.astype(jnp.float32), np.full((4, 3), 3.0, np.float32))
+    # vmap with either side unbatched
+    for axes in ((0, 0), (0, None), (None, 0)):
+        va, vb = jax.vmap(together, axes)(a, b.astype(jnp.float32))
+        _bits_equal(va, a if axes[0] == 0 else jnp.broadcast_to(a, (4, 4, 5)))
+        assert vb.shape == ((4, 3) if axes[1] == 0 else (4, 4, 3))
+
+    def body(c, ab):
+        x, y = jax.checkpoint(together)(*ab)
+        return c + jnp.sum(x * y), None
+
+    f = lambda a, b: jax.lax.scan(body, 0.0, (a, b))[0]
+    bf = b.astype(jnp.float32)
+    ga, gb = jax.jit(jax.grad(f, (0, 1)))(a[:, :3], bf)
+    np.testing.assert_allclose(ga, bf, rtol=1e-6)
+    np.testing.assert_allclose(gb, a[:, :3], rtol=1e-6)
