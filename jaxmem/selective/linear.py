@@ -75,10 +75,11 @@ def _bilinear(fn, name, x_struct, w_struct, dx_fn, x, w):
 
 #: Layer kinds whose weight is made data-dependent on the layer input in the forward pass
 #: and on the cotangent in the backward pass (see ``_late``).
-_LATE_FWD = {"conv"}
-_LATE_BWD = {"conv", "conv_transpose"}
-#: Layer kinds that are convolutions (see ``bilinear_gradients``)
+#: Layer kinds that are convolutions: their backward's two gradients are not joined
+#: (``bilinear_gradients``).
 _CONVOLUTIONS = {"conv", "conv_transpose"}
+_LATE_FWD = {"conv"}
+_LATE_BWD = _CONVOLUTIONS
 
 
 def _late(w, dep, on: bool):
