@@ -17,7 +17,11 @@ the 1x1 expansion of a ResNet bottleneck): a normalisation fed it keeps the prod
 arguments and ``W`` instead of its own input, and recomputes the convolution in the backward
 pass. A recipe's ``depth`` counts such non-elementwise steps; it is at most one (a value
 recorded with :func:`extend` is not extended again), so no backward rule recomputes more than
-one convolution per value it reads.
+one convolution per value it reads. :func:`project` records a *dense projection* of such a
+value (``LN(x) W``: an attention's queries, keys and values) at depth :data:`PROJECTED`;
+only the attention core (:mod:`jaxmem.selective.attention`) reads those, keeping the norm's
+residuals and ``W`` instead of ``q, k, v`` -- bilinear layers and normalisations ignore them,
+so no other rule starts recomputing products.
 XLA would not do this by itself: it keeps what the rules store. The recomputation is the
 forward's own arithmetic; XLA may still fuse it differently (a multiply-add contracted in one
 fusion and not in the other), so a kernel gradient computed from it can differ from the
@@ -28,10 +32,14 @@ from __future__ import annotations
 import functools
 import weakref
 
-__all__ = ["combine", "depth", "extend", "kept", "recipe", "remember", "then"]
+__all__ = ["PROJECTED", "combine", "depth", "extend", "kept", "project", "recipe", "remember",
+           "then"]
 
 # ``id(y) -> (ref, fn, args, groups, depth)``; an entry goes when ``y`` is garbage.
 _recipes: dict = {}
+
+#: the depth of a recipe recorded by :func:`project`: read by the attention core only
+PROJECTED = 2
 
 #: the most arguments a recipe may collect (:func:`combine` chains grow with the depth of
 #: a residual stage; past this the value is simply stored)
@@ -160,4 +168,22 @@ def extend(y, op, x, extra=(), *, elementwise=False) -> bool:
         return False
     remember(y, functools.partial(_extended, op, fn, len(args)), tuple(args) + tuple(extra),
              groups, depth(x) if elementwise else 1)
+    return True
+
+
+def project(y, op, x, extra=()) -> bool:
+    """Record ``y == op(x, *extra)`` -- a dense product of ``x`` with a weight in ``extra`` --
+    when ``x`` has a one-producer recipe of depth 0 (a normalisation's or an exact smooth
+    activation's output): ``op`` applied to the recomputed ``x``, from that recipe's ``args``
+    followed by ``extra``, at depth :data:`PROJECTED`. Only the attention core reads such a
+    recipe (its ``q, k, v`` recomputed in its backward pass from what the norm keeps anyway,
+    one product each). ``op`` must be deterministic. Returns whether ``y`` was recorded."""
+    r = recipe(x)
+    if r is None or depth(x) != 0:
+        return False
+    fn, args, groups = r
+    if len(groups) != 1 or len(args) + len(extra) > MAX_ARGS:
+        return False
+    remember(y, functools.partial(_extended, op, fn, len(args)), tuple(args) + tuple(extra),
+             groups, PROJECTED)
     return True

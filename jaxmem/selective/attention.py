@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxmem._prims.recipes import PROJECTED, depth, kept, recipe
 from jaxmem._prims.ties import tie
+from jaxmem.selective._core import perturbed, value
 
 __all__ = ["AttentionSpec", "attention", "attention_core", "softmax"]
 
@@ -288,11 +290,14 @@ def _bwd_precision(p):
 
 
 def _core_bwd(spec, res, do):
-    # * every residual (the dropout key too: its mask is regenerated here) is tied to ``do``,
-    #   so nothing below is scheduled into the forward pass;
-    # * ``P = exp(s - m) / den`` from the stored row max and row sum: a fully masked row
-    #   (all scores equal to the fill value) gets ``1 / S`` like the forward's softmax.
-    q, k, v, bias, mask, rng, m, den = tie(res, do)
+    # every residual (the dropout key too: its mask is regenerated here) is tied to ``do``,
+    # so nothing in the backward pass is scheduled into the forward pass
+    return _core_grads(spec, *tie(res, do), do)
+
+
+def _core_grads(spec, q, k, v, bias, mask, rng, m, den, do):
+    # ``P = exp(s - m) / den`` from the stored row max and row sum: a fully masked row (all
+    # scores equal to the fill value) gets ``1 / S`` like the forward's softmax.
     s, keep, pre = _scores(q, k, bias, mask, spec)
     p = jnp.exp(s.astype(m.dtype) - m) / den                        # recomputed softmax
     wd = jnp.dtype(spec.weights_dtype) if spec.weights_dtype is not None else s.dtype
@@ -330,6 +335,69 @@ def _core_bwd(spec, res, do):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+# ------------------------- queries, keys, values recomputed from their projection's recipe
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _core_rec(q, k, v, bias, mask, rng, rec, spec, recipes):
+    del rec, recipes
+    return _forward(q, k, v, bias, mask, rng, spec)[0]
+
+
+def _core_rec_fwd(q, k, v, bias, mask, rng, rec, spec, recipes):
+    """As ``_core_fwd``, but ``q``, ``k`` or ``v`` may equal ``fn(*rec[idx])`` (``recipes``,
+    :func:`jaxmem._prims.recipes.project`): one whose producers keep those arguments for
+    their own backward (``groups``) is not stored; its recipe's arguments are."""
+    qkv = (q.value, k.value, v.value)
+    o, (m, den) = _forward(*qkv, value(bias), value(mask), value(rng), spec)
+    stored = tuple(x if r is None or not kept([rec[i] for i in r[1]], r[2], perturbed)
+                   else None for x, r in zip(qkv, recipes))
+    res_rec = tuple(value(p) for p in rec) if any(x is None for x in stored) else None
+    return o, (stored, value(bias), value(mask), value(rng), m, den, res_rec)
+
+
+def _core_rec_bwd(spec, recipes, res, do):
+    stored, bias, mask, rng, m, den, res_rec = res
+    q, k, v = (tie(x, do) if x is not None else None for x in stored)
+    bias, mask, rng, m, den = tie((bias, mask, rng, m, den), do)
+    if res_rec is not None:
+        # the recipes' first arguments (the norm's ``x``) tied once each: the shared
+        # recomputations (the norm, one projection split three ways) are one computation
+        args = list(tie(res_rec, do))
+        q, k, v = (x if x is not None else r[0](*[args[i] for i in r[1]])
+                   for x, r in zip((q, k, v), recipes))
+    grads = _core_grads(spec, q, k, v, bias, mask, rng, m, den, do)
+    n_rec = 1 + max(i for r in recipes if r is not None for i in r[1])
+    return (*grads, (None,) * n_rec)
+
+
+_core_rec.defvjp(_core_rec_fwd, _core_rec_bwd, symbolic_zeros=True)
+
+
+def _with_recipes(q, k, v):
+    """``(rec, recipes)`` for :func:`_core_rec` when one of ``q, k, v`` is a recorded
+    projection (:func:`jaxmem._prims.recipes.project`, one producer), else ``None``:
+    ``rec`` the distinct arguments of their recipes, ``recipes[j]`` ``None`` or
+    ``(fn, indices into rec, groups)``."""
+    rec: list = []
+    where: dict = {}
+    recipes = []
+    for x in (q, k, v):
+        r = recipe(x) if depth(x) == PROJECTED else None
+        if r is None or len(r[2]) != 1:
+            recipes.append(None)
+            continue
+        fn, args, groups = r
+        idx = []
+        for a in args:
+            if id(a) not in where:
+                where[id(a)] = len(rec)
+                rec.append(a)
+            idx.append(where[id(a)])
+        recipes.append((fn, tuple(idx), groups))
+    if all(r is None for r in recipes):
+        return None
+    return tuple(rec), tuple(recipes)
+
+
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: jax.Array | None = None,
                    mask: jax.Array | None = None, rng: jax.Array | None = None,
                    spec: AttentionSpec = AttentionSpec()) -> jax.Array:
@@ -347,7 +415,15 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: jax.Array 
     A row whose keys are all masked has uniform weights ``1 / S`` (its scores all equal
     the fill value) and, since no score depends on ``q`` or ``k``, ``dq = 0`` and no ``dk``
     from it, exactly like autodiff of the masked softmax.
+
+    A ``q``, ``k`` or ``v`` recorded as a projection of a normalisation's output
+    (:func:`jaxmem._prims.recipes.project`: ``jaxmem.transform(..., projections=True)``)
+    is not stored when that norm keeps its residuals anyway: the backward recomputes it from
+    them and the weight (one projection per recorded tensor, shared ones once).
     """
+    found = _with_recipes(q, k, v)
+    if found is not None:
+        return _core_rec(q, k, v, bias, mask, rng, found[0], spec, found[1])
     return _core(q, k, v, bias, mask, rng, spec)
 
 

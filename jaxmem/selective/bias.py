@@ -13,6 +13,10 @@ whole backward pass). Here ``g`` flows on to the layers before only once ``Bᵀ(
 (:func:`jaxmem._prims.ties.after`: an ``optimization_barrier`` on XLA:GPU, nothing on
 XLA:CPU, whose scheduler already reduces it where ``g`` is made), so ``g`` dies in its
 layer.
+
+A projection recorded as recomputable for the attention core
+(:func:`jaxmem._prims.recipes.project`) stays recorded through its bias: ``y`` is recorded as
+``recomputed(a) + B(b)``, the same ``add``.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import jax
 from jax.typing import ArrayLike
 
 from jaxmem._prims.grad_layout import input_after
+from jaxmem._prims.recipes import PROJECTED, depth, extend
 from jaxmem._prims.ties import typed_struct, vary_like
 from jaxmem.selective._core import check_float, is_zero
 
@@ -93,4 +98,11 @@ def bias_add(a: ArrayLike, b: ArrayLike,
     if out.shape != a.shape or out.dtype != a.dtype:
         raise ValueError(f"bias_add: broadcast(b) is {out.dtype}{list(out.shape)}, a is "
                          f"{a.dtype}{list(a.shape)}")
-    return _bias_add(broadcast, typed_struct(b), a, b)
+    y = _bias_add(broadcast, typed_struct(b), a, b)
+    if depth(a) == PROJECTED:
+        extend(y, functools.partial(_plus, broadcast), a, (b,), elementwise=True)
+    return y
+
+
+def _plus(broadcast, a, b):
+    return a + broadcast(b)

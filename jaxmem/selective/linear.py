@@ -40,7 +40,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from jaxmem._prims.grad_layout import bilinear_gradients, gathered, stored
-from jaxmem._prims.recipes import extend
+from jaxmem._prims.recipes import PROJECTED, depth, extend, project
 from jaxmem._prims.ties import tie, typed_struct, vary_like
 from jaxmem.selective._core import (
     as_int,
@@ -172,7 +172,7 @@ _bilinear_rec.defvjp(_bilinear_rec_fwd, _bilinear_rec_bwd, symbolic_zeros=True)
 
 def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
              name: str = "bilinear", _dx_fn: Callable | None = None,
-             _pointwise: bool = False) -> jax.Array:
+             _pointwise: bool = False, _project: bool = False) -> jax.Array:
     """Apply ``fn(x, w)``, bilinear in ``(x, w)``, storing only what requested grads need.
 
     ``fn`` must be linear in each argument separately (dense, convolution, einsum, ...).
@@ -194,9 +194,15 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     (:func:`jaxmem._prims.recipes.extend`), so a normalisation applied to it keeps those
     instead of its own input (a ResNet bottleneck's 4x-wide expansion ``c3``) and recomputes
     the convolution in its backward pass.
+
+    ``_project`` (a dense product, ``jaxmem.transform(..., projections=True)``): when ``x``
+    is such a normalisation or activation output, the output is recorded as recomputable
+    from its producer's residuals and ``w`` (:func:`jaxmem._prims.recipes.project`), for the
+    attention core only (queries, keys and values recomputed in its backward pass). A
+    bilinear layer fed a value recorded so ignores the recipe and keeps its input.
     """
     x_in = x
-    r = recipe(x)
+    r = recipe(x) if depth(x) < PROJECTED else None
     # under ``shard_map``: give ``x`` and ``w`` the same varying axes (a replicated weight
     # with a per-device batch), so the rule's cotangents have its arguments' types; the
     # cast's transpose sums ``dW`` over those axes, as autodiff of ``fn`` itself does.
@@ -207,6 +213,8 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
         y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
         if _pointwise:
             extend(y, fn, x_in, (w,))
+        elif _project:
+            project(y, fn, x_in, (w,))
         return y
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)
 
@@ -215,6 +223,15 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
 def dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, precision: Any = None,
                 preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
     """Drop-in for ``lax.dot_general`` with differentiability-aware residuals."""
+    return dot_with_recipe(lhs, rhs, False, dimension_numbers, precision,
+                           preferred_element_type, **kwargs)
+
+
+def dot_with_recipe(lhs, rhs, project_output: bool, dimension_numbers, precision=None,
+                    preferred_element_type=None, **kwargs) -> jax.Array:
+    """:func:`dot_general`; ``project_output=True`` records the output of a product of a
+    normalisation's (or exact smooth activation's) output as recomputable for the attention
+    core (:func:`bilinear`'s ``_project``; ``jaxmem.transform(..., projections=True)``)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     fn = functools.partial(
         _dot_general_fn,
@@ -223,7 +240,7 @@ def dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any, precisio
         preferred_element_type=preferred_element_type,
         kwargs=tuple(sorted(kwargs.items())),
     )
-    return bilinear(fn, lhs, rhs, name="dense")
+    return bilinear(fn, lhs, rhs, name="dense", _project=project_output)
 
 
 def _dot_general_fn(x, w, *, dimension_numbers, precision, preferred_element_type, kwargs):

@@ -1,7 +1,8 @@
 """``jaxmem.transform(f, ...)``: convert what a program computes, not what it calls.
 
 ``transform(f, *, fewbit=None, attention=True, products=True, activations=True, norms=True,
-dropout=True, pools=True, residual_adds=True, conv_recompute=True, biases=True)`` returns
+dropout=True, pools=True, residual_adds=True, conv_recompute=True, biases=True,
+projections=True)`` returns
 a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
 outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
 ``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
@@ -56,7 +57,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
               dropout: bool = True, pools: bool = True,
               residual_adds: bool = True, conv_recompute: bool = True,
-              biases: bool = True) -> Callable:
+              biases: bool = True, projections: bool = True) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -95,6 +96,13 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         convolution's bias) with :func:`jaxmem.selective.bias_add`: the same sums, but on
         XLA:GPU the layer's output cotangent flows on only once the bias gradient exists,
         so it is not kept until the optimizer update (nothing changes on XLA:CPU).
+      projections: with ``products``, ``norms`` and ``attention``, an attention whose
+        queries, keys and values are dense projections of a normalisation's output
+        (``LN(x) W + b``, then reshapes, splits, transposes, casts or constant scales) keeps
+        that norm's residuals and the weights instead of ``q, k, v`` (three arrays of the
+        layer's width less per layer) and recomputes the projections in its backward pass
+        (exact: the same products of bit-identical values; one more projection per
+        attention in the backward). ``False`` keeps ``q, k, v``.
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -114,7 +122,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     options = Options(fewbit=fewbit, attention=attention, products=products,
                       activations=activations, norms=norms, dropout=dropout, pools=pools,
                       residual_adds=residual_adds, conv_recompute=conv_recompute,
-                      biases=biases)
+                      biases=biases, projections=projections)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -25,10 +25,12 @@ own layouts or compiler options.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 
 from jaxmem._compat import core, scan_counts
@@ -148,7 +150,9 @@ class Interpreter:
             for i in range(len(graph.jaxpr.eqns)):
                 if i not in taken:
                     item = match_product(graph, i, path,
-                                         recompute=opts.norms and opts.conv_recompute)
+                                         recompute=opts.norms and opts.conv_recompute,
+                                         project=opts.projections and opts.norms
+                                         and opts.attention)
                     if item is not None:
                         add(item)
                         if isinstance(item, Match):
@@ -246,6 +250,8 @@ class Interpreter:
                 _record_add(outs, invals)
             elif name == "name" and len(outs) == 1 and len(invals) == 1:
                 _record_name(outs, invals)
+            elif name in _RELAYOUTS and self.options.projections:
+                _record_relayout(eqn, outs, invals)
             return outs
         record(Row("higher-order", name + _named(eqn), "entered", True, _entered_note(eqn),
                    call_location(eqn), name_stack(eqn), path))
@@ -347,6 +353,45 @@ def _record_name(outs: list, invals: list) -> None:
 
 def _identity(x):
     return x
+
+
+#: equations that move, cast or scale one array exactly (bit for bit when re-run): a
+#: projection recorded for the attention core stays recorded through them
+_RELAYOUTS = {"reshape", "transpose", "squeeze", "expand_dims", "slice", "split",
+              "convert_element_type", "copy", "mul", "div"}
+
+
+def _record_relayout(eqn, outs: list, invals: list) -> None:
+    """An equation of :data:`_RELAYOUTS` applied to a projection recorded for the attention
+    core (``q = split(LN(x) W + b)[0] / sqrt(d)``, :func:`jaxmem._prims.recipes.project`),
+    every other operand a constant or a traced scalar: each output recorded as that equation
+    of the recomputed projection, the traced scalars added to the recipe's arguments
+    (:func:`jaxmem._prims.recipes.extend`), so the core keeps the norm's residuals and ``W``
+    instead of ``q``. Anything else records nothing."""
+    from jaxmem._prims.recipes import PROJECTED, depth, extend
+    traced = [i for i, x in enumerate(invals) if isinstance(x, core.Tracer)]
+    projected = [i for i in traced if depth(invals[i]) == PROJECTED]
+    if len(projected) != 1:
+        return
+    k = projected[0]
+    others = tuple(i for i in traced if i != k)
+    if any(np.size(invals[i]) != 1 for i in others):
+        return
+    fixed = tuple(None if i in others else a for i, a in enumerate(invals))
+    extra = tuple(invals[i] for i in others)
+    for j, out in enumerate(outs):
+        extend(out, functools.partial(_rebound, eqn, fixed, k, others, j), invals[k], extra,
+               elementwise=True)
+
+
+def _rebound(eqn, fixed: tuple, k: int, others: tuple, j: int, x, *extra):
+    """Output ``j`` of ``eqn`` re-bound with operand ``k`` replaced by ``x`` and operands
+    ``others`` by ``extra``."""
+    vals = list(fixed)
+    vals[k] = x
+    for i, e in zip(others, extra):
+        vals[i] = e
+    return bind_eqn(eqn, vals)[j]
 
 
 def _enterable(eqn) -> bool:

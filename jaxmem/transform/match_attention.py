@@ -47,6 +47,7 @@ use, weights used elsewhere, ...).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -652,6 +653,16 @@ def _match_one(graph: Graph, d2_index: int):
     return used, q, k, v, bias, mask, spec, layout
 
 
+def _relaid(heads, x, perm, nfree):
+    """``heads(x, perm, nfree)``, recorded as that relayout of ``x``'s recomputation when
+    ``x`` is a projection recorded for the core (``transform(..., projections=True)``)."""
+    from jaxmem._prims.recipes import PROJECTED, depth, then
+    out = heads(x, perm, nfree)
+    if depth(x) == PROJECTED:
+        then(out, functools.partial(heads, perm=perm, nfree=nfree), x)
+    return out
+
+
 def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
     """``emit(q, k, v, [bias], [mask], [factor], [key])`` for one matched layout."""
     from jaxmem.selective.attention import AttentionSpec, attention_core
@@ -694,9 +705,9 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
         for a, cd in zip(masks, mask_dims or ()):      # the sources of an ``and`` tree
             a = scores_like(a, cd)
             mask = a if mask is None else jnp.logical_and(mask, a)
-        qh = heads(q, layout["q_perm"], nq)
-        kh = heads(k, layout["k_perm"], 1)
-        vh = heads(v, layout["v_perm"], 1)
+        qh = _relaid(heads, q, layout["q_perm"], nq)
+        kh = _relaid(heads, k, layout["k_perm"], 1)
+        vh = _relaid(heads, v, layout["v_perm"], 1)
         if mask is not None and layout["keep_negated"]:
             mask = jnp.logical_not(mask)
         rng = extra.pop() if layout["dropout_key"] is not None else None

@@ -22,12 +22,13 @@ _PRIMS = {"dot_general": ("dot", "jaxmem.selective.dot_general"),
 
 
 
-def match_product(graph: Graph, i: int, path: str, recompute: bool = True
-                  ) -> Match | Row | None:
+def match_product(graph: Graph, i: int, path: str, recompute: bool = True,
+                  project: bool = False) -> Match | Row | None:
     """A Match for a float ``dot_general`` / convolution at equation ``i``, a Row saying
     why not for other products, ``None`` for other equations. ``recompute``: a 1x1,
     stride-1 convolution's output may be recomputed by the norm it feeds
-    (``transform(..., conv_recompute=...)``)."""
+    (``transform(..., conv_recompute=...)``); ``project``: a dense product's output may be
+    recomputed by the attention it feeds (``transform(..., projections=...)``)."""
     eqn = graph.jaxpr.eqns[i]
     name = eqn.primitive.name
     if name not in _PRIMS:
@@ -42,10 +43,10 @@ def match_product(graph: Graph, i: int, path: str, recompute: bool = True
     params = dict(eqn.params)
 
     if name == "dot_general":
-        from jaxmem.selective import dot_general
+        from jaxmem.selective.linear import dot_with_recipe
 
         def emit(x, w):
-            return [dot_general(x, w, **params)]
+            return [dot_with_recipe(x, w, project, **params)]
     else:
         from jaxmem.selective.linear import conv_with_recipe
 

@@ -30,6 +30,10 @@ class Options:
     biases: with ``products``, re-emit the bias adds of products with
       :func:`jaxmem.selective.bias_add` (the bias gradient formed where the cotangent
       arrives: XLA:GPU keeps no output cotangent until the optimizer update).
+    projections: with ``products``, ``norms`` and ``attention``, an attention whose queries,
+      keys and values are dense projections of a normalisation's output (``LN(x) W + b``,
+      reshaped, split, transposed, scaled by constants) keeps that norm's residuals and the
+      weights instead of ``q, k, v`` and recomputes the projections in its backward pass.
     """
 
     fewbit: int | None = None
@@ -42,6 +46,7 @@ class Options:
     residual_adds: bool = True
     conv_recompute: bool = True
     biases: bool = True
+    projections: bool = True
 
     def __post_init__(self):
         fb = self.fewbit
@@ -49,7 +54,7 @@ class Options:
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
         for name in ("attention", "products", "activations", "norms", "dropout", "pools",
-                     "residual_adds", "conv_recompute", "biases"):
+                     "residual_adds", "conv_recompute", "biases", "projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")

@@ -1,0 +1,124 @@
+"""``jaxmem.transform(..., projections=True)``: an attention whose queries, keys and values
+are dense projections of a layer norm's output (``LN(x) W + b``, then reshapes, a split, a
+constant scale) keeps the norm's residuals and the weights instead of ``q, k, v`` and
+recomputes the projections in its backward pass. Gradients are the untouched function's;
+the stored activations drop by ``q, k, v`` per layer; nothing but the attention core reads
+the recorded projections (a dense layer fed one keeps its input as before)."""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from jaxmem.measure import residual_bytes
+from jaxmem.transform import transform
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _util import close, normal
+
+B, T, D, HEADS, LAYERS = 2, 16, 32, 4, 3
+
+
+def _ln(x, g, b):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / jnp.sqrt(v + 1e-5) * g + b
+
+
+def _heads(a):
+    return a.reshape(*a.shape[:-1], HEADS, a.shape[-1] // HEADS)
+
+
+def _attend(q, k, v):
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)         # Flax's query scaling
+    p = jax.nn.softmax(jnp.einsum("...qhd,...khd->...hqk", q, k), -1)
+    o = jnp.einsum("...hqk,...khd->...qhd", p, v)
+    return o.reshape(*o.shape[:-2], -1)
+
+
+def _layer(p, x, fused):
+    h = _ln(x, p["g"], p["b"])
+    if fused:          # GPT-2's one projection, split three ways
+        q, k, v = jnp.split(h @ p["wqkv"] + p["bqkv"], 3, axis=-1)
+    else:              # BERT's / ViT's three projections
+        q, k, v = (h @ p["w" + n] + p["b" + n] for n in "qkv")
+    return x + _attend(_heads(q), _heads(k), _heads(v)) @ p["wo"]
+
+
+def _loss(fused):
+    def loss(params, x):
+        for p in params:
+            x = _layer(p, x, fused)
+        return jnp.mean(x ** 2)
+    return loss
+
+
+def _params(dtype=jnp.float32):
+    def one():
+        p = {"g": 1 + normal((D,), dtype, 0.2), "b": normal((D,), dtype, 0.2),
+             "wqkv": normal((D, 3 * D), dtype, D ** -0.5), "bqkv": normal((3 * D,), dtype, 0.1),
+             "wo": normal((D, D), dtype, D ** -0.5)}
+        for n in "qkv":
+            p["w" + n], p["b" + n] = normal((D, D), dtype, D ** -0.5), normal((D,), dtype, 0.1)
+        return p
+    return [one() for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
+def test_gradients_exact_and_q_k_v_not_stored(fused):
+    loss, params, x = _loss(fused), _params(), normal((B, T, D))
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    got = jax.jit(jax.grad(transform(loss), argnums=(0, 1)))(params, x)
+    close(got, want)
+    kept = residual_bytes(transform(loss), params, x).activation_bytes
+    stored = residual_bytes(transform(loss, projections=False), params, x).activation_bytes
+    # q, k and v of every layer (f32) are gone; nothing replaces them (the norm's input and
+    # statistics and the weights are kept anyway)
+    assert stored - kept >= LAYERS * 3 * B * T * D * 4, (stored, kept)
+
+
+def test_under_vmap_scan_checkpoint_and_bf16():
+    loss, params = _loss(False), _params()
+    x = normal((3, B, T, D))
+    g = jax.grad(transform(loss))
+    want = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x)
+    close(jax.jit(jax.vmap(g, in_axes=(None, 0)))(params, x), want)
+
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params)
+
+    def scanned(ps, x):
+        def body(h, p):
+            return _layer(p, h, False), None
+        return jnp.mean(lax.scan(jax.checkpoint(body), x, ps)[0] ** 2)
+
+    close(jax.jit(jax.grad(transform(scanned)))(stacked, x[0]),
+          jax.jit(jax.grad(scanned))(stacked, x[0]))
+
+    pb, xb = _params(jnp.bfloat16), x[0].astype(jnp.bfloat16)
+    got = jax.jit(jax.grad(transform(loss)))(pb, xb)
+    want = jax.jit(jax.grad(transform(loss, projections=False)))(pb, xb)
+    # the same bf16 arithmetic recomputed: equal up to bf16 rounding of the recomputation
+    close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
+          jax.tree.map(lambda a: a.astype(jnp.float32), want), rtol=2e-2, atol=2e-2)
+
+
+def test_recorded_projection_is_read_by_the_attention_only():
+    """A dense layer fed a projection (``LN(x) W1`` then ``@ W2``, no attention) keeps its
+    input as before: the recipe does not make other rules recompute products."""
+    def loss(p, x):
+        h = _ln(x, p["g"], p["b"]) @ p["wq"]
+        return jnp.mean((h.reshape(B, T, HEADS, -1).reshape(B, T, D) @ p["wo"]) ** 2)
+
+    p, x = _params()[0], normal((B, T, D))
+    on = residual_bytes(transform(loss), p, x).activation_bytes
+    off = residual_bytes(transform(loss, projections=False), p, x).activation_bytes
+    assert on == off
+    close(jax.jit(jax.grad(transform(loss)))(p, x), jax.jit(jax.grad(loss))(p, x))
+
+
+def test_projections_option_is_checked():
+    with pytest.raises(TypeError, match="projections"):
+        transform(_loss(False), projections="yes")
