@@ -70,6 +70,18 @@ def _inside_shard_map() -> bool:
     return not mesh.empty and any(t == manual for t in mesh.axis_types)
 
 
+def split_by_spmd() -> bool:
+    """Whether the trace is of a program XLA's SPMD partitioner splits: the mesh in context
+    (``jax.set_mesh``, :mod:`jaxmem.distributed`'s steps) has an axis of size > 1 that is not
+    manual (inside ``shard_map`` arrays are per-device: ``False``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = jax.sharding.AxisType.Manual
+    return any(int(mesh.shape[n]) > 1 and t != manual
+               for n, t in zip(mesh.axis_names, mesh.axis_types))
+
+
 def reduced_here(dw):
     """``dw`` (values unchanged) laid out as the step in context reduces it; ``None`` when
     no layout is in context, it names none for ``dw``'s shape, or inside ``shard_map``."""

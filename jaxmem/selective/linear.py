@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.grad_layout import bilinear_gradients, gathered, stored
+from jaxmem._prims.grad_layout import bilinear_gradients, gathered, split_by_spmd, stored
 from jaxmem._prims.recipes import PROJECTED, depth, extend, project
 from jaxmem._prims.ties import tie, typed_struct, vary_like
 from jaxmem.selective._core import (
@@ -198,8 +198,9 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     ``_project`` (a dense product, ``jaxmem.transform(..., projections=True)``): when ``x``
     is such a normalisation or activation output, the output is recorded as recomputable
     from its producer's residuals and ``w`` (:func:`jaxmem._prims.recipes.project`), for the
-    attention core only (queries, keys and values recomputed in its backward pass). A
-    bilinear layer fed a value recorded so ignores the recipe and keeps its input.
+    attention core only (queries, keys and values recomputed in its backward pass); not in
+    a program that XLA's SPMD partitioner splits (a mesh in context). A bilinear layer fed
+    a value recorded so ignores the recipe and keeps its input.
     """
     x_in = x
     r = recipe(x) if depth(x) < PROJECTED else None
@@ -213,7 +214,10 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
         y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
         if _pointwise:
             extend(y, fn, x_in, (w,))
-        elif _project:
+        elif _project and not split_by_spmd():
+            # not in a program the SPMD partitioner splits: a recomputed projection of a
+            # sharded weight would repeat the forward's collectives (measured: the GPT of
+            # parity_tests/distributed under TP, 2 -> 4 collective-permutes)
             project(y, fn, x_in, (w,))
         return y
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)

@@ -33,7 +33,8 @@ class Options:
     projections: with ``products``, ``norms`` and ``attention``, an attention whose queries,
       keys and values are dense projections of a normalisation's output (``LN(x) W + b``,
       reshaped, split, transposed, scaled by constants) keeps that norm's residuals and the
-      weights instead of ``q, k, v`` and recomputes the projections in its backward pass.
+      weights instead of ``q, k, v`` and recomputes the projections in its backward pass
+      (not in programs XLA's SPMD partitioner splits).
     """
 
     fewbit: int | None = None
