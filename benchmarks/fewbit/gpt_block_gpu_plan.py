@@ -165,8 +165,8 @@ def markdown(rs, cmd, shape):
               "cuBLAS/cuDNN workspaces not counted; no timing). `fewbit3`: the MLP's GELU, "
               "read by the down-projection, keeps the exact op (what `jaxmem.transform` "
               "chooses from 8 such f32 / 4 bf16 layers on; with fewer it keeps 3-bit codes "
-              "beside the `gelu(x)` the product keeps: 12 MiB more per layer here, 111.1 "
-              "bf16 / 186.1 f32 MiB with the einsum spelling, against a smaller backward "
+              "beside the `gelu(x)` the product keeps: 12 MiB more per layer in bf16 here, "
+              "111.1 against 99.1 MiB with the einsum spelling, against a smaller backward "
               "working set)."), "",
              "| dtype | plan | attention | conversion | MiB per layer | ratio |",
              "|---|---|---|---|---|---|"]
