@@ -160,14 +160,22 @@ def extend(y, op, x, extra=(), *, elementwise=False) -> bool:
     and only for an ``x`` of depth 0. ``elementwise=True``: ``op`` is elementwise in ``x``
     (given ``extra``: a norm's output from its input and statistics), the depth is ``x``'s.
     Returns whether ``y`` was recorded."""
+    if elementwise:
+        return _extend(y, op, x, extra, depth(x))
+    return depth(x) == 0 and _extend(y, op, x, extra, 1)
+
+
+def _extend(y, op, x, extra, new_depth: int) -> bool:
+    """``y == op(recomputed x, *extra)`` at ``new_depth`` when ``x`` has a one-producer
+    recipe (:func:`extend`, :func:`project`)."""
     r = recipe(x)
-    if r is None or (not elementwise and depth(x) != 0):
+    if r is None:
         return False
     fn, args, groups = r
     if len(groups) != 1 or len(args) + len(extra) > MAX_ARGS:
         return False
     remember(y, functools.partial(_extended, op, fn, len(args)), tuple(args) + tuple(extra),
-             groups, depth(x) if elementwise else 1)
+             groups, new_depth)
     return True
 
 
@@ -178,12 +186,4 @@ def project(y, op, x, extra=()) -> bool:
     followed by ``extra``, at depth :data:`PROJECTED`. Only the attention core reads such a
     recipe (its ``q, k, v`` recomputed in its backward pass from what the norm keeps anyway,
     one product each). ``op`` must be deterministic. Returns whether ``y`` was recorded."""
-    r = recipe(x)
-    if r is None or depth(x) != 0:
-        return False
-    fn, args, groups = r
-    if len(groups) != 1 or len(args) + len(extra) > MAX_ARGS:
-        return False
-    remember(y, functools.partial(_extended, op, fn, len(args)), tuple(args) + tuple(extra),
-             groups, PROJECTED)
-    return True
+    return depth(x) == 0 and _extend(y, op, x, extra, PROJECTED)
