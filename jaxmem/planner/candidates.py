@@ -224,15 +224,21 @@ def row_candidates(step, args, factory, prof: UnitProfile) -> list[Candidate]:
 
 
 def offload_candidates(prof: UnitProfile, bandwidth: float, flops: float) -> list[Candidate]:
-    """``offload``: a unit's residuals in host memory (device keeps its inputs); cost = the
-    round trip over a step of ``3 * FLOPs / flops`` seconds, in step FLOPs."""
+    """``offload``: a unit's matmul and convolution outputs in host memory, the elementwise
+    work between them recomputed (:func:`jaxmem.planner.offload.offload_chunk`); the device
+    keeps the unit's inputs, as under ``recompute``. Moved bytes = kept under ``dots`` minus
+    kept under ``recompute``; work = those bytes brought back plus what ``dots`` recomputes;
+    cost = the round trip over a step of ``3 * FLOPs / flops`` seconds, in step FLOPs, plus
+    the unit's non-matmul FLOPs."""
     from jaxmem.planner import offload as _offload
 
     total = 3.0 * max(prof.total_flops, 1.0)
     step_seconds = total / flops
     out = []
     for u, k in enumerate(prof.keep):
-        if k[0] > k[2]:
-            t = _offload.transfer_seconds(k[0] - k[2], bandwidth)
-            out.append(Candidate((u,), Option("offload"), k[2], 0, t / step_seconds * total))
+        moved = k[1] - k[2]
+        if moved > 0:
+            t = _offload.transfer_seconds(moved, bandwidth)
+            out.append(Candidate((u,), Option("offload"), k[2], moved + prof.work[u][1],
+                                 t / step_seconds * total + prof.flops[u][1]))
     return out

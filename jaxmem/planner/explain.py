@@ -21,8 +21,8 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
     if kind == "fewbit":
         return f"{param}-bit activation codes drop {saved / _MIB:.3f} MiB (approximate gradient)"
     if kind == "offload":
-        return (f"residuals ({saved / _MIB:.3f} MiB) kept in host memory, copied back for the "
-                f"backward pass")
+        return (f"matmul outputs ({saved / _MIB:.3f} MiB) kept in host memory, copied back "
+                f"for the backward pass (elementwise work between them recomputed)")
     if kind == "rows":
         return (f"row-tiled into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
                 f"{saved / _MIB:.3f} MiB (exact)")

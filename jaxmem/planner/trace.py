@@ -505,7 +505,7 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
     ``"recompute"`` runs under ``jax.checkpoint`` with that policy (fenced, see
     :func:`fenced_checkpoint`, unless ``fence=False``); ``"segment2"`` runs its sub-units
     ``inner[label]`` each checkpointed inside one checkpointed chunk (nested recomputation,
-    :func:`nested_fn`); ``"offload"`` keeps its residuals in host memory
+    :func:`nested_fn`); ``"offload"`` keeps its matmul outputs in host memory
     (:func:`jaxmem.planner.offload.offload_chunk`)."""
     jaxpr = closed.jaxpr
     env: dict = {}
@@ -523,7 +523,7 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
             f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)
             if opt == "offload":
                 from jaxmem.planner.offload import offload_chunk
-                f = offload_chunk(f)   # residuals to host memory; not fenced (no recomputation)
+                f = offload_chunk(f)   # dot outputs to host memory; not fenced (ties instead)
             elif opt != "store":
                 f = _checkpointed(f, POLICIES[opt], fence)
         vals = f(*[env[v] for v in ins])
