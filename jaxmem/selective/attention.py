@@ -33,10 +33,12 @@ checked with the compiled-bytes slope in ``parity_tests/fewbit/test_fewbit_atten
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -373,6 +375,25 @@ def _core_rec_bwd(spec, recipes, res, do):
 _core_rec.defvjp(_core_rec_fwd, _core_rec_bwd, symbolic_zeros=True)
 
 
+#: While :func:`projections_seen` is active: the names (``"q"``, ``"k"``, ``"v"``) of the
+#: inputs that :func:`attention_core` found recorded as a projection (one list per core call).
+_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxmem_attention_projections",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def projections_seen() -> Iterator[list]:
+    """Collect, per :func:`attention_core` call inside the context, which of ``q, k, v`` it
+    may recompute from their projection instead of storing (a tuple of names; empty when
+    none): what ``jaxmem.transform``'s report says of each attention core."""
+    seen: list = []
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
+
+
 def _with_recipes(q, k, v):
     """``(rec, recipes)`` for :func:`_core_rec` when one of ``q, k, v`` is a recorded
     projection (:func:`jaxmem._prims.recipes.project`, one producer), else ``None``:
@@ -423,6 +444,10 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: jax.Array 
     them and the weight (one projection per recorded tensor, shared ones once).
     """
     found = _with_recipes(q, k, v)
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.append(() if found is None else
+                    tuple(n for n, r in zip("qkv", found[1]) if r is not None))
     if found is not None:
         return _core_rec(q, k, v, bias, mask, rng, found[0], spec, found[1])
     return _core(q, k, v, bias, mask, rng, spec)

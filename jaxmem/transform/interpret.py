@@ -46,7 +46,7 @@ from jaxmem.transform.graph import (
 from jaxmem.transform.match import Match
 from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
-from jaxmem.transform.report import Row, record
+from jaxmem.transform.report import Row, amend, record
 from jaxmem.transform.scan_policy import has_remat, scan_policy
 
 __all__ = ["Interpreter"]
@@ -176,6 +176,9 @@ class Interpreter:
         return plan
 
     def eval(self, jaxpr: core.Jaxpr, consts, args, path: str) -> list:
+        from jaxmem.selective.attention import projections_seen
+        from jaxmem.transform.match_attention import projected_row
+
         graph = Graph.build(jaxpr, consts)
         plan = self.plan(graph, path)
         skip = set()
@@ -201,8 +204,10 @@ class Interpreter:
             eqn = jaxpr.eqns[i]
             m = plan.get(i)
             if m is not None:
-                with context(eqn):
+                with context(eqn), projections_seen() as seen:
                     outs = m.emit(*[read(v) for v in m.inputs])
+                if m.row.kind == "attention" and any(seen):
+                    amend(m.row, projected_row(m.row, seen))
                 write(m.outputs, outs)
             else:
                 write(eqn.outvars, self.eqn(eqn, [read(v) for v in eqn.invars], path))

@@ -47,6 +47,7 @@ use, weights used elsewhere, ...).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -722,6 +723,24 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
     return emit
 
 
+#: What an attention core keeps for its backward (the row's reason).
+KEEPS = "keeps q, k, v and row statistics, no T x S array"
+
+
+def projected_row(row: Row, seen: list) -> Row:
+    """``row`` once its attention core was emitted: ``seen`` (from
+    :func:`jaxmem.selective.attention.projections_seen`) names, per core call, the inputs
+    recorded as a projection of a normalisation's output, which the core does not store when
+    that norm keeps its residuals (``transform(..., projections=True)``)."""
+    names = sorted({n for call in seen for n in call}, key="qkv".index)
+    which = ", ".join(names)
+    rest = [n for n in "qkv" if n not in names]
+    kept = f"keeps {', '.join(rest)} and row statistics" if rest else "keeps row statistics"
+    return dataclasses.replace(row, reason=(
+        f"{kept}; {which}: recomputed in the backward from their projection's inputs and "
+        f"weights where the normalisation before it keeps them (else stored); no T x S array"))
+
+
 def match_attention(graph: Graph, path: str) -> list[Match | Row]:
     """Attention subgraphs of ``graph`` (matches, and rows for softmax-weighted products
     that did not match, with the reason)."""
@@ -759,7 +778,6 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
         what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
                 + (f" [{', '.join(parts)}]" if parts else ""))
         row = Row("attention", what, "jaxmem.selective.attention_core (exact)", True,
-                  "keeps q, k, v and row statistics, no T x S array", location(eqn),
-                  name_stack(eqn), path)
+                  KEEPS, location(eqn), name_stack(eqn), path)
         out.append(Match(frozenset(used), i, inputs, list(eqn.outvars), emit, row))
     return out

@@ -109,6 +109,24 @@ def record(row: Row) -> None:
         rows.append(row)
 
 
+def amend(old: Row, new: Row) -> None:
+    """Put ``new`` in the place of the row ``old`` (the same object) recorded in the report
+    being collected, once emission has said more about it; no-op when ``old`` is not there
+    (nothing collected, or recorded muted)."""
+    rows = _ROWS.get()
+    d = _DISCARDED.get()
+    for place in (rows, d[1] if d is not None else None):
+        if place is None:
+            continue
+        for i, item in enumerate(place):
+            if item is old:
+                place[i] = new
+                return
+            if isinstance(item, tuple) and item and item[0] is old:
+                place[i] = (new, *item[1:])
+                return
+
+
 @contextlib.contextmanager
 def muted() -> Iterator[None]:
     """Record nothing inside the context (the matchers run to count, not to re-emit)."""

@@ -122,3 +122,33 @@ def test_recorded_projection_is_read_by_the_attention_only():
 def test_projections_option_is_checked():
     with pytest.raises(TypeError, match="projections"):
         transform(_loss(False), projections="yes")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
+def test_report_says_which_inputs_are_recomputed(fused):
+    """The attention rows name q, k, v as recomputed from their projection (they are, per
+    ``test_gradients_exact_and_q_k_v_not_stored``); without the option they say q, k, v are
+    kept."""
+    loss, params, x = _loss(fused), _params(), normal((B, T, D))
+    on = [r for r in transform(loss).report(params, x) if r.kind == "attention"]
+    off = [r for r in transform(loss, projections=False).report(params, x)
+           if r.kind == "attention"]
+    assert len(on) == len(off) == LAYERS
+    for r in on:
+        assert r.reason.startswith("keeps row statistics; q, k, v: recomputed"), r.reason
+    for r in off:
+        assert r.reason == "keeps q, k, v and row statistics, no T x S array"
+
+
+def test_report_of_cross_attention_keeps_what_has_no_projection():
+    """Queries projected from a norm, keys and values from an encoder output as given: only
+    q is reported as recomputed."""
+    def loss(p, x, enc):
+        q = _ln(x, p["g"], p["b"]) @ p["wq"]
+        o = _attend(_heads(q), _heads(enc), _heads(enc))
+        return jnp.mean((o @ p["wo"]) ** 2)
+
+    p, x, enc = _params()[0], normal((B, T, D)), normal((B, T, D), scale=0.5)
+    rows = [r for r in transform(loss).report(p, x, enc) if r.kind == "attention"]
+    assert len(rows) == 1 and rows[0].reason.startswith("keeps k, v and row statistics; q: ")
+    close(jax.jit(jax.grad(transform(loss)))(p, x, enc), jax.jit(jax.grad(loss))(p, x, enc))
