@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["after", "laid_out_like", "tie", "together", "typed_struct", "vary_like", "varying_axes",
+__all__ = ["after", "barrier_off_cpu", "laid_out_like", "tie", "together", "typed_struct", "vary_like", "varying_axes",
            "zeros_after"]
 
 
@@ -213,10 +213,22 @@ def after(x, dep, *, everywhere: bool = False, split: bool = False):
 
 
 # ------------------------------------------------------------- both, from one barrier
+def barrier_off_cpu(tree):
+    """``tree`` unchanged (bit for bit), each leaf available only once all are: one
+    ``optimization_barrier`` over its leaves off CPU; as it is on CPU (XLA:CPU drops the
+    barrier before scheduling). No partitioning rule of its own: the barrier passes XLA's
+    SPMD partitioner as it is (:func:`together` is the two-array op that is split per shard)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    out = lax.platform_dependent(*leaves, cpu=lambda *a: list(a),
+                                 default=lambda *a: list(lax.optimization_barrier(list(a))))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def _together_off_cpu(a, b):
     """``(a, b)`` out of one ``optimization_barrier`` off CPU; as they are on CPU."""
-    return lax.platform_dependent(a, b, cpu=lambda a, b: (a, b),
-                                  default=lambda a, b: lax.optimization_barrier((a, b)))
+    return barrier_off_cpu((a, b))
 
 
 def _together_rule(mesh, operand_types, result_types):

@@ -32,6 +32,7 @@ import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from jaxmem._compat import core, saved_residuals
+from jaxmem._prims.ties import barrier_off_cpu
 from jaxmem.planner.trace import itemsize
 
 __all__ = ["HOST_KIND", "compiled_bytes", "host_offload_kind", "offload_available",
@@ -161,19 +162,6 @@ def _movable(x: Any, inputs: set[int]) -> bool:
         != core.MemorySpace.Host
 
 
-def _barrier_off_cpu(tree: Any) -> Any:
-    """``tree`` unchanged; off CPU every leaf comes out of one ``optimization_barrier`` (each
-    is available only once all are). XLA:CPU has no separate host memory and drops the
-    barrier before scheduling anyway."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if not leaves:
-        return tree
-    out = jax.lax.platform_dependent(
-        *leaves, cpu=lambda *a: list(a),
-        default=lambda *a: list(jax.lax.optimization_barrier(list(a))))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def offload_chunk(f: Callable[..., Any], dst: str = "pinned_host", *,
                   only_dots: bool = True) -> Callable[..., Any]:
     """``f`` with the same values and gradients whose residuals live in ``dst`` memory between
@@ -231,12 +219,12 @@ def offload_chunk(f: Callable[..., Any], dst: str = "pinned_host", *,
     def bwd(stash, ct):
         away = [x for x, m in zip(stash.leaves, stash.moved) if m]
         if away:
-            away, ct = _barrier_off_cpu((away, ct))
+            away, ct = barrier_off_cpu((away, ct))
         it = iter(away)
         leaves = [jax.device_put(next(it), jax.memory.Space.Device) if m else x
                   for x, m in zip(stash.leaves, stash.moved)]
         grads = jax.tree_util.tree_unflatten(stash.treedef, leaves)(ct)
-        return _barrier_off_cpu(grads)
+        return barrier_off_cpu(grads)
 
     chunk.defvjp(fwd, bwd)
     functools.update_wrapper(chunk, f, updated=())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -204,9 +205,10 @@ class Interpreter:
             eqn = jaxpr.eqns[i]
             m = plan.get(i)
             if m is not None:
-                with context(eqn), projections_seen() as seen:
+                attends = m.row.kind == "attention"   # its row says what the core keeps
+                with context(eqn), (projections_seen() if attends else nullcontext([])) as seen:
                     outs = m.emit(*[read(v) for v in m.inputs])
-                if m.row.kind == "attention" and any(seen):
+                if any(seen):
                     amend(m.row, projected_row(m.row, seen))
                 write(m.outputs, outs)
             else:
