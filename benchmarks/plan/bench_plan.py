@@ -207,6 +207,8 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
                                     + (f" {c.rows}" if c.rows else "")
+                                    + (f" (first {c.stages} stages)"
+                                       if getattr(c, "stages", None) else "")
                                     + (" nested" if getattr(c, "nested", False) else "")
                                     for c in p.choices})
                 if p.approximate:
@@ -312,7 +314,8 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "`fewbit b bit` = the unit stored with b-bit GELU codes (rows marked "
                    "`approx.`, `allow_approximate=True`; gradient error = largest relative "
                    "L2 error of a gradient leaf vs the exact step); `rows r` = the VGG trunk "
-                   "row-tiled into r tiles (exact); `(step): store` with an OLLA note = the "
+                   "row-tiled into r tiles (exact), `rows r (first s stages)` = only its first "
+                   "s pooling stages row-tiled (their units), the rest its own units; `(step): store` with an OLLA note = the "
                    "untouched step in an OLLA order.")]
     lines += ["", ("Uniform JAX policies (plain `jax.checkpoint` on every block, as `nn.remat` "
                    "would), compiled MiB (default in brackets):"), ""]

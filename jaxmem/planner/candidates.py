@@ -198,29 +198,58 @@ def fewbit_candidates(step, args, factory, prof: UnitProfile,
 def row_candidates(step, args, factory, prof: UnitProfile) -> list[Candidate]:
     """``rows`` r: a conv trunk (see :func:`jaxmem.planner.trace.row_twin`) that is a unit
     boundary, row-tiled into r tiles; covers the trunk's own units (its layers' units merge
-    into it); work = stored bytes / r, cost = the trunk's FLOPs."""
+    into it); work = stored bytes / r, cost = the trunk's FLOPs. ``rows`` r over the trunk's
+    first s pooling stages (:func:`jaxmem.planner.trace.row_split`, option ``rows{r}s{s}``):
+    covers those stages' units only (the rest stay the trunk's own units, each with its own
+    options), cost = their FLOPs: the high-resolution stages, where the bytes are, tiled
+    without recomputing the whole trunk."""
     labels, out = prof.labels, []
     for r in ROW_COUNTS:
-        convs = {lbl: _trace.Conversion("rows", r) for lbl in prof.traced.ends}
-        tr = _trace.trace(step, args, factory() if factory else None, convs)
-        trunks = sorted(tr.converted & set(prof.cut_labels))
-        if not trunks:
-            break   # whether a layer has a row twin does not depend on r
-        units_c = _trace.units_at(tr, prof.cut_labels)
-        for trunk in trunks:
-            inside = {lbl for lbl in labels if lbl.startswith(trunk + "/")}
-            cover = tuple(u for u, lbl in enumerate(labels) if lbl in inside or lbl == trunk)
-            if not cover or cover != tuple(range(cover[0], cover[-1] + 1)):
-                continue
-            if not _aligned(units_c, labels, inside):
-                continue
-            uc = next(x for x in units_c if x.label == trunk)
-            kb, _ = keep_bytes(tr.closed.jaxpr, uc, _outer(tr))
-            held = sum(prof.keep[u][0] for u in cover)
-            if kb < held:
-                out.append(Candidate(cover, Option("rows", r), kb, held // r,
-                                     sum(prof.flops[u][0] for u in cover)))
+        for stages in (None, *range(1, _MAX_STAGES + 1)):
+            convs = {lbl: _trace.Conversion("rows", r, stages) for lbl in prof.traced.ends}
+            tr = _trace.trace(step, args, factory() if factory else None, convs)
+            trunks = sorted(tr.converted & set(prof.cut_labels))
+            if not trunks:
+                break   # no trunk has a row twin (or this many stages): the same for any r
+            units_c = _trace.units_at(tr, prof.cut_labels)
+            for trunk in trunks:
+                cand = _row_candidate(tr, units_c, labels, prof, trunk, r, stages)
+                if cand is not None:
+                    out.append(cand)
     return out
+
+
+#: most pooling stages a ``rows`` candidate over a trunk's first stages tiles
+_MAX_STAGES = 4
+
+
+def _row_candidate(tr, units_c, labels, prof: UnitProfile, trunk: str, r: int,
+                   stages: int | None) -> Candidate | None:
+    """The ``rows`` candidate of ``trunk`` in the converted trace ``tr`` (``None`` when its
+    units do not line up with the base units or it keeps no less)."""
+    inside = [lbl for lbl in labels if lbl.startswith(trunk + "/")]
+    dropped = {lbl for lbl in inside if lbl not in tr.ends}
+    if stages is None:
+        end = trunk
+        dropped = set(inside)
+    else:   # the tiled stages end at the first of the trunk's layers the trace still has
+        end = next((lbl for lbl in inside if lbl in tr.ends), None)
+        if end is None:
+            return None
+    cover = tuple(u for u, lbl in enumerate(labels)
+                  if lbl in dropped or lbl == end)
+    if not cover or cover != tuple(range(cover[0], cover[-1] + 1)):
+        return None
+    if not _aligned(units_c, labels, dropped):
+        return None
+    uc = next(x for x in units_c if x.label == end)
+    kb, _ = keep_bytes(tr.closed.jaxpr, uc, _outer(tr))
+    held = sum(prof.keep[u][0] for u in cover)
+    if kb >= held:
+        return None
+    return Candidate(cover, Option("rows", r, stages), kb, held // r,
+                     sum(prof.flops[u][0] for u in cover),
+                     converts=None if stages is None else trunk)
 
 
 def offload_candidates(prof: UnitProfile, bandwidth: float, flops: float) -> list[Candidate]:

@@ -24,7 +24,9 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
         return (f"matmul outputs ({saved / _MIB:.3f} MiB) kept in host memory, copied back "
                 f"for the backward pass (elementwise work between them recomputed)")
     if kind == "rows":
-        return (f"row-tiled into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
+        what = "row-tiled" if cand.option.stages is None else \
+            f"its trunk's first {cand.option.stages} pooling stages row-tiled"
+        return (f"{what} into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
                 f"{saved / _MIB:.3f} MiB (exact)")
     if cand.option.nested:
         inner = f"its {len(cand.cover)} units" if len(cand.cover) > 1 else "its children"
@@ -49,7 +51,7 @@ def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
                               float(extra), _why(cand, model.saving(i), extra),
                               bits=param if kind == "fewbit" else None,
                               rows=param if kind == "rows" else None,
-                              nested=cand.option.nested))
+                              nested=cand.option.nested, stages=cand.option.stages))
     return tuple(out)
 
 

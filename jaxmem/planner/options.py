@@ -28,15 +28,21 @@ NESTED = 2
 class Option:
     """One option: ``kind`` in :data:`KINDS`, ``param`` the bit count of ``fewbit``, the
     tile count of ``rows``, :data:`NESTED` for a nested ``segment`` (``None`` for every other
-    kind, and for a plain segment). ``str`` gives its text (``"store"``, ``"fewbit3"``,
-    ``"rows8"``, ``"segment2"``), :meth:`parse` reads it back."""
+    kind, and for a plain segment); ``stages`` (``rows`` only) the trunk's pooling stages
+    tiled (``None``: all). ``str`` gives its text (``"store"``, ``"fewbit3"``, ``"rows8"``,
+    ``"rows8s2"``, ``"segment2"``), :meth:`parse` reads it back."""
 
     kind: str
     param: int | None = None
+    stages: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Option: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.stages is not None and not (self.kind == "rows" and type(self.stages) is int
+                                            and self.stages >= 1):
+            raise ValueError(f"Option: stages must be None or an int >= 1 of kind 'rows', "
+                             f"got stages={self.stages!r} for {self.kind!r}")
         if self.kind == "segment":
             if self.param is not None and not (type(self.param) is int
                                                and self.param == NESTED):
@@ -52,16 +58,20 @@ class Option:
                              f"{self.param!r}")
 
     def __str__(self) -> str:
-        return self.kind if self.param is None else f"{self.kind}{self.param}"
+        text = self.kind if self.param is None else f"{self.kind}{self.param}"
+        return text if self.stages is None else f"{text}s{self.stages}"
 
     @classmethod
     def parse(cls, text: str) -> Option:
-        """The option whose ``str`` is ``text`` (``"recompute"``, ``"fewbit2"``, ``"rows4"``)."""
-        mt = re.fullmatch(r"([a-z]+)([0-9]*)", text) if isinstance(text, str) else None
+        """The option whose ``str`` is ``text`` (``"recompute"``, ``"fewbit2"``, ``"rows4"``,
+        ``"rows4s2"``)."""
+        mt = re.fullmatch(r"([a-z]+)([0-9]*)(?:s([0-9]+))?", text) \
+            if isinstance(text, str) else None
         if mt is None:
             raise ValueError(f"Option.parse: text must be an option name such as 'store' or "
                              f"'fewbit2', got {text!r}")
-        return cls(mt.group(1), int(mt.group(2)) if mt.group(2) else None)
+        return cls(mt.group(1), int(mt.group(2)) if mt.group(2) else None,
+                   int(mt.group(3)) if mt.group(3) else None)
 
     @property
     def checkpointed(self) -> bool:
@@ -82,20 +92,25 @@ class Option:
 
     def conversion(self) -> _trace.Conversion | None:
         """The tracing conversion of a ``fewbit`` / ``rows`` option, else ``None``."""
-        return _trace.Conversion(self.kind, self.param) if self.kind in _CONVERSIONS else None
+        if self.kind not in _CONVERSIONS:
+            return None
+        return _trace.Conversion(self.kind, self.param, self.stages)
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """``option`` over the consecutive units ``cover``: ``keep_bytes`` held for the backward
     pass (jaxpr level), ``work_bytes`` recomputed while its own backward runs, ``cost`` the
-    predicted extra FLOPs (fence included)."""
+    predicted extra FLOPs (fence included); ``converts`` the label of the layer call the
+    option's conversion applies to (``None``: the last covered unit's; a ``rows`` option
+    over a trunk's first stages converts the trunk, whose last units it does not cover)."""
 
     cover: tuple[int, ...]
     option: Option
     keep_bytes: int
     work_bytes: int
     cost: float
+    converts: str | None = None
 
     @property
     def checkpoints(self) -> int:

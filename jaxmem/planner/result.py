@@ -30,7 +30,8 @@ class UnitChoice:
     recompute the rest), ``recompute`` (keep its inputs only), ``segment`` (several units
     recomputed as one chunk; with ``nested``, its units are checkpointed again inside that
     recomputation: two-level, exact), ``fewbit`` (stored with ``bits``-bit activation codes:
-    approximate) or ``rows`` (a conv trunk row-tiled into ``rows`` tiles: exact)."""
+    approximate) or ``rows`` (a conv trunk row-tiled into ``rows`` tiles: exact; with
+    ``stages``, only its first ``stages`` pooling stages are tiled, the rest run as before)."""
 
     label: str
     option: str
@@ -41,6 +42,7 @@ class UnitChoice:
     bits: int | None = None
     rows: int | None = None
     nested: bool = False
+    stages: int | None = None
 
     @property
     def as_option(self) -> Option:
@@ -48,7 +50,8 @@ class UnitChoice:
         a nested segment ``segment2``)."""
         if self.nested:
             return Option(self.option, NESTED)
-        return Option(self.option, self.bits if self.bits is not None else self.rows)
+        return Option(self.option, self.bits if self.bits is not None else self.rows,
+                      self.stages)
 
 
 def _option_text(c: UnitChoice) -> str:
@@ -58,7 +61,8 @@ def _option_text(c: UnitChoice) -> str:
     if c.bits is not None:
         return f"{c.option} {c.bits}b"
     if c.rows is not None:
-        return f"{c.option} {c.rows}"
+        return f"{c.option} {c.rows}" + (
+            "" if c.stages is None else f" (first {c.stages} pooling stages)")
     return c.option
 
 

@@ -137,19 +137,27 @@ class Search:
     def refine(self, budget: int, max_iterations: int) -> tuple[_solve.Solution | None, str, int]:
         """Solve, compile, refit up to ``max_iterations`` times: ``(last solution, status of
         the last fitting plan, iterations)``. A plan over budget tightens the model's budget
-        by its miss and is forbidden; when the model finds no plan within the budget (or
-        none cheaper than one that fits) the plan of least predicted bytes is compiled."""
+        by its miss and is forbidden; while that tightened budget holds nothing cheaper than a
+        plan that fits, the tightening is halved (down to none). When the model finds no plan
+        within the budget (or none cheaper than one that fits) the plan of least predicted
+        bytes is compiled."""
         self.calibrate()
         slack, least_tried, status, sol = 0, False, "OPTIMAL", None
         for it in range(1, max_iterations + 1):
             fits = self.fitting(budget)
             theta = self.model.fit(self.tried)
             over = [c for c in self.tried if c not in fits]
-            sol = self.solve(theta, budget - slack, "time", over)
-            if _DEBUG:
-                print("plan: theta", theta, "slack", slack, sol)
-            mode_bytes = sol.choice is None or bool(
-                fits and self.model.cost(sol.choice) >= min(map(self.cost, fits)))
+            while True:
+                sol = self.solve(theta, budget - slack, "time", over)
+                if _DEBUG:
+                    print("plan: theta", theta, "slack", slack, sol)
+                mode_bytes = sol.choice is None or bool(
+                    fits and self.model.cost(sol.choice) >= min(map(self.cost, fits)))
+                if not (mode_bytes and fits and slack):
+                    break
+                # nothing cheaper than a plan that fits within the slack an earlier miss
+                # took: halve it (the misses stay forbidden), down to none
+                slack = slack // 2 if slack > budget // 64 else 0
             if mode_bytes:
                 if fits:
                     return sol, status, it

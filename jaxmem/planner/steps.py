@@ -255,7 +255,7 @@ class StepCompiler:
             cand = self.candidates[i]
             conv = cand.option.conversion()
             if conv is not None:
-                convs[self.labels[cand.cover[-1]]] = conv
+                convs[cand.converts or self.labels[cand.cover[-1]]] = conv
             runs.append((tuple(self.labels[u] for u in cand.cover), cand.option.run_as))
         if any(c.kind == "fewbit" for c in convs.values()):
             for lbl in self.cut_labels:

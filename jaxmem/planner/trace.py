@@ -23,8 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._compat import core
 
-__all__ = ["PREFIX", "Conversion", "Traced", "Unit", "child_units", "nested_fn", "row_twin",
-           "run_chunks", "tag", "trace", "units_at"]
+__all__ = ["PREFIX", "Conversion", "RowSplit", "Traced", "Unit", "child_units", "nested_fn",
+           "row_split", "row_twin", "run_chunks", "tag", "trace", "units_at"]
 
 PREFIX = "jaxmem/"
 
@@ -42,28 +42,105 @@ def tag(x: Any, name: str) -> Any:
 class Conversion:
     """How one tagged layer call is traced: ``kind`` ``"fewbit"`` (its smooth activations keep
     ``value``-bit codes; approximate gradients), ``"rows"`` (a conv trunk row-tiled into
-    ``value`` tiles by :mod:`jaxmem.rowconv`; exact) or ``"exact"`` (jaxmem's exact options)."""
+    ``value`` tiles by :mod:`jaxmem.rowconv`; exact) or ``"exact"`` (jaxmem's exact options).
+    ``stages`` (``rows`` only): tile the trunk's first ``stages`` pooling stages and run the
+    rest as the trunk's own layers (:func:`row_split`); ``None`` tiles all of it."""
 
     kind: str
     value: int | None = None
+    stages: int | None = None
 
     def __post_init__(self):
         if self.kind not in ("exact", "fewbit", "rows"):
             raise ValueError(f"Conversion: kind must be 'exact', 'fewbit' or 'rows', got "
                              f"{self.kind!r}")
+        if self.stages is not None and not (
+                self.kind == "rows" and type(self.stages) is int and self.stages >= 1):
+            raise ValueError(f"Conversion: stages must be None or an int >= 1 of a 'rows' "
+                             f"conversion, got stages={self.stages!r} for {self.kind!r}")
 
 
 def row_twin(module: Any, rows: int):
     """The row-tiled twin of a Linen conv trunk (same parameters), or ``None`` when
     ``module`` is not one :mod:`jaxmem.rowconv` tiles exactly (a VGG trunk without batch norm,
     float32)."""
+    from jaxmem.rowconv.flax import RowVGGFeatures
+
+    if _row_tileable(module):
+        return RowVGGFeatures(cfg=tuple(module.cfg), width=module.width, rows=rows)
+    return None
+
+
+def _row_tileable(module: Any) -> bool:
+    from jaxmem.models.vgg import VGGFeatures
+
+    return isinstance(module, VGGFeatures) and not module.batch_norm and module.dtype in (
+        None, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """A conv trunk cut after a pooling stage: ``head`` (row-tiled, its convs ``conv_0`` ..
+    ``conv_{n_head - 1}``) then ``tail`` (the trunk's own layers, convs numbered from 0:
+    the trunk's ``conv_{n_head + i}`` is the tail's ``conv_i``)."""
+
+    head: Any
+    tail: Any
+    n_head: int
+
+
+def row_split(module: Any, rows: int, stages: int) -> RowSplit | None:
+    """The trunk ``module`` with its first ``stages`` pooling stages row-tiled into ``rows``
+    tiles (:class:`jaxmem.rowconv.flax.RowVGGFeatures`) and the rest untouched, or ``None``
+    when it is not a trunk :func:`row_twin` tiles or has no layer after that stage. Only the
+    high-resolution stages are recomputed in the backward pass, not the whole trunk."""
     from jaxmem.models.vgg import VGGFeatures
     from jaxmem.rowconv.flax import RowVGGFeatures
 
-    if isinstance(module, VGGFeatures) and not module.batch_norm and module.dtype in (
-            None, jnp.float32):
-        return RowVGGFeatures(cfg=tuple(module.cfg), width=module.width, rows=rows)
-    return None
+    if not _row_tileable(module):
+        return None
+    cfg = tuple(module.cfg)
+    pools = [i for i, item in enumerate(cfg) if item == "M"]
+    if stages > len(pools) or pools[stages - 1] + 1 >= len(cfg):
+        return None
+    cut = pools[stages - 1] + 1
+    n_head = sum(1 for item in cfg[:cut] if item != "M")
+    return RowSplit(RowVGGFeatures(cfg=cfg[:cut], width=module.width, rows=rows),
+                    VGGFeatures(cfg=cfg[cut:], width=module.width, dtype=module.dtype),
+                    n_head)
+
+
+#: ``(trunk path, n_head)`` while the tail of a :class:`RowSplit` runs: its layers are
+#: labelled as the trunk's own (``conv_i`` -> ``<trunk path>/conv_{n_head + i}``)
+_SPLIT_TAIL: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "jaxmem_plan_split_tail", default=None)
+
+
+def _tail_path(path: str) -> str:
+    """``path`` of a layer inside a running split tail, as the trunk's own layer's path."""
+    outer = _SPLIT_TAIL.get()
+    if outer is None or not path:
+        return path
+    trunk, n_head = outer
+    first, _, rest = path.partition("/")
+    if first.startswith("conv_") and first[5:].isdigit():
+        first = f"conv_{int(first[5:]) + n_head}"
+    return "/".join(p for p in (trunk, first, rest) if p)
+
+
+def _run_split(split: RowSplit, module: Any, path: str, x: Any, *rest: Any) -> Any:
+    """The trunk's output through ``split`` (same parameters), the head's output tagged as
+    the trunk's last head conv and the tail's layers labelled as the trunk's own."""
+    params = module.variables["params"]
+    head = {f"conv_{i}": params[f"conv_{i}"] for i in range(split.n_head)}
+    y = tag(split.head.apply({"params": head}, x, *rest), f"{path}/conv_{split.n_head - 1}")
+    n_tail = sum(1 for item in split.tail.cfg if item != "M")
+    tail = {f"conv_{i}": params[f"conv_{split.n_head + i}"] for i in range(n_tail)}
+    token = _SPLIT_TAIL.set((path, split.n_head))
+    try:
+        return split.tail.apply({"params": tail}, y, *rest)
+    finally:
+        _SPLIT_TAIL.reset(token)
 
 
 #: ``(module path, method)`` of the Linen call a conversion is running (its re-entry)
@@ -88,6 +165,13 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
         conv = conversions.get(label)
         if conv is None:
             return next_fun(*args, **kwargs)
+        if conv.kind == "rows" and conv.stages is not None:
+            split = row_split(m, conv.value, conv.stages) if not kwargs else None
+            if split is None:
+                return next_fun(*args, **kwargs)
+            if applied is not None:
+                applied.add(label)
+            return _run_split(split, m, path, *args)
         if conv.kind == "rows":
             twin = row_twin(m, conv.value) if not kwargs else None
             if twin is None:
@@ -116,7 +200,7 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
         try:
             if m.scope is None or m.is_initializing():
                 return next_fun(*args, **kwargs)
-            path = "/".join(str(p) for p in m.scope.path)
+            path = _tail_path("/".join(str(p) for p in m.scope.path))
         except Exception:  # noqa: BLE001  # pragma: no cover - unbound modules
             return next_fun(*args, **kwargs)
         if not path or _CONVERTING.get() == (path, meth):

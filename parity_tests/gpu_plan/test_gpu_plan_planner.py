@@ -77,3 +77,31 @@ def test_ordered_measures_the_target(half):
         np.testing.assert_allclose(v1, v0, rtol=1e-5)
         for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_h100_plan_first_stages_tiled_keep_the_whole_trunk_tiled_bytes():
+    """``rows`` over a VGG trunk's first pooling stages (the planner's ``rows{r}s{s}``) on the
+    H100 plan: one stage of two at 256² keeps at most half the untouched step's bytes, two
+    stages (the high-resolution ones) within 10 % of the whole trunk tiled, whose last
+    stage they do not recompute."""
+    from jaxmem import models
+    from jaxmem.planner import trace as T
+    from jaxmem.planner.steps import make_step
+
+    m = models.VGG((8, 8, "M", 8, 8, "M", 16, "M"), 1.0, False, 10, (16,))
+    x = jax.random.normal(jax.random.key(4), (1, 256, 256, 3))
+    params = jax.jit(m.init)(jax.random.key(5), x)["params"]
+
+    def loss(p, x):
+        return jnp.mean(m.apply({"params": p}, x) ** 2)
+
+    cuts = [u.label for u in T.choose_units(T.trace(loss, (params, x))) if u.label != "(rest)"]
+
+    def total(conv=None):
+        step = loss if conv is None else make_step(loss, None, cuts, (), {"features": conv})
+        return compiled_memory(jax.value_and_grad(step), params, x, target=TARGET).total_bytes
+
+    plain, whole = total(), total(T.Conversion("rows", 8))
+    one, two = total(T.Conversion("rows", 8, 1)), total(T.Conversion("rows", 8, 2))
+    assert one <= 0.5 * plain
+    assert two <= 1.1 * whole < 1.1 * one
