@@ -207,8 +207,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
                                     + (f" {c.rows}" if c.rows else "")
-                                    + (f" (first {c.stages} stages)"
-                                       if getattr(c, "stages", None) else "")
+                                    + (_stages_text(getattr(c, "stages", None)))
                                     + (" nested" if getattr(c, "nested", False) else "")
                                     for c in p.choices})
                 if p.approximate:
@@ -243,7 +242,7 @@ def _fmt_time(x):
 
 
 def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1),
-             batch=None, out=None):
+             batch=None, out=None, updated=()):
     pcts = "/".join(str(int(f * 100)) for f in fractions)
     head = (f"# jaxmem.plan: budgets of {pcts} % of the default compiled bytes"
             + ("" if target == "cpu" else f", on XLA:GPU's {target} plan"))
@@ -269,7 +268,9 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                 else " --fractions " + ",".join(map(str, fractions)))
              + (f" --out {out}" if out else "" if target == "cpu"
                 else f" --out benchmarks/results/plan/{target}")
-             + "`", "",
+             + "`" + ("" if not updated else
+                      f"; the rows of {', '.join(updated)} then rerun with `--models "
+                      f"{','.join(updated)} --update` (the others kept)"), "",
              *([("Times were taken on a 2-core machine shared with other jobs: read them as "
                  "rough; a ratio below 1 is contention noise, not a speed-up."), ""]
                if target == "cpu" else []),
@@ -361,6 +362,28 @@ def _fractions_arg(text):
     return tuple(out)
 
 
+def _stages_text(stages):
+    """`` (first stage)`` / `` (first s stages)`` of a ``rows`` choice over a trunk's first
+    stages, else empty."""
+    if not stages:
+        return ""
+    return " (first stage)" if stages == 1 else f" (first {stages} stages)"
+
+
+def _merged(old_rows, new_rows):
+    """``old_rows`` with each model's rows replaced by its rows in ``new_rows`` (in place;
+    a model not there before is appended)."""
+    new_models = {r["model"] for r in new_rows}
+    out, placed = [], set()
+    for r in old_rows:
+        if r["model"] not in new_models:
+            out.append(r)
+        elif r["model"] not in placed:
+            placed.add(r["model"])
+            out += [n for n in new_rows if n["model"] == r["model"]]
+    return out + [n for n in new_rows if n["model"] not in placed]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -375,18 +398,28 @@ def main():
                     help="comma-separated budget fractions in (0, 1] (default 0.5,0.25,0.1)")
     ap.add_argument("--batch", type=int, default=None,
                     help="batch of the gpt / resnet50 / vit cases (default: the mode's)")
+    ap.add_argument("--update", action="store_true",
+                    help="replace only these models' rows in the plan.json already at --out "
+                         "(same settings; the other models' rows kept) and rewrite plan.md")
     a = ap.parse_args()
     rows = run(a.quick, a.models, a.target, a.fractions, a.batch)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
             "models": list(a.models), "target": a.target, "fractions": list(a.fractions),
             "batch": a.batch}
+    names, updated = a.models, ()
+    if a.update:
+        old = json.loads((a.out / "plan.json").read_text())
+        rows = _merged(old["rows"], rows)
+        names = tuple(m for m in CASES if m in old["meta"]["models"] or m in a.models)
+        updated = tuple(sorted(set(a.models) | set(old["meta"].get("updated", ()))))
+        meta.update(models=list(names), updated=list(updated))
     try:
         out = a.out.resolve().relative_to(OUT.parents[2])
     except ValueError:
         out = a.out
-    md = markdown(rows, a.quick, a.models, a.target, a.fractions, a.batch,
-                  None if a.out.resolve() == OUT else out)
+    md = markdown(rows, a.quick, names, a.target, a.fractions, a.batch,
+                  None if a.out.resolve() == OUT else out, updated)
     (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (a.out / "plan.md").write_text(md)
     print(md)
