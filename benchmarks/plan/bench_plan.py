@@ -135,11 +135,12 @@ def uniform_steps(loss, args):
 def uniform_predicted_time(loss, args):
     """The planner's static time estimate (1 + recomputed FLOPs / (3 * step FLOPs), no fence:
     plain ``jax.checkpoint``) of the per-block uniform policies whose recomputation is known:
-    ``nothing_saveable`` recomputes every unit's FLOPs, ``dots_saveable`` its non-matmul ones."""
+    ``nothing_saveable`` recomputes what each unit's residuals need (as the planner counts its
+    ``recompute``), ``dots_saveable`` a unit's non-matmul FLOPs."""
     from jaxmem.planner.candidates import profile_units
     prof = profile_units(T.trace(loss, args))
     f3 = 3.0 * max(prof.total_flops, 1.0)
-    return {"nothing_saveable per block": 1.0 + sum(f[0] for f in prof.flops) / f3,
+    return {"nothing_saveable per block": 1.0 + sum(r[0] for r in prof.recompute) / f3,
             "dots_saveable per block": 1.0 + sum(f[1] for f in prof.flops) / f3}
 
 
@@ -207,7 +208,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
                                     + (f" {c.rows}" if c.rows else "")
-                                    + (_stages_text(getattr(c, "stages", None)))
+                                    + _stages_text(c)
                                     + (" nested" if getattr(c, "nested", False) else "")
                                     for c in p.choices})
                 if p.approximate:
@@ -269,8 +270,8 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
              + (f" --out {out}" if out else "" if target == "cpu"
                 else f" --out benchmarks/results/plan/{target}")
              + "`" + ("" if not updated else
-                      f"; the rows of {', '.join(updated)} then rerun with `--models "
-                      f"{','.join(updated)} --update` (the others kept)"), "",
+                      "; then rerun with `--update` (their rows replaced, the others kept): "
+                      + "; ".join(f"`{u}`" for u in updated)), "",
              *([("Times were taken on a 2-core machine shared with other jobs: read them as "
                  "rough; a ratio below 1 is contention noise, not a speed-up."), ""]
                if target == "cpu" else []),
@@ -315,7 +316,7 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "`fewbit b bit` = the unit stored with b-bit GELU codes (rows marked "
                    "`approx.`, `allow_approximate=True`; gradient error = largest relative "
                    "L2 error of a gradient leaf vs the exact step); `rows r` = the VGG trunk "
-                   "row-tiled into r tiles (exact), `rows r (first s stages)` = only its first "
+                   "row-tiled into r tiles (exact), `rows r (first s pooling stages)` = only its first "
                    "s pooling stages row-tiled (their units), the rest its own units; `(step): store` with an OLLA note = the "
                    "untouched step in an OLLA order.")]
     lines += ["", ("Uniform JAX policies (plain `jax.checkpoint` on every block, as `nn.remat` "
@@ -362,26 +363,32 @@ def _fractions_arg(text):
     return tuple(out)
 
 
-def _stages_text(stages):
-    """`` (first stage)`` / `` (first s stages)`` of a ``rows`` choice over a trunk's first
-    stages, else empty."""
-    if not stages:
+def _stages_text(choice):
+    """`` (first pooling stage)`` / `` (first s pooling stages)`` of a ``rows`` choice over a
+    trunk's first stages, else empty."""
+    if choice.stages is None:
         return ""
-    return " (first stage)" if stages == 1 else f" (first {stages} stages)"
+    return f" ({choice.as_option.tiled_stages})"
+
+
+def _row_key(row):
+    """A row's identity: (model, budget fraction, approximate); a model's summary row (its
+    uniform policies) has no fraction."""
+    return row["model"], row.get("fraction"), row.get("allow_approximate")
 
 
 def _merged(old_rows, new_rows):
-    """``old_rows`` with each model's rows replaced by its rows in ``new_rows`` (in place;
-    a model not there before is appended)."""
-    new_models = {r["model"] for r in new_rows}
-    out, placed = [], set()
-    for r in old_rows:
-        if r["model"] not in new_models:
-            out.append(r)
-        elif r["model"] not in placed:
-            placed.add(r["model"])
-            out += [n for n in new_rows if n["model"] == r["model"]]
-    return out + [n for n in new_rows if n["model"] not in placed]
+    """``old_rows`` with each row that ``new_rows`` reruns (same :func:`_row_key`) replaced
+    in place; the model's other rows are kept, new ones go after the model's last row."""
+    new = {_row_key(r): r for r in new_rows}
+    out = [new.pop(_row_key(r), r) for r in old_rows]
+    for key, row in new.items():
+        last = max((i for i, r in enumerate(out) if r["model"] == key[0]), default=None)
+        if last is None:
+            out.append(row)
+        else:
+            out.insert(last + (0 if "fraction" not in out[last] else 1), row)
+    return out
 
 
 def main():
@@ -407,18 +414,23 @@ def main():
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
             "models": list(a.models), "target": a.target, "fractions": list(a.fractions),
             "batch": a.batch}
-    names, updated = a.models, ()
+    names, updated, fractions = a.models, (), a.fractions
     if a.update:
         old = json.loads((a.out / "plan.json").read_text())
         rows = _merged(old["rows"], rows)
         names = tuple(m for m in CASES if m in old["meta"]["models"] or m in a.models)
-        updated = tuple(sorted(set(a.models) | set(old["meta"].get("updated", ()))))
-        meta.update(models=list(names), updated=list(updated))
+        fractions = tuple(old["meta"]["fractions"])
+        rerun = f"--models {','.join(a.models)}" + (
+            "" if a.fractions == fractions else f" --fractions {','.join(map(str, a.fractions))}")
+        before = [u if u.startswith("--") else f"--models {u}"
+                  for u in old["meta"].get("updated", ())]
+        updated = (*[u for u in before if u != rerun], rerun)
+        meta.update(models=list(names), updated=list(updated), fractions=list(fractions))
     try:
         out = a.out.resolve().relative_to(OUT.parents[2])
     except ValueError:
         out = a.out
-    md = markdown(rows, a.quick, names, a.target, a.fractions, a.batch,
+    md = markdown(rows, a.quick, names, a.target, fractions, a.batch,
                   None if a.out.resolve() == OUT else out, updated)
     (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (a.out / "plan.md").write_text(md)

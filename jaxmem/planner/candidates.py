@@ -48,6 +48,58 @@ def _residual_split(f, ins_avals, policy):
     return internal, kept
 
 
+def _needed_eqns(jaxpr, outs) -> tuple[list, set]:
+    """The equations of ``jaxpr`` that ``outs`` depend on (in order) and every variable they
+    read (dead-code elimination, as JAX's own does for a checkpoint's recomputation)."""
+    need = {v for v in outs if not isinstance(v, core.Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(not isinstance(v, core.DropVar) and v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+    kept.reverse()
+    return kept, need
+
+
+def recompute_need(jaxpr, u) -> tuple[float, frozenset]:
+    """``(FLOPs, inputs)`` of recomputing unit ``u``'s stored residuals from its inputs: only
+    the equations those residuals depend on (a trailing matmul whose output the backward
+    pass does not read is not run again), and the unit's input variables they read."""
+    ins, outs = _trace.chunk_io(jaxpr, u.start, u.stop)
+    f = _trace.chunk_fn(jaxpr, u.start, u.stop, ins, outs)
+
+    def res(*a):
+        return jax.tree_util.tree_leaves(jax.vjp(f, *a)[1])
+
+    jx = jax.make_jaxpr(res)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                               for v in ins]).jaxpr
+    kept, need = _needed_eqns(jx, jx.outvars)
+    fl, _ = _trace.flops_of(core.Jaxpr([], list(jx.invars), [], kept))
+    return fl, frozenset(v for v, w in zip(ins, jx.invars) if w in need)
+
+
+def chunk_recompute_flops(prof: UnitProfile, i: int, j: int, nested: bool = False) -> float:
+    """FLOPs the backward pass recomputes for units ``i .. j-1`` checkpointed as one chunk
+    (their inputs kept). Walking back from the last unit: a unit whose outputs a later unit
+    of the chunk needs runs whole, one whose outputs none needs runs only what its own
+    residuals need (:func:`recompute_need`). ``nested``: each unit is checkpointed again
+    inside, so the chunk's recomputation runs only the units whose outputs are needed, and
+    every unit then recomputes its own residuals before its backward."""
+    need: set = set()
+    fl = 0.0
+    for u in range(j - 1, i - 1, -1):
+        ins, outs = prof.io[u]
+        if any(v in need for v in outs):
+            fl += prof.flops[u][0]
+            need.update(ins)
+        elif not nested:
+            fl += prof.recompute[u][0]
+        need.update(prof.recompute[u][1])
+        if nested:
+            fl += prof.recompute[u][0]
+    return fl
+
+
 def keep_bytes(jaxpr, u, outer, policy=None) -> tuple[int, int]:
     """(bytes kept for the backward pass, internal residual bytes) of unit ``u`` of
     ``jaxpr`` under ``policy`` (``None``: store); inputs in ``outer`` are not counted."""
@@ -67,13 +119,17 @@ def _outer(tr) -> set:
 class UnitProfile:
     """The loss cut into ``units``: per unit, ``keep[u][o]`` bytes kept and ``work[u][o]``
     bytes recomputed during its backward under option ``EXACT[o]``, and ``flops[u]`` =
-    (all, non-matmul) FLOPs."""
+    (all, non-matmul) FLOPs, ``recompute[u]`` = (FLOPs, input variables) of recomputing its
+    stored residuals from its inputs (:func:`recompute_need`), ``io[u]`` = its (inputs,
+    outputs) variables."""
 
     traced: _trace.Traced
     units: list[_trace.Unit]
     keep: list[list[int]]
     work: list[list[int]]
     flops: list[tuple[float, float]]
+    recompute: list[tuple[float, frozenset]]
+    io: list[tuple[list, list]]
     #: per unit with two or more children (:func:`jaxmem.planner.trace.child_units`): the
     #: bytes live while its backward runs when they are checkpointed again inside it (their
     #: inputs + the largest child's stored residuals) and their number; else ``None``
@@ -101,9 +157,11 @@ def profile_units(tr: _trace.Traced, finer: int = 0) -> UnitProfile:
     units = _trace.choose_units(tr, finer=finer)
     jaxpr = tr.closed.jaxpr
     outer = _outer(tr)
-    keep, work, flops, nested = [], [], [], []
+    keep, work, flops, nested, recompute, io = [], [], [], [], [], []
     for u in units:
         ins, outs = _trace.chunk_io(jaxpr, u.start, u.stop)
+        io.append((ins, outs))
+        recompute.append(recompute_need(jaxpr, u))
         sub = core.Jaxpr([], list(ins), list(outs), list(jaxpr.eqns[u.start:u.stop]))
         fl, dots = _trace.flops_of(sub)
         measured = [keep_bytes(jaxpr, u, outer, _trace.POLICIES[o]) for o in EXACT]
@@ -112,7 +170,7 @@ def profile_units(tr: _trace.Traced, finer: int = 0) -> UnitProfile:
         work.append([0] + [max(0, full - internal) for _, internal in measured[1:]])
         flops.append((fl, fl - dots))
         nested.append(_nested_work(jaxpr, _trace.child_units(tr, u), outer))
-    return UnitProfile(tr, units, keep, work, flops, nested)
+    return UnitProfile(tr, units, keep, work, flops, recompute, io, nested)
 
 
 def _nested_work(jaxpr, kids, outer) -> tuple[int, int] | None:
@@ -140,15 +198,17 @@ def exact_candidates(prof: UnitProfile, fence: float, nested: bool = True) -> li
     - over one unit with two or more children: kept as under ``recompute``, its children
       checkpointed again inside its backward (:attr:`UnitProfile.nested`).
 
-    The forward of the covered units runs twice more (the chunk, then each inner part before
-    its own backward): cost = 2 x FLOPs + fence x (1 + inner parts)."""
+    Costs are the FLOPs the backward pass runs again (:func:`chunk_recompute_flops`: what the
+    kept residuals depend on, not every FLOP of the covered units) plus ``fence`` per
+    ``jax.checkpoint``. A nested segment runs the units whose outputs are needed inside the
+    chunk, then each unit's residuals again; a nested single unit its forward twice."""
     n, keep, work, flops = len(prof.units), prof.keep, prof.work, prof.flops
     out = []
     for u in range(n):
         out.append(Candidate((u,), Option("store"), keep[u][0], 0, 0.0))
         out.append(Candidate((u,), Option("dots"), keep[u][1], work[u][1], flops[u][1] + fence))
         out.append(Candidate((u,), Option("recompute"), keep[u][2], work[u][2],
-                             flops[u][0] + fence))
+                             prof.recompute[u][0] + fence))
         kid = prof.nested[u] if nested and prof.nested else None
         if kid is not None and kid[0] < work[u][2]:
             out.append(Candidate((u,), Option("segment", NESTED), keep[u][2], kid[0],
@@ -159,12 +219,13 @@ def exact_candidates(prof: UnitProfile, fence: float, nested: bool = True) -> li
             ins, _ = _trace.chunk_io(jaxpr, prof.units[i].start, prof.units[j - 1].stop)
             kb = sum(nbytes(v.aval) for v in ins if v not in outer)
             wb = sum(keep[u][0] for u in range(i, j))
-            fl = sum(flops[u][0] for u in range(i, j))
+            fl = chunk_recompute_flops(prof, i, j)
             out.append(Candidate(tuple(range(i, j)), Option("segment"), kb, wb, fl + fence))
             wn = sum(keep[u][2] for u in range(i, j)) + max(keep[u][0] for u in range(i, j))
             if nested and wn < wb:   # otherwise the plain segment keeps as little, for less
                 out.append(Candidate(tuple(range(i, j)), Option("segment", NESTED), kb, wn,
-                                     2.0 * fl + fence * (1 + j - i)))
+                                     chunk_recompute_flops(prof, i, j, nested=True)
+                                     + fence * (1 + j - i)))
     return out
 
 

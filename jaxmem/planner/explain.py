@@ -24,9 +24,8 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
         return (f"matmul outputs ({saved / _MIB:.3f} MiB) kept in host memory, copied back "
                 f"for the backward pass (elementwise work between them recomputed)")
     if kind == "rows":
-        st = cand.option.stages
-        what = "row-tiled" if st is None else "its trunk's first pooling stage row-tiled" \
-            if st == 1 else f"its trunk's first {st} pooling stages row-tiled"
+        what = "row-tiled" if cand.option.stages is None else \
+            f"its trunk's {cand.option.tiled_stages} row-tiled"
         return (f"{what} into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
                 f"{saved / _MIB:.3f} MiB (exact)")
     if cand.option.nested:

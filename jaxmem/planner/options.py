@@ -74,6 +74,17 @@ class Option:
                    int(mt.group(3)) if mt.group(3) else None)
 
     @property
+    def tiled_stages(self) -> str:
+        """What a ``rows`` option tiles: ``"first pooling stage"``, ``"first 2 pooling
+        stages"``, ``"whole trunk"`` (``stages`` None); empty for every other kind."""
+        if self.kind != "rows":
+            return ""
+        if self.stages is None:
+            return "whole trunk"
+        return "first pooling stage" if self.stages == 1 else \
+            f"first {self.stages} pooling stages"
+
+    @property
     def checkpointed(self) -> bool:
         """Whether the unit runs under ``jax.checkpoint`` (its cost carries the fence)."""
         return self.kind in _CHECKPOINTED

@@ -62,8 +62,7 @@ def _option_text(c: UnitChoice) -> str:
         return f"{c.option} {c.bits}b"
     if c.rows is not None:
         return f"{c.option} {c.rows}" + (
-            "" if c.stages is None else " (first pooling stage)" if c.stages == 1
-            else f" (first {c.stages} pooling stages)")
+            "" if c.stages is None else f" ({c.as_option.tiled_stages})")
     return c.option
 
 

@@ -82,11 +82,12 @@ def _row_tileable(module: Any) -> bool:
 class RowSplit:
     """A conv trunk cut after a pooling stage: ``head`` (row-tiled, its convs ``conv_0`` ..
     ``conv_{n_head - 1}``) then ``tail`` (the trunk's own layers, convs numbered from 0:
-    the trunk's ``conv_{n_head + i}`` is the tail's ``conv_i``)."""
+    the trunk's ``conv_{n_head + i}`` is the tail's ``conv_i``; ``n_tail`` convs)."""
 
     head: Any
     tail: Any
     n_head: int
+    n_tail: int
 
 
 def row_split(module: Any, rows: int, stages: int) -> RowSplit | None:
@@ -107,7 +108,7 @@ def row_split(module: Any, rows: int, stages: int) -> RowSplit | None:
     n_head = sum(1 for item in cfg[:cut] if item != "M")
     return RowSplit(RowVGGFeatures(cfg=cfg[:cut], width=module.width, rows=rows),
                     VGGFeatures(cfg=cfg[cut:], width=module.width, dtype=module.dtype),
-                    n_head)
+                    n_head, len(cfg) - len(pools) - n_head)
 
 
 #: ``(trunk path, n_head)`` while the tail of a :class:`RowSplit` runs: its layers are
@@ -134,8 +135,7 @@ def _run_split(split: RowSplit, module: Any, path: str, x: Any, *rest: Any) -> A
     params = module.variables["params"]
     head = {f"conv_{i}": params[f"conv_{i}"] for i in range(split.n_head)}
     y = tag(split.head.apply({"params": head}, x, *rest), f"{path}/conv_{split.n_head - 1}")
-    n_tail = sum(1 for item in split.tail.cfg if item != "M")
-    tail = {f"conv_{i}": params[f"conv_{split.n_head + i}"] for i in range(n_tail)}
+    tail = {f"conv_{i}": params[f"conv_{split.n_head + i}"] for i in range(split.n_tail)}
     token = _SPLIT_TAIL.set((path, split.n_head))
     try:
         return split.tail.apply({"params": tail}, y, *rest)

@@ -73,7 +73,7 @@ def test_nested_option_text_and_checkpoints():
     assert Candidate((0,), Option("store"), 1, 0, 0.0).checkpoints == 0
 
 
-def test_nested_candidates_offered_with_less_work_and_double_cost():
+def test_nested_candidates_offered_with_less_work_and_their_recompute_cost():
     loss, params, x = _stack(n=4, batch=64, d=16)
     prof = C.profile_units(T.trace(loss, (params, x)))
     fence = 5.0
@@ -84,8 +84,13 @@ def test_nested_candidates_offered_with_less_work_and_double_cost():
     for c in nested:
         p = plain[c.cover]
         assert c.keep_bytes == p.keep_bytes and c.work_bytes < p.work_bytes
-        fl = sum(prof.flops[u][0] for u in c.cover)
-        assert c.cost == pytest.approx(2 * fl + fence * (1 + len(c.cover)))
+        i, j = c.cover[0], c.cover[-1] + 1
+        fl = C.chunk_recompute_flops(prof, i, j, nested=True)
+        assert c.cost == pytest.approx(fl + fence * (1 + len(c.cover)))
+        # the chunk's units again (all but what only the last unit's output needs), then
+        # each unit's residuals once more: more than the plain segment, at most twice
+        assert C.chunk_recompute_flops(prof, i, j) < fl <= 2 * sum(
+            prof.flops[u][0] for u in c.cover)
     # the longest run: the whole stack, its units' inputs and one unit's residuals
     whole = max(nested, key=lambda c: len(c.cover))
     assert whole.work_bytes == sum(prof.keep[u][2] for u in whole.cover) + max(
