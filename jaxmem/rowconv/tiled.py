@@ -24,6 +24,7 @@ to a ``psum``, so a replicated parameter gets the summed gradient, as through pl
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from jaxmem._prims.ties import tie, varying_axes
 
 from . import halo as H
 from .layers import (
+    Act,
     BatchNorm,
     Checkpoint,
     Dropout,
@@ -58,11 +60,49 @@ MODES = ("overlap", "share")
 # ----------------------------------------------------------------------------- helpers
 
 
+def _rows_ok(x, row0, n_rows):
+    """``(1, R, 1, 1)`` mask of the rows of ``x`` whose global index (row0 + j) is in
+    [0, n_rows)."""
+    r = row0 + jnp.arange(x.shape[1])
+    return ((r >= 0) & (r < n_rows))[None, :, None, None]
+
+
 def _mask_rows(x, row0, n_rows, value):
     """Rows of ``x`` whose global index (row0 + j) is outside [0, n_rows) -> ``value``."""
-    r = row0 + jnp.arange(x.shape[1])
-    ok = (r >= 0) & (r < n_rows)
-    return jnp.where(ok[None, :, None, None], x, jnp.asarray(value, x.dtype))
+    return jnp.where(_rows_ok(x, row0, n_rows), x, jnp.asarray(value, x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _relu_masked(x, ok, value):
+    """``where(ok, relu(x), value)``: a ReLU whose output is masked for the next layer.
+
+    Its backward keeps only the masked output ``m`` (which the next layer keeps anyway):
+    ``dx = where(m > 0, g, 0)``. Where ``ok``, ``m > 0`` iff ``x > 0`` (the ReLU's own
+    derivative, NaN included); elsewhere ``m`` is ``value`` (0 or -inf) and the mask's
+    derivative is 0. So the gradient is bit for bit the composite's, without the ReLU's
+    unmasked output (one tile-sized buffer per convolution) held beside ``m``."""
+    return jnp.where(ok, jax.nn.relu(x), jnp.asarray(value, x.dtype))
+
+
+def _relu_masked_fwd(x, ok, value):
+    m = _relu_masked(x, ok, value)
+    return m, m
+
+
+def _relu_masked_bwd(value, m, g):
+    return jnp.where(m > 0, g, jnp.zeros((), g.dtype)), None
+
+
+_relu_masked.defvjp(_relu_masked_fwd, _relu_masked_bwd)
+
+
+def _masks_next(nd, nxt) -> bool:
+    """Whether node ``nd`` is a ReLU whose output the next node ``nxt`` masks as its input
+    (a spatial layer other than dropout): the two run as :func:`_relu_masked`."""
+    layer = nd.geom.layer
+    return (nxt is not None and isinstance(layer, Act) and layer.fn is jax.nn.relu
+            and nxt.geom.rowmap is not None and nxt.geom.spatial
+            and not isinstance(nxt.geom.layer, Dropout))
 
 
 def _rows(x, start, length):
@@ -139,14 +179,16 @@ def _zeros_tree_after(tree, after):
     return jax.tree.map(lambda t: zeros_after(jnp.shape(t), jnp.result_type(t), after), tree)
 
 
-def _layer_rows(g: H._Geom, p, x, row0, rng):
-    """Apply a non-residual layer to a window whose first row is global row ``row0``."""
+def _layer_rows(g: H._Geom, p, x, row0, rng, masked=False):
+    """Apply a non-residual layer to a window whose first row is global row ``row0``
+    (``masked``: its rows outside the image already hold the layer's pad value)."""
     layer = g.layer
     if isinstance(layer, Dropout):
         return layer.apply_rows(x, _layer_key(rng, g.path), row0)
     if g.spatial:
         rm = g.rowmap
-        x = _mask_rows(x, row0, g.in_shape[1], rm.pad_value)
+        if not masked:
+            x = _mask_rows(x, row0, g.in_shape[1], rm.pad_value)
         y = layer.apply_window(p, x, (0, 0), g.pad_w)
         if isinstance(layer, Pool) and layer.kind == "max":
             # rows above/below the map can be all -inf: make them finite garbage.
@@ -159,8 +201,16 @@ def _layer_rows(g: H._Geom, p, x, row0, rng):
 
 
 def _ov_seq(nodes, params, x, o, rng):
-    for nd, p in zip(nodes, params):
+    masked = False
+    for k, (nd, p) in enumerate(zip(nodes, params)):
         g = nd.geom
+        nxt = nodes[k + 1] if k + 1 < len(nodes) else None
+        if _masks_next(nd, nxt):
+            row0 = nxt.iv_in.at(o)
+            x = _relu_masked(x, _rows_ok(x, row0, nxt.geom.in_shape[1]),
+                             nxt.geom.rowmap.pad_value)
+            masked = True
+            continue
         if g.rowmap is None:
             Lb = nd.branch[0].iv_in.L if nd.branch else nd.iv_out.L
             yb = _ov_seq(nd.branch, p["branch"], _rows(x, nd.off_b, Lb), o, rng)
@@ -171,7 +221,8 @@ def _ov_seq(nodes, params, x, o, rng):
                 ys = _ov_seq(nd.shortcut, p["shortcut"], _rows(x, nd.off_s, Ls), o, rng)
             x = yb + ys
         else:
-            x = _layer_rows(g, p, x, nd.iv_in.at(o), rng)
+            x = _layer_rows(g, p, x, nd.iv_in.at(o), rng, masked)
+        masked = False
     return x
 
 
