@@ -422,9 +422,7 @@ def main():
         fractions = tuple(old["meta"]["fractions"])
         rerun = f"--models {','.join(a.models)}" + (
             "" if a.fractions == fractions else f" --fractions {','.join(map(str, a.fractions))}")
-        before = [u if u.startswith("--") else f"--models {u}"
-                  for u in old["meta"].get("updated", ())]
-        updated = (*[u for u in before if u != rerun], rerun)
+        updated = (*[u for u in old["meta"].get("updated", ()) if u != rerun], rerun)
         meta.update(models=list(names), updated=list(updated), fractions=list(fractions))
     try:
         out = a.out.resolve().relative_to(OUT.parents[2])

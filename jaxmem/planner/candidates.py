@@ -26,15 +26,21 @@ def nbytes(aval) -> int:
         else 0
 
 
-def _residual_split(f, ins_avals, policy):
-    """(internal residual bytes, set of input positions kept) of ``vjp(f)``."""
+def _residual_jaxpr(f, ins_avals, policy):
+    """The jaxpr from ``f``'s inputs to the residuals ``vjp(f)`` keeps under ``policy``
+    (``None``: store)."""
     g = f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=True)
 
     def res(*a):
         _, vjp = jax.vjp(g, *a)
         return jax.tree_util.tree_leaves(vjp)
 
-    jx = jax.make_jaxpr(res)(*ins_avals).jaxpr
+    return jax.make_jaxpr(res)(*ins_avals).jaxpr
+
+
+def _residual_split(f, ins_avals, policy):
+    """(internal residual bytes, set of input positions kept) of ``vjp(f)``."""
+    jx = _residual_jaxpr(f, ins_avals, policy)
     pos = {v: i for i, v in enumerate(jx.invars)}
     internal, kept, seen = 0, set(), set()
     for v in jx.outvars:
@@ -67,12 +73,8 @@ def recompute_need(jaxpr, u) -> tuple[float, frozenset]:
     pass does not read is not run again), and the unit's input variables they read."""
     ins, outs = _trace.chunk_io(jaxpr, u.start, u.stop)
     f = _trace.chunk_fn(jaxpr, u.start, u.stop, ins, outs)
-
-    def res(*a):
-        return jax.tree_util.tree_leaves(jax.vjp(f, *a)[1])
-
-    jx = jax.make_jaxpr(res)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                               for v in ins]).jaxpr
+    jx = _residual_jaxpr(f, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins],
+                         None)
     kept, need = _needed_eqns(jx, jx.outvars)
     fl, _ = _trace.flops_of(core.Jaxpr([], list(jx.invars), [], kept))
     return fl, frozenset(v for v, w in zip(ins, jx.invars) if w in need)
