@@ -64,9 +64,11 @@ def _fwd_bwd_and_step(case):
     """``(grads, step)``: loss, logits and parameter gradients in train and in eval mode, and
     ``(loss, parameters, batch statistics)`` after one full jitted train step.
 
-    Linen: one compiled program computes both (the train step's body is ``case.step_fn``,
-    the function ``case.train_step`` jits; one compile instead of two). NNX: the step is the
-    case's own ``nnx.jit`` step, updating the live model and optimizer in place."""
+    One compiled program computes both (one compile instead of two): the step is the body
+    the case's own jitted step runs, ``case.pure_step`` (Linen: ``case.step_fn``, the function
+    ``case.train_step`` jits; NNX: the same ``nnx.value_and_grad`` + ``optimizer.update``
+    body as the ``nnx.jit`` step, on the split model and optimizer state, merged back
+    after)."""
     f_train, params = case.loss_of_params(True)
     f_eval, _ = case.loss_of_params(False)
 
@@ -75,13 +77,12 @@ def _fwd_bwd_and_step(case):
         (le, ye), ge = jax.value_and_grad(f_eval, has_aux=True)(p)
         return {"train": (lt, yt, gt), "eval": (le, ye, ge)}
 
+    grads, (new, loss) = jax.jit(lambda p, *args: (both(p), case.pure_step(*args)))(
+        params, *case.pure_args)
     if case.api == "linen":
-        grads, (new, loss) = jax.jit(lambda p, *args: (both(p), case.step_fn(*args)))(
-            params, case.state, case.batch, case.rng)
         return grads, (loss, new["params"], new.get("batch_stats"))
-    grads = jax.jit(both)(params)
-    loss = case.train_step(case.model, case.optimizer, case.batch)
-    return grads, (loss, nnx.state(case.model, nnx.Param), nnx.state(case.model, nnx.BatchStat))
+    model, _ = nnx.merge(case.graphdef, new)
+    return grads, (loss, nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat))
 
 
 @functools.cache

@@ -204,8 +204,9 @@ def test_loops_and_imported_names_keep_exact_gradients(cls):
     def loss(m):
         return lambda p: jnp.sum(jnp.sin(m.apply(p, x)))
 
-    ref = jax.grad(loss(model))(v)
-    got = jax.grad(loss(conv))(v)
+    # compiled (op by op, a loop's gradient is dozens of small compiles)
+    ref = jax.jit(jax.grad(loss(model)))(v)
+    got = jax.jit(jax.grad(loss(conv)))(v)
     scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(ref))
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * scale)
@@ -213,7 +214,7 @@ def test_loops_and_imported_names_keep_exact_gradients(cls):
 
 def test_fori_loop_reported_as_the_scan_it_lowers_to():
     x = jnp.arange(1.0, 5.0)
-    loop = lambda x: jax.lax.fori_loop(0, 2, lambda i, c: jnp.sin(c), x)  # noqa: E731
+    loop = lambda x: jax.lax.fori_loop(0, 2, lambda i, c: jnp.sin(c), x)
     rep = jaxmem.report(jaxmem.transform(loop), x)
     assert [(e.kind, e.target, e.status) for e in rep.entries] == [
         ("higher-order", "scan", "converted"),

@@ -136,7 +136,8 @@ def test_nested_plan_smaller_than_per_unit_recompute_exact_and_reported():
     assert _max_rel(jax.jit(jax.grad(nested))(*args), g0) < 1e-5
     # the planner reaches a budget between the two only with the nested option
     budget = (b_unit + b_nested) // 2
-    p = plan(loss, *args, budget=budget)
+    # no OLLA order first: it does not meet this budget, and this test is about recomputation
+    p = plan(loss, *args, budget=budget, order=False)
     assert p.compiled_bytes <= budget
     chosen = [c for c in p.choices if c.nested]
     assert chosen and all(c.option == "segment" and c.as_option == Option("segment", NESTED)

@@ -16,7 +16,9 @@ from jaxmem.planner.options import Option
 
 
 def _gpt(scope):
-    m = models.gpt(n_layer=2, d_model=32, ctx=16)
+    # one block: chunks of up to four units still cross unit boundaries (embeddings into the
+    # block, the block into ln_f and the head; on the finer cut attention into the MLP)
+    m = models.gpt(n_layer=1, d_model=32, ctx=16)
     tok = jax.random.randint(jax.random.key(3), (4, 16), 0, 256)
     params = m.init(jax.random.key(4), tok)["params"]
 

@@ -46,9 +46,11 @@ def _check(layers, shape, rows, mode, rows_bp=None, rng=None, ref=None):
 
 
 @pytest.mark.parametrize("mode", rc.MODES)
-@pytest.mark.parametrize("rows,rows_bp", [(2, None), (5, None), (3, 2)])
+@pytest.mark.parametrize("rows,rows_bp", [(2, None), (3, 2)])
 def test_mixed_stack_exact(mode, rows, rows_bp):
-    # H=190 (not divisible by N), stride 2, dilation 2, asymmetric padding, max pool
+    # H=190 (not divisible by N), stride 2, dilation 2, asymmetric padding, max pool; two
+    # tiles (first and last only) with N_bp = N_fp, and three forward tiles (a middle tile)
+    # with a different backward tiling (more tile counts: test_random_stacks_exact)
     _check(MIXED, (2, 190, 13, 3), rows, mode, rows_bp, ref="mixed")
 
 
@@ -109,7 +111,9 @@ def stack_st(draw):
     return layers, (1, H, W, 2)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+# 6 examples (each compiles two programs): both modes, with and without a separate backward
+# tile count, strided convs, pools and residual blocks all come up in the derandomized run
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(stack_st(), st.sampled_from(rc.MODES), st.integers(2, 6), st.data())
 def test_random_stacks_exact(stack, mode, rows, data):
     layers, shape = stack

@@ -24,11 +24,15 @@ def _composite(x, ok, value):
 @pytest.mark.parametrize("value", [0.0, -np.inf])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_relu_masked_equals_the_composite_bit_for_bit(value, dtype):
-    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
-    x = jax.random.normal(k1, (2, 9, 5, 3), dtype)
-    x = x.at[0, 1, :, 0].set(0.0).at[1, 2, 0, :].set(jnp.nan)   # ties at 0, NaN
-    ok = (jax.random.uniform(k2, (1, 9, 1, 1)) > 0.3)
-    g = jax.random.normal(k3, x.shape, dtype)
+    # data drawn with NumPy (jax.random op by op compiles a program per shape and dtype)
+    rng = np.random.default_rng(7)
+    xn = rng.normal(size=(2, 9, 5, 3)).astype(np.float32)
+    xn[0, 1, :, 0], xn[1, 2, 0, :] = 0.0, np.nan                 # ties at 0, NaN
+    x = jnp.asarray(xn, dtype)
+    ok_n = rng.uniform(size=(1, 9, 1, 1)) > 0.3
+    assert ok_n.any() and not ok_n.all()                          # rows kept and masked
+    ok = jnp.asarray(ok_n)
+    g = jnp.asarray(rng.normal(size=x.shape).astype(np.float32), dtype)
 
     def vjp(f):
         y, back = jax.vjp(lambda x: f(x, ok, value), x)
@@ -38,26 +42,33 @@ def test_relu_masked_equals_the_composite_bit_for_bit(value, dtype):
     y1, d1 = jax.jit(lambda: vjp(tiled._relu_masked))()
     np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
     np.testing.assert_array_equal(np.asarray(d1, np.float32), np.asarray(d0, np.float32))
-    # vmap over the batch, and under jax.checkpoint
-    per = jax.vmap(lambda xi, gi: jax.vjp(lambda t: tiled._relu_masked(t, ok[0], value),
-                                          xi)[1](gi)[0])(x, g)
+    # vmap over the batch, and under jax.checkpoint (each compiled: op by op, every
+    # operation is a compile of its own)
+    per = jax.jit(jax.vmap(lambda xi, gi: jax.vjp(lambda t: tiled._relu_masked(t, ok[0], value),
+                                                  xi)[1](gi)[0]))(x, g)
     np.testing.assert_array_equal(np.asarray(per, np.float32), np.asarray(d0, np.float32))
-    ck = jax.grad(lambda t: jnp.sum(jax.checkpoint(
+    ck = jax.jit(jax.grad(lambda t: jnp.sum(jax.checkpoint(
         lambda u: tiled._relu_masked(u, ok, value))(t).astype(jnp.float32)
-        * jnp.where(jnp.isinf(value), 0.0, 1.0)))(x)
-    ref = jax.grad(lambda t: jnp.sum(_composite(t, ok, value).astype(jnp.float32)
-                                     * jnp.where(jnp.isinf(value), 0.0, 1.0)))(x)
+        * jnp.where(jnp.isinf(value), 0.0, 1.0))))(x)
+    ref = jax.jit(jax.grad(lambda t: jnp.sum(_composite(t, ok, value).astype(jnp.float32)
+                                             * jnp.where(jnp.isinf(value), 0.0, 1.0))))(x)
     np.testing.assert_array_equal(np.asarray(ck, np.float32), np.asarray(ref, np.float32))
 
 
 CFG = (8, 8, "M", 16, 16, "M")   # two convs per stage: ReLU -> conv and ReLU -> pool
 
 
-def _step(side=128, rows=8):
+def _step(side=128, rows=8, abstract=False):
+    """The tiled and the untiled loss of the trunk, its parameters and input (``abstract``:
+    their shapes only, nothing computed)."""
     layers = rc.trunks.vgg_layers(CFG, checkpoints_at_pools=True)
     shape = (1, side, side, 3)
-    params = rc.init(layers, jax.random.PRNGKey(0), shape)
-    x = jax.random.normal(jax.random.key(1), shape)
+    if abstract:
+        params = jax.eval_shape(lambda: rc.init(layers, jax.random.PRNGKey(0), shape))
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    else:
+        params = rc.init(layers, jax.random.PRNGKey(0), shape)
+        x = jax.random.normal(jax.random.key(1), shape)
     r = rc.segment_rows(layers, shape, rows, "overlap")
 
     def loss(p, x):
@@ -85,9 +96,7 @@ def test_tiled_gradients_unchanged_by_the_fused_relu(monkeypatch):
         not gpu_plan_available(), reason="needs the CUDA PJRT plugin for the H100 plan"))])
 def test_fused_relu_keeps_a_tile_buffer_less(target, tiles_less, monkeypatch):
     side, rows = 256, 16
-    loss, _, params, x = _step(side, rows)
-    ps = jax.eval_shape(lambda: params)
-    xs = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    loss, _, ps, xs = _step(side, rows, abstract=True)
     fused = compiled_memory(jax.grad(loss), ps, xs, target=target).temp_bytes
     monkeypatch.setattr(tiled, "_masks_next", lambda nd, nxt: False)
     plain = compiled_memory(jax.grad(loss), ps, xs, target=target).temp_bytes

@@ -118,8 +118,9 @@ def test_gradients_match_plain_jax_in_float64(case):
 
 def test_recomputed_gradients_equal_the_stored_ones_under_vmap_and_checkpoint():
     """float32: the recomputed ``c3`` is the forward's own convolution of the same arrays;
-    under ``vmap`` (a per-example batch of units) and ``jax.checkpoint`` too."""
-    ps, x = _params(2), _x()
+    under ``vmap`` (a per-example batch of units) and ``jax.checkpoint`` too. One unit: the
+    recipe (``c3`` from ``bn2``'s residuals) lives within a unit."""
+    ps, x = _params(1), _x()
     xs = jnp.stack([x, _x(seed=2)])
     outs = {}
     for rec in (True, False):
@@ -129,7 +130,7 @@ def test_recomputed_gradients_equal_the_stored_ones_under_vmap_and_checkpoint():
                      jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(ps, x))
     for a, b in zip(jax.tree.leaves(outs[False]), jax.tree.leaves(outs[True])):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5,
-                                   atol=1e-6 * float(jnp.max(jnp.abs(a))))
+                                   atol=1e-6 * float(np.max(np.abs(np.asarray(a)))))
 
 
 def test_only_a_pointwise_convolution_of_a_norm_output_is_recorded():
@@ -197,7 +198,7 @@ def test_transform_option_switches_it_off():
         res[rec] = residual_bytes(lambda x, g=g: g(ps, x), x).activation_bytes
         got = jax.jit(jax.grad(g, argnums=1))(ps, x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want),
-                                   rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+                                   rtol=1e-5, atol=1e-6 * float(np.max(np.abs(np.asarray(want)))))
     assert 4 * 4 * C * PIX - 4 * 4 * C <= res[False] - res[True] <= 4 * 4 * C * PIX, res
     with pytest.raises(TypeError, match="conv_recompute"):
         jaxmem.transform(loss, conv_recompute=1)
@@ -226,7 +227,7 @@ def test_linen_and_nnx_convert_pass_conv_recompute_on():
         m = jaxmem.linen.convert(net, **options)
         got = jax.jit(jax.grad(lambda x: m.apply(v, x)))(x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
-                                   atol=1e-6 * float(jnp.max(jnp.abs(want))))
+                                   atol=1e-6 * float(np.max(np.abs(np.asarray(want)))))
         return residual_bytes(lambda x: m.apply(v, x), x).activation_bytes
 
     assert kept(conv_recompute=False) - kept() >= 2 * (4 * 4 * C * PIX - 4 * 4 * C)
@@ -250,24 +251,26 @@ def test_linen_and_nnx_convert_pass_conv_recompute_on():
 
 @functools.cache
 def _float32_grads():
-    """The untouched two-unit stack's float32 gradients (kernels, norms, input)."""
-    return jax.jit(jax.grad(_loss(_plain_unit), argnums=(0, 1)))(_params(2), _x())
+    """The untouched one-unit stack's float32 gradients (kernels, norms, input)."""
+    return jax.jit(jax.grad(_loss(_plain_unit), argnums=(0, 1)))(_params(1), _x())
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_as_close_to_float32_as_jax(dtype):
-    """bf16 / f16 units: the recomputed convolution may round differently from the stored
+    """A bf16 / f16 unit: the recomputed convolution may round differently from the stored
     one (XLA folds the half-precision conversions differently in the two programs), so the
     gradients are compared with the float32 gradient: the recomputation adds no error to the
     selective ops' own (``conv_recompute`` off, within a tenth), which is JAX's own (the
-    untouched unit in that dtype) within a half (f16: 0.18 vs 0.14 here)."""
+    untouched unit in that dtype) within a half (bf16: 0.37 vs 0.33 here)."""
     want = _float32_grads()
 
     def err(g):
-        return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+        # NumPy: JAX op by op would compile each operation once per leaf shape
+        return max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b)))
+                         / np.max(np.abs(np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want)))
 
-    ps, x = _params(2, dtype), _x(dtype)
+    ps, x = _params(1, dtype), _x(dtype)
     got = {rec: jax.jit(jax.grad(_loss(lambda x, p, rec=rec: _unit(x, p, rec)),
                                  argnums=(0, 1)))(ps, x) for rec in (True, False)}
     assert all(a.dtype == dtype for a in jax.tree.leaves(got[True]))

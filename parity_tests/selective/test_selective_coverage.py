@@ -1,7 +1,7 @@
-"""Coverage of jaxmem.selective beyond the core layers: late weight copies (compiled-bytes slope), sharded
-inputs, Linen ConvTranspose, visible norm fallbacks, NNX GroupNorm, jvp / second order."""
+"""Coverage of jaxmem.selective beyond the core layers: late weight copies (compiled-bytes
+slope), sharded inputs, Linen ConvTranspose, visible norm fallbacks, NNX GroupNorm, jvp /
+second order."""
 from __future__ import annotations
-
 
 import functools
 import os
@@ -32,6 +32,15 @@ _nnx_convert = functools.partial(jaxmem.nnx.convert, attention=False, copy=False
 K = Lazy(lambda: jax.random.split(jax.random.key(3), 8))
 
 
+def _normal(seed, shape, scale=1.0, inf_at=None):
+    """Normal float32 test data drawn with NumPy (``jax.random`` op by op compiles a program
+    per shape); ``inf_at``: one entry set to +inf."""
+    x = (np.random.default_rng(seed).normal(size=shape) * scale).astype(np.float32)
+    if inf_at is not None:
+        x[inf_at] = np.inf
+    return jnp.asarray(x)
+
+
 def _close(a, b, rtol=2e-5, atol=2e-5):
     assert_tree_close(a, b, rtol=rtol, atol=atol)
 
@@ -46,8 +55,8 @@ def _weight_slope(conv):
     """Compiled bytes per added frozen 3x3x64x64 conv layer (147 KiB kernel) at a tiny
     activation (1x4x4x64 = 4 KiB), input differentiated: the cost of weight copies."""
     def measure(d):
-        x = jax.random.normal(K[0], (1, 4, 4, 64))
-        ws = [jax.random.normal(jax.random.fold_in(K[1], i), (3, 3, 64, 64)) * 0.05
+        x = _normal(0, (1, 4, 4, 64))
+        ws = [_normal((1, i), (3, 3, 64, 64), 0.05)
               for i in range(d)]
 
         def loss(x, ws):
@@ -75,9 +84,9 @@ def test_conv_weight_copies_are_not_kept_through_the_step():
 def test_late_weight_gradients_exact_and_nonfinite_local():
     """The ``+0`` tie is exact, and an inf in the cotangent does not turn the whole input
     gradient into NaN (the tie is built from a bool, not from ``0 * g``)."""
-    x = jax.random.normal(K[2], (2, 6, 6, 3))
-    w = jax.random.normal(K[3], (3, 3, 3, 5))
-    ct = jax.random.normal(K[4], (2, 6, 6, 5)).at[0, 0, 0, 0].set(jnp.inf)
+    x = _normal(2, (2, 6, 6, 3))
+    w = _normal(3, (3, 3, 3, 5))
+    ct = _normal(4, (2, 6, 6, 5), inf_at=(0, 0, 0, 0))
     _, vjp_s = jax.vjp(lambda x: S.conv(x, w), x)
     _, vjp_j = jax.vjp(lambda x: _lax_conv(x, w), x)
     (ds,), (dj,) = vjp_s(ct), vjp_j(ct)
@@ -159,7 +168,7 @@ class _Up(nn.Module):
 
 def test_linen_conv_transpose_converted_and_exact():
     model = _Up()
-    x = jax.random.normal(K[5], (2, 5, 5, 3))
+    x = _normal(5, (2, 5, 5, 3))
     p = jax.jit(model.init)(K[6], x)["params"]
     conv_model = _convert(model)
     loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply({"params": p}, x)))
@@ -195,7 +204,7 @@ def test_nnx_conv_transpose_converted_and_exact():
     model = _NNXUp(nnx.Rngs(3))
     conv_model = jaxmem.nnx.convert(model)
     assert type(conv_model.a) is nnx.ConvTranspose  # layers are not changed
-    x = jax.random.normal(K[5], (2, 5, 5, 3))
+    x = _normal(5, (2, 5, 5, 3))
 
     def loss(m):
         graphdef, params = nnx.split(m, nnx.Param)
@@ -220,7 +229,7 @@ class _MaskedLN(nn.Module):
 
 
 def test_norm_with_mask_falls_back_visibly_and_exactly():
-    x = jax.random.normal(K[7], (3, 10))
+    x = _normal(7, (3, 10))
     mask = jnp.arange(10)[None, :] < jnp.array([[4], [7], [10]])
     model = _MaskedLN()
     p = jax.jit(model.init)(K[0], x, mask)["params"]
@@ -234,7 +243,7 @@ def test_norm_with_mask_falls_back_visibly_and_exactly():
 
 def test_batch_norm_axis_name_is_converted_and_exact():
     model = nn.BatchNorm(use_running_average=False, axis_name="b")
-    x = jax.random.normal(K[1], (2, 6, 5))
+    x = _normal(1, (2, 6, 5))
     v = jax.jit(jax.vmap(lambda x: model.init(K[2], x), axis_name="b"))(x)
     v = jax.tree.map(lambda a: a[0], v)
 
@@ -252,7 +261,7 @@ def test_batch_norm_axis_name_is_converted_and_exact():
 
 def test_supported_norms_do_not_warn():
     model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.GroupNorm(num_groups=2)])
-    x = jax.random.normal(K[3], (4, 5))
+    x = _normal(3, (4, 5))
     p = jax.jit(model.init)(K[4], x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SL.SelectiveFallbackWarning)
@@ -274,7 +283,7 @@ def test_nnx_group_norm_converted_exact_and_smaller():
     ref = _NNXNet(nnx.Rngs(0))
     sel = _nnx_convert(nnx.clone(ref))
     assert type(sel.gn) is nnx.GroupNorm  # layers are not changed
-    x = jax.random.normal(K[5], (2, 6, 6, 3))
+    x = _normal(5, (2, 6, 6, 3))
     fwd = nnx.jit(lambda m, x: m(x))
     np.testing.assert_allclose(fwd(sel, x), fwd(ref, x), rtol=1e-5, atol=1e-5)
 
@@ -292,7 +301,7 @@ def test_nnx_group_norm_converted_exact_and_smaller():
 
 def test_nnx_group_norm_mask_falls_back_visibly():
     gn = _nnx_convert(nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)))
-    x = jax.random.normal(K[6], (2, 3, 4))
+    x = _normal(6, (2, 3, 4))
     mask = jnp.ones((2, 3, 4), bool).at[:, 0].set(False)
     ref = nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0))
     fwd = nnx.jit(lambda m, x, mask: m(x, mask=mask))
@@ -303,7 +312,7 @@ def test_nnx_group_norm_mask_falls_back_visibly():
 # ------------------------------------------------------------------- jvp / second order
 def test_jvp_through_converted_model_raises_clear_error_second_order_works():
     model = nn.Sequential([nn.Conv(4, (3, 3)), nn.LayerNorm(), jnp.tanh, nn.Conv(2, (1, 1))])
-    x = jax.random.normal(K[7], (2, 5, 5, 3))
+    x = _normal(7, (2, 5, 5, 3))
     p = jax.jit(model.init)(K[0], x)
     f = lambda m: lambda x: jnp.sum(jnp.sin(m.apply(p, x)))
     with pytest.raises(TypeError, match="custom_vjp"):
@@ -324,8 +333,8 @@ def test_jvp_through_converted_model_raises_clear_error_second_order_works():
 ])
 def test_strided_conv_input_grad_by_phases_matches_lax(shape, kernel, strides, padding):
     nsp = len(kernel)
-    x = jax.random.normal(K[0], shape)
-    w = jax.random.normal(K[1], (*kernel, shape[-1], 4))
+    x = _normal(0, shape)
+    w = _normal(1, (*kernel, shape[-1], 4))
     sp = "DHW"[-nsp:]
     dn = ("N" + sp + "C", sp + "IO", "N" + sp + "C")
     from jaxmem.selective import linear as L
@@ -334,7 +343,7 @@ def test_strided_conv_input_grad_by_phases_matches_lax(shape, kernel, strides, p
                           lax.conv_dimension_numbers(x.shape, w.shape, dn), 1, 1, None)
     ref = lambda x, w: lax.conv_general_dilated(x, w, strides, pads, dimension_numbers=dn)
     ours = lambda x, w: S.conv(x, w, strides=strides, padding=padding)
-    ct = jax.random.normal(K[2], jax.eval_shape(ref, x, w).shape)
+    ct = _normal(2, jax.eval_shape(ref, x, w).shape)
     vjp = lambda f: jax.jit(lambda x, w, ct: jax.vjp(f, x, w)[1](ct))(x, w, ct)
     assert_tree_close(vjp(ours), vjp(ref), rtol=1e-5, atol=scaled_atol(1e-5, plus=1.0))
     if shape != (2, 16, 16, 3):
@@ -344,8 +353,9 @@ def test_strided_conv_input_grad_by_phases_matches_lax(shape, kernel, strides, p
     gb = jax.jit(jax.grad(lambda x: jnp.sum(ours(x, wb).astype(jnp.float32) ** 2)))(xb)
     gr = jax.jit(jax.grad(lambda x: jnp.sum(ref(x, wb).astype(jnp.float32) ** 2)))(xb)
     assert gb.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(gr, np.float32),
-                               rtol=0.05, atol=0.05 * float(np.abs(np.asarray(gr, np.float32)).max()))
+    gr32 = np.asarray(gr, np.float32)
+    np.testing.assert_allclose(np.asarray(gb, np.float32), gr32,
+                               rtol=0.05, atol=0.05 * float(np.abs(gr32).max()))
     gv = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(ours(x[None], w) ** 2))))(x)
     np.testing.assert_allclose(gv, jax.jit(jax.grad(lambda x: jnp.sum(ref(x, w) ** 2)))(x),
                                rtol=1e-5, atol=1e-4)

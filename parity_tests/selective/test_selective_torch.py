@@ -115,14 +115,19 @@ def test_convert_errors():
         ms.convert(tnn.Linear(2, 2), layers=(tnn.Tanh,))
 
 
+RESNET_STAGES = (1, 1)
+
+
 @functools.cache
 def _float64_resnet():
-    """The Linen ResNet-18 (width 1/8), its float64 input and variables: built once, shared by
-    the cases (each case transfers the variables to a fresh torch model)."""
+    """The Linen zoo ResNet (width 1/8, stages (1, 1): an identity block and a strided block
+    with a projection shortcut, ResNet-18's two kinds of block), its float64 input and
+    variables: built once, shared by the cases (each case transfers the variables to a fresh
+    torch model)."""
     from jaxmem import models
 
     with jax.enable_x64(True):
-        jm = models.resnet18(width=0.125, num_classes=4)
+        jm = models.ResNet("basic", RESNET_STAGES, width=0.125, num_classes=4)
         x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3), dtype=jnp.float64)
         v = jax.jit(functools.partial(jm.init, train=False))(jax.random.key(1), x)
         v = jax.tree.map(lambda a: a.astype(jnp.float64), v)
@@ -139,11 +144,12 @@ def test_jaxmem_matches_torch_ref_on_transferred_resnet(case):
     from jaxmem.selective.subset import grad as sgrad
     from torch_ref.convert import grads_to_jax, jax_to_torch
 
-    # float64 in both frameworks: train-mode BatchNorm at batch 4 on a width-1/8 ResNet-18
+    # float64 in both frameworks: train-mode BatchNorm at batch 4 on a width-1/8 ResNet
     # amplifies f32 rounding (machine-dependent kernels) beyond any sensible f32 tolerance
     jm, x, v = _float64_resnet()
     with jax.enable_x64(True):
-        tmod = ms.convert(jax_to_torch(v, tm.resnet18(width=0.125, num_classes=4))).double()
+        tnet = tm.ResNet("basic", RESNET_STAGES, width=0.125, num_classes=4)
+        tmod = ms.convert(jax_to_torch(v, tnet)).double()
         tmod.train(True)
         torch_requires_grad(case, tmod, v["params"])
         xt = torch.tensor(np.asarray(x).transpose(0, 3, 1, 2).copy(),

@@ -17,9 +17,11 @@ def key():
 _RNG = np.random.default_rng(secrets.randbits(64))
 
 
-def normal(shape, dtype=jnp.float32, scale=1.0):
-    """Fresh standard-normal values (NumPy: no XLA compile per call)."""
-    return jnp.asarray((_RNG.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+def normal(shape, dtype=jnp.float32, scale=1.0, rng=None):
+    """Fresh standard-normal values (NumPy: no XLA compile per call); ``rng`` (a NumPy
+    generator) for the same values on every run."""
+    rng = _RNG if rng is None else rng
+    return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
 
 
 def close(got, want, rtol=1e-5, atol=1e-5):

@@ -135,7 +135,8 @@ def test_relu_mask_costs_what_the_hand_written_mask_costs(target):
     x = normal((128, 16, 16, 1))
     f = _cnn(jax.nn.relu)
     g = transform(f)
-    close(jax.jit(jax.grad(g))(p, x), jax.jit(jax.grad(f))(p, x), rtol=1e-5, atol=1e-6)
+    if target == "cpu":     # the gradients do not depend on the plan measured: checked once
+        close(jax.jit(jax.grad(g))(p, x), jax.jit(jax.grad(f))(p, x), rtol=1e-5, atol=1e-6)
 
     def temp(h):
         return compiled_memory(jax.grad(h), p, x, target=target).temp_bytes
