@@ -27,11 +27,13 @@ import os
 import sys
 
 #: Cheaper LLVM code generation for the suite's many small compiles (CPU and the GPU plan),
-#: set before JAX starts a backend and inherited by the subprocesses tests start. HLO passes
-#: and buffer assignment (every byte figure the tests assert) are unchanged; the machine code
-#: is less optimised (the suite's runs are tiny) and may round differently in the last bits
-#: (e.g. no fused multiply-adds), within the suite's fp32 tolerances.
-FAST_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+#: set before JAX starts a backend and inherited by the subprocesses tests start; on the GPU
+#: plan also ``ptxas -O0`` (PTX to machine code, after buffer assignment: about 1/8 of an H100
+#: plan's compile). HLO passes and buffer assignment (every byte figure the tests assert) are
+#: unchanged; the machine code is less optimised (the suite's runs are tiny) and may round
+#: differently in the last bits (e.g. no fused multiply-adds), within the suite's tolerances.
+FAST_CODEGEN = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_gpu_disable_gpuasm_optimizations=true")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CODEGEN}".strip()
 
@@ -61,8 +63,8 @@ if (os.environ.get("JAXMEM_TEST_COMPILATION_CACHE", "1") != "0"
                        "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"})
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 # ------------------------------------------------------------------ hypothesis profile

@@ -209,6 +209,27 @@ def _baseline(step, args, target, cache):
     return cache["default"]
 
 
+def _untouched_bytes(step, args, cm0, target, cache) -> int:
+    """Compiled total of the untouched step as users run it: the larger of
+    ``value_and_grad(step)`` (``cm0``) and ``grad(step)`` (kept in ``cache``)."""
+    if "untouched" not in cache:
+        cache["untouched"] = max(cm0.total_bytes,
+                                 compiled_total(jax.grad(step), args, target))
+    return cache["untouched"]
+
+
+def _untouched_plan(step, budget_bytes, untouched, cm0, s: _Settings) -> MemoryPlan:
+    """The loss itself as the plan: a budget the untouched step already meets (the planner's
+    own step, cut into units, may compile to a few more bytes than the loss as written)."""
+    why = (f"the untouched step fits: {untouched:,} <= {budget_bytes:,} bytes "
+           "(value_and_grad and grad)")
+    return MemoryPlan(
+        step=step, choices=(UnitChoice("(step)", "store", 0, 0, 0.0, why),),
+        budget_bytes=budget_bytes, default_bytes=cm0.total_bytes, predicted_bytes=untouched,
+        compiled_bytes=cm0.total_bytes, predicted_time=1.0, selective=False,
+        solver_status="OPTIMAL", solver_gap=0.0, iterations=1, notes=(why,), target=s.target)
+
+
 def _order_plan(step, args, budget_bytes, cm0, s: _Settings):
     """``(order result, MemoryPlan or None)``: the untouched step in an OLLA order, returned
     as the plan when it and the gradient of the step that runs it fit."""
@@ -282,6 +303,10 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
     cm0 = _baseline(step, args, s.target, cache)
     budget_bytes = parse_budget(budget, cm0.total_bytes)
     floor = cm0.argument_bytes + cm0.output_bytes - cm0.alias_bytes
+    if budget_bytes >= cm0.total_bytes:
+        untouched = _untouched_bytes(step, args, cm0, s.target, cache)
+        if untouched <= budget_bytes:
+            return _untouched_plan(step, budget_bytes, untouched, cm0, s)
     order_res, notes = None, []
     if s.order and max(floor, _ORDER_MIN_FRACTION * cm0.total_bytes) <= budget_bytes \
             < cm0.total_bytes:
@@ -305,7 +330,10 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
     notes += more + compiler.notes
     if res.choice is None:
         finer_units = len(_trace.choose_units(tr, finer=finer + 1)) > len(prof.units)
-        raise _explain.refusal(budget_bytes, res.smallest, cm0, prof.labels, prof.stored,
+        # the untouched step is a plan too: it meets any budget of at least its own bytes
+        untouched = _untouched_bytes(step, args, cm0, s.target, cache)
+        smallest = untouched if res.smallest is None else min(res.smallest, untouched)
+        raise _explain.refusal(budget_bytes, smallest, cm0, prof.labels, prof.stored,
                                len(search.tried), finer_units)
     choices = _explain.unit_choices(model, res.choice, prof.labels, fence)
     if s.target != "cpu" and compiler.checkpointed(res.choice):

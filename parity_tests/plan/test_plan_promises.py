@@ -112,6 +112,28 @@ def test_refusal_smallest_is_above_budget_and_reachable():
         assert _total(jax.value_and_grad(p.step), params, x) <= budget
 
 
+@pytest.mark.xla_cpu   # sizes where grad compiles above value_and_grad (XLA:CPU)
+def test_untouched_step_is_a_plan_and_bounds_the_refusal():
+    """3 tanh layers of width 32, batch 128 on CPU: ``jax.grad`` of the loss compiles to more
+    bytes than its ``value_and_grad`` (123,976 against 107,604), and nothing recomputed
+    reaches 0.6. The refusal's ``smallest_bytes`` is at most the untouched step's bytes (the
+    larger of the two: a plan keeps both within its budget) and is met; a budget the
+    untouched step meets returns the loss itself."""
+    loss, params, x = _tanh_mlp(depth=3, width=32, batch=128)
+    untouched = max(_total(jax.value_and_grad(loss), params, x),
+                    _total(jax.grad(loss), params, x))
+    with pytest.raises(BudgetError) as e:
+        plan(loss, params, x, budget=0.6, order=False, max_iterations=1)
+    small = e.value.smallest_bytes
+    assert small <= untouched
+    for budget in (small, untouched):
+        p = plan(loss, params, x, budget=budget, order=False, max_iterations=1)
+        assert _total(jax.value_and_grad(p.step), params, x) <= budget
+        assert _total(jax.grad(p.step), params, x) <= budget
+    assert p.step is loss and [c.option for c in p.choices] == ["store"]
+    assert p.compiled_bytes <= untouched
+
+
 # --- 5: a jitted loss and nn.remat blocks are seen through ----------------------------------
 
 def test_jitted_loss_and_remat_blocks_are_seen_through():
