@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _assert import assert_tree_close, scaled_atol
+from _data import normal_host
 from _lazy import Lazy
 from flax import nnx
 from jax import lax
@@ -35,7 +36,7 @@ K = Lazy(lambda: jax.random.split(jax.random.key(3), 8))
 def _normal(seed, shape, scale=1.0, inf_at=None):
     """Normal float32 test data drawn with NumPy (``jax.random`` op by op compiles a program
     per shape); ``inf_at``: one entry set to +inf."""
-    x = (np.random.default_rng(seed).normal(size=shape) * scale).astype(np.float32)
+    x = normal_host(seed, shape, scale)
     if inf_at is not None:
         x[inf_at] = np.inf
     return jnp.asarray(x)

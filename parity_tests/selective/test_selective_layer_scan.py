@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _assert import assert_tree_close, scaled_atol
+from _data import normal
 from jax import lax
 
 import jaxmem.selective as S
@@ -33,13 +34,6 @@ def _convert(model):
 
 B, T, D = 4, 16, 32
 F32 = 4
-
-
-def _normal(seed, shape, scale=1.0, shift=0.0):
-    """Normal float32 test data drawn with NumPy (``jax.random`` op by op compiles a program
-    per shape)."""
-    x = np.random.default_rng(seed).normal(size=shape) * scale + shift
-    return jnp.asarray(x.astype(np.float32))
 
 
 class _Block(nn.Module):
@@ -78,8 +72,8 @@ def _data(mode, depth, attention):
     model share them (conversion changes no parameter); a jitted ``init`` is one compile where
     an eager one is one per initialiser op."""
     model = _Net(mode, depth, attention)
-    x = _normal(0, (B, T, D))
-    ct = _normal(1, (B, T, D))
+    x = normal(0, (B, T, D))
+    ct = normal(1, (B, T, D))
     return x, ct, jax.jit(model.init)(jax.random.key(2), x)["params"]
 
 
@@ -131,9 +125,9 @@ def test_norm_then_dense_under_lax_scan_and_checkpoint(norm):
     """The Dense that recomputes its input from the norm's residuals gives JAX's gradients,
     also when only some of (input, scale, kernel) are differentiated (jax#16614: the scan
     fixpoint sees other ``.perturbed`` flags) and under ``jax.checkpoint``."""
-    x = _normal((3, 0), (6, 8))
-    s = _normal((3, 1), (3, 8), 0.1, 1.0)
-    w = _normal((3, 2), (3, 8, 8), 0.3)
+    x = normal((3, 0), (6, 8))
+    s = normal((3, 1), (3, 8), 0.1, 1.0)
+    w = normal((3, 2), (3, 8, 8), 0.3)
 
     def ln(h, sc, ours):
         if norm == "rms":
@@ -177,7 +171,7 @@ def test_norm_then_dense_under_lax_scan_and_checkpoint(norm):
 def test_norm_output_not_kept_twice():
     """LayerNorm -> Dense keeps one input-sized tensor (the norm's input), not also the norm's
     output; bias-only training of the Dense keeps nothing input-sized."""
-    x, w = _normal((4, 0), (16, 32)), _normal((4, 1), (32, 8))
+    x, w = normal((4, 0), (16, 32)), normal((4, 1), (32, 8))
     s, b = jnp.ones(32), jnp.zeros(32)
     f = lambda x, s, b, w: jnp.sum(jnp.sin(S.dense(S.layer_norm(x * 2.0, s, b), w)))
     big = lambda r: [e for e in r.entries if e.kind == "activation" and e.nbytes >= x.nbytes]
@@ -220,11 +214,11 @@ def test_scan_stacks_one_tensor_per_norm_and_keeps_the_saving():
 
 def _lax_scan_mlp(depth, ours):
     """``depth`` pre-LN ReLU MLP blocks under a hand-written ``lax.scan`` (functional)."""
-    params = {"s": _normal((5, 0), (depth, D), 0.1, 1.0),
-              "b": _normal((5, 1), (depth, D), 0.1),
-              "w1": _normal((5, 2), (depth, D, 4 * D), 0.2),
-              "w2": _normal((5, 3), (depth, 4 * D, D), 0.2)}
-    x = _normal(6, (B * T, D))
+    params = {"s": normal((5, 0), (depth, D), 0.1, 1.0),
+              "b": normal((5, 1), (depth, D), 0.1),
+              "w1": normal((5, 2), (depth, D, 4 * D), 0.2),
+              "w2": normal((5, 3), (depth, 4 * D, D), 0.2)}
+    x = normal(6, (B * T, D))
 
     def body(h, p):
         if ours:

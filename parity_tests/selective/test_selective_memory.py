@@ -6,23 +6,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from _data import normal
 from _lazy import once
 from jax import lax
 
 import jaxmem.selective as S
 from jaxmem.measure import compiled_memory, residual_bytes, slope
 
-
-def _normal(seed, shape, scale=1.0):
-    """Normal float32 test data drawn with NumPy (``jax.random`` op by op compiles a program
-    per shape)."""
-    return jnp.asarray((np.random.default_rng(seed).normal(size=shape) * scale)
-                       .astype(np.float32))
-
-
-CT = once(lambda: _normal(7, (6, 10)))
+CT = once(lambda: normal(7, (6, 10)))
 
 
 def _named(report, what):
@@ -31,7 +23,7 @@ def _named(report, what):
 
 # --------------------------------------------------------------------------- residuals
 def test_dense_saves_input_only_for_weight_grad():
-    x, w = _normal(0, (6, 8)), _normal(1, (8, 10))
+    x, w = normal(0, (6, 8)), normal(1, (8, 10))
     f = lambda x, w: jnp.sum(S.dense(x * 2.0, w) * CT())  # input is an intermediate
     only_x = residual_bytes(f, x, w, argnums=0)
     only_w = residual_bytes(f, x, w, argnums=1)
@@ -41,7 +33,7 @@ def test_dense_saves_input_only_for_weight_grad():
 
 
 def test_default_jax_relu_keeps_more_than_one_bit():
-    x = _normal(0, (64, 64))
+    x = normal(0, (64, 64))
     ours = residual_bytes(lambda x: jnp.sum(S.relu(x * 2.0)), x).activation_bytes
     jaxs = residual_bytes(lambda x: jnp.sum(jax.nn.relu(x * 2.0)), x).activation_bytes
     assert ours == math.ceil(x.size / 8)  # 1 bit per element, packed
@@ -54,15 +46,15 @@ def test_default_jax_relu_keeps_more_than_one_bit():
     ((2,), lambda n, c: 0),  # bias only: nothing
 ])
 def test_layer_norm_residual_bytes(argnums, expected):
-    x, s, b = _normal(0, (6, 10)), jnp.ones(10), jnp.zeros(10)
+    x, s, b = normal(0, (6, 10)), jnp.ones(10), jnp.zeros(10)
     r = residual_bytes(lambda x, s, b: jnp.sum(S.layer_norm(x, s, b) * CT()), x, s, b,
                        argnums=argnums)
     assert r.activation_bytes == expected(6, 10)
 
 
 def test_norm_stores_at_most_one_input_sized_tensor():
-    x = _normal(0, (4, 8, 8, 16))
-    ct = _normal(3, x.shape)
+    x = normal(0, (4, 8, 8, 16))
+    ct = normal(3, x.shape)
     f = lambda x: jnp.sum(S.batch_norm(x * 1.5, train=True)[0] * ct)
     big = [e for e in residual_bytes(f, x).entries
            if e.kind == "activation" and e.nbytes >= x.nbytes]
@@ -70,28 +62,28 @@ def test_norm_stores_at_most_one_input_sized_tensor():
 
 
 def test_max_pool_saves_packed_positions():
-    x = _normal(0, (2, 16, 16, 4))
+    x = normal(0, (2, 16, 16, 4))
     r = residual_bytes(lambda x: jnp.sum(S.max_pool(x * 2.0, (3, 3), (2, 2), "SAME")), x)
     out = 2 * 8 * 8 * 4
     assert r.activation_bytes == math.ceil(out * 4 / 8)  # 9 positions -> 4 bits each
 
 
 def test_dropout_saves_only_the_key():
-    x = _normal(0, (6, 10))
+    x = normal(0, (6, 10))
     r = residual_bytes(lambda x: jnp.sum(S.dropout(jax.random.key(1), x * 2.0, 0.5) * CT()), x)
     assert r.activation_bytes <= 16
 
 
 def test_residual_structure_same_under_scan():
     """Inside lax.scan, the saved residuals (not the structure bookkeeping) stay minimal."""
-    w = _normal(1, (8, 8))
+    w = normal(1, (8, 8))
 
     def loss(x):
         def body(h, _):
             return S.relu(S.dense(h, w)), None
         h, _ = lax.scan(body, x, None, length=3)
         return jnp.sum(h)
-    x = _normal(0, (16, 8))
+    x = normal(0, (16, 8))
     r = residual_bytes(loss, x)
     # per step: a packed mask (16*8/8 bytes); W is a closed-over constant
     assert r.activation_bytes <= 3 * 16 + 64, r
@@ -112,7 +104,7 @@ def _chain(layer, depth):
 
 def _compiled_slope(layer, make_w, argnums=0, depth=3):
     def measure(d):
-        x = _normal(0, (8, 32, 32, 8))
+        x = normal(0, (8, 32, 32, 8))
         ws = [make_w(i) for i in range(d)]
         c = compiled_memory(jax.grad(_chain(layer, d), argnums), x, ws)
         return c.temp_bytes + c.output_bytes
@@ -120,7 +112,7 @@ def _compiled_slope(layer, make_w, argnums=0, depth=3):
 
 
 def _kernel(i):
-    return _normal((1, i), (3, 3, 8, 8), 0.2)
+    return normal((1, i), (3, 3, 8, 8), 0.2)
 
 
 def _lax_conv(x, w):

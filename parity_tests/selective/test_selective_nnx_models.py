@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from _assert import assert_tree_close, max_abs
+from _data import normal
 from _lazy import Lazy
 from flax import nnx
 
@@ -27,13 +28,6 @@ from jaxmem.selective import linen as SL
 _nnx_convert = functools.partial(jaxmem.nnx.convert, attention=False, copy=False)
 
 K = Lazy(lambda: jax.random.split(jax.random.key(11), 8))
-
-
-def _normal(seed, shape, scale=1.0, shift=0.0):
-    """Normal float32 test data drawn with NumPy (``jax.random`` op by op compiles a program
-    per shape)."""
-    x = np.random.default_rng(seed).normal(size=shape) * scale + shift
-    return jnp.asarray(x.astype(np.float32))
 
 
 def _close(a, b, rtol=1e-5):
@@ -202,7 +196,7 @@ def test_vit_block_outputs_and_gradients_match(train):
     assert type(sel.attn.query) is nnx.LinearGeneral and type(sel.up) is nnx.Einsum
     for m in (ref, sel):
         m.train() if train else m.eval()
-    x = _normal(4, (2, 6, 12))
+    x = normal(4, (2, 6, 12))
 
     @nnx.jit
     def step(m, x):
@@ -219,7 +213,7 @@ def test_vit_block_stores_less_and_reports_projections():
     ref, sel = _pair(_vit)
     for m in (ref, sel):
         m.train()
-    x = _normal(5, (2, 6, 12))
+    x = normal(5, (2, 6, 12))
     (loss_r, p_r, r_r), (loss_s, p_s, r_s) = _param_loss(ref, x), _param_loss(sel, x)
     res_r = residual_bytes(loss_r, p_r, r_r, argnums=0)
     res_s = residual_bytes(loss_s, p_s, r_s, argnums=0)
@@ -239,7 +233,7 @@ def test_einsum_and_linear_general_keep_only_what_requested_grads_need():
     arguments, not activations); weights trained, input constant: only the inputs."""
     m = _nnx_convert(nnx.Einsum("bnd,df->bnf", (16, 32), (32,), rngs=nnx.Rngs(0)))
     lg = _nnx_convert(nnx.LinearGeneral(16, (4, 8), rngs=nnx.Rngs(1)))
-    x = _normal(6, (4, 8, 16))
+    x = normal(6, (4, 8, 16))
     for layer in (m, lg):
         gdef, p = nnx.split(layer)
         f = lambda p, x, gdef=gdef: jnp.sum(jnp.sin(nnx.merge(gdef, p)(x)))
@@ -292,7 +286,7 @@ def test_scan_over_vmapped_layers_matches(remat):
     ref, sel = _pair(lambda: ScanStack(8, remat=remat, rngs=nnx.Rngs(4, dropout=5)))
     assert type(sel.blocks.dropout) is nnx.Dropout
     assert sel.blocks.linear.kernel.shape == (DEPTH, 8, 8)
-    x = _normal(7, (6, 8))
+    x = normal(7, (6, 8))
     grad = nnx.jit(nnx.value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x)))))
     for train in (True, False) if not remat else (True,):
         for m in (ref, sel):
@@ -316,8 +310,8 @@ def _bn_pair(**kw):
     make = lambda: nnx.BatchNorm(5, axis_name="batch", momentum=0.8, rngs=nnx.Rngs(0), **kw)
     ref, sel = _pair(make)
     for m in (ref, sel):  # non-trivial affine parameters
-        m.scale[...] = _normal(0, (5,), 0.3, 1.0)
-        m.bias[...] = _normal(1, (5,), 0.1)
+        m.scale[...] = normal(0, (5,), 0.3, 1.0)
+        m.bias[...] = normal(1, (5,), 0.1)
     return ref, sel
 
 
@@ -327,7 +321,7 @@ def test_batch_norm_axis_name_under_nnx_vmap_matches(fast_variance):
     statistics over the mapped axis (``lax.pmean``), values, gradients and running
     statistics equal NNX's BatchNorm."""
     ref, sel = _bn_pair(use_fast_variance=fast_variance)
-    x = _normal(2, (4, 3, 5), shift=2.0)  # 4 "devices" x 3 rows x 5 features
+    x = normal(2, (4, 3, 5), shift=2.0)  # 4 "devices" x 3 rows x 5 features
 
     @nnx.jit  # one compiled program per model; the running statistics update through it
     @nnx.vmap(in_axes=(None, 0), out_axes=0, axis_name="batch")
@@ -359,7 +353,7 @@ def _synced_loss(model, x):
 
 def test_batch_norm_axis_name_under_jax_vmap_and_report():
     ref, sel = _bn_pair()
-    x = _normal(3, (4, 3, 5), np.arange(1.0, 5.0)[:, None, None])
+    x = normal(3, (4, 3, 5), np.arange(1.0, 5.0)[:, None, None])
     out = []
     for m in (ref, sel):
         loss, params = _synced_loss(m, x)
@@ -379,7 +373,7 @@ def test_batch_norm_axis_name_gradient_outside_the_vmap():
     """``nnx.vmap(axis_name=...)`` inside ``nnx.value_and_grad``: the backward pass runs
     outside the vmap, so no collective may sit in a custom backward rule."""
     ref, sel = _bn_pair()
-    x = _normal(4, (4, 3, 5), shift=2.0)
+    x = normal(4, (4, 3, 5), shift=2.0)
 
     def loss(bn, x):
         @nnx.vmap(in_axes=(None, 0), out_axes=0, axis_name="batch")
@@ -395,7 +389,7 @@ def test_batch_norm_axis_name_gradient_outside_the_vmap():
 # ------------------------------------------------------------------------ Dropout rngs
 def test_dropout_call_time_rngs_and_deterministic_keep_nnx_semantics():
     ref, sel = _pair(lambda: nnx.Dropout(0.5, broadcast_dims=(0,), rngs=nnx.Rngs(dropout=7)))
-    x = _normal(4, (3, 10))
+    x = normal(4, (3, 10))
     # constructor stream, an Rngs, an RngStream, a raw key: the same bits as NNX's Dropout
     np.testing.assert_array_equal(sel(x), ref(x))
     rr, rs = nnx.Rngs(dropout=9), nnx.Rngs(dropout=9)
@@ -421,8 +415,8 @@ def test_dropout_call_time_rngs_and_deterministic_keep_nnx_semantics():
 def test_dropout_keeps_only_the_key():
     sel = _nnx_convert(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
     ref = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
-    x = _normal(0, (64, 64))
-    w = _normal(2, x.shape)
+    x = normal(0, (64, 64))
+    w = normal(2, x.shape)
     f = lambda m: lambda x: jnp.sum(m(x, rngs=K[1]) * w)
     assert residual_bytes(f(sel), x).activation_bytes <= 64
     assert residual_bytes(f(ref), x).activation_bytes >= x.size
@@ -432,7 +426,7 @@ def test_dropout_keeps_only_the_key():
 def test_embed_call_and_attend_match_and_attend_is_selective():
     ref, sel = _pair(lambda: nnx.Embed(11, 8, rngs=nnx.Rngs(0)))
     tok = jnp.asarray(np.random.default_rng(2).integers(0, 11, (3, 5), dtype=np.int32))
-    q = _normal(3, (3, 5, 8))
+    q = normal(3, (3, 5, 8))
 
     def f(m, q):
         return jnp.sum(jnp.sin(m(tok))) + jnp.sum(jnp.cos(m.attend(q)))
@@ -454,7 +448,7 @@ def test_custom_dot_general_converted_and_masked_norm_exact():
     """A custom ``dot_general`` is converted by what it computes (a layer rule could not)."""
     lin = _nnx_convert(nnx.Linear(4, 3, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
                                 rngs=nnx.Rngs(0)))
-    x = _normal(4, (2, 4))
+    x = normal(4, (2, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lin(x)
@@ -479,7 +473,7 @@ def test_convert_is_in_place_idempotent_and_leaves_subclasses():
             self.b = MyLinear(3, 3, rngs=rngs)
     net = Net(nnx.Rngs(0))
     kernel, b_kernel = net.a.kernel, net.b.kernel
-    x = _normal(103, (2, 3))
+    x = normal(103, (2, 3))
     b_out = net.b(x)
     assert _nnx_convert(net) is net and _nnx_convert(net) is net
     # the layers are not changed (the root's calls run through jaxmem.transform), the
