@@ -50,8 +50,12 @@ def _largest(fits: Callable[[int], Any], start: int, limit: int) -> tuple[int, A
 
 def max_batch(step: Callable[..., Any], make_args: Callable[[int], tuple], budget: Any, *,
               limit: int = 1 << 16, planned: bool = True, **plan_kwargs: Any) -> BatchFit:
-    """Largest batch ``b`` whose ``jax.value_and_grad(step)(*make_args(b))`` compiles to at
-    most ``budget`` bytes, untouched and (``planned=True``) through :func:`jaxmem.plan`.
+    """Largest batch ``b`` whose step on ``make_args(b)`` compiles to at most ``budget``
+    bytes, untouched and (``planned=True``) through :func:`jaxmem.plan`. Both hold
+    :func:`jaxmem.plan`'s promise: ``jax.value_and_grad`` *and* ``jax.grad`` of the step
+    within the budget (XLA may plan the two apart, either larger), on the plan's ``target``
+    (``plan_kwargs``; XLA:CPU by default). So the planned batch is never below the default
+    one: a plan of a batch whose untouched step fits is the step itself.
 
     Compiled bytes grow with the batch, so the search doubles ``b`` until it fails and then
     bisects (``O(log b)`` compiles for the default, as many :func:`plan` calls for the
@@ -67,7 +71,8 @@ def max_batch(step: Callable[..., Any], make_args: Callable[[int], tuple], budge
       **plan_kwargs: passed to :func:`jaxmem.plan` (e.g. ``max_iterations``).
 
     Returns:
-      A :class:`BatchFit`.
+      A :class:`BatchFit` (``default_bytes``: the larger of the untouched step's
+      ``value_and_grad`` and ``grad`` compiled totals).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -100,9 +105,16 @@ def max_batch(step: Callable[..., Any], make_args: Callable[[int], tuple], budge
                             f"{type(a).__name__}")
         return a
 
+    target = plan_kwargs.get("target", "cpu")
+
     def default_fits(b):
-        t = compiled_memory(jax.value_and_grad(step), *args_of(b)).total_bytes
-        return t if t <= budget_bytes else None
+        args = args_of(b)
+        t = 0
+        for fn in (jax.value_and_grad(step), jax.grad(step)):   # grad only when vg fits
+            t = max(t, compiled_memory(fn, *args, target=target).total_bytes)
+            if t > budget_bytes:
+                return None
+        return t
 
     db, dbytes = _largest(default_fits, 1, limit)
     pb, pplan = 0, None

@@ -82,6 +82,7 @@ from jaxmem.transform.graph import (
 )
 from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.match_elementwise import ELEMENTWISE, _generic
+from jaxmem.transform.numpy_eval import Unsupported, as_float64, eval_eqn
 from jaxmem.transform.report import Row
 
 __all__ = ["match_norms"]
@@ -221,35 +222,46 @@ class _Region:
                             if eqns[j].primitive.name in _COLLECTIVES]
         self.moves = any(eqns[j].primitive.name in _MOVES for j in self.anc)
 
-    def evaluate(self, x, sides: list, replicas: int = 0) -> list:
+    def evaluate(self, x, sides: list, replicas: int = 0, numpy: bool = False) -> list:
         """The region's ``[out, *extras]`` for these values (any float dtype).
 
         ``replicas = R``: ``x``, the side inputs and the outputs have a leading axis of
         simulated replicas, evaluated side by side; a sum over the named axes (of ``R``
-        replicas) is ``R`` times the mean over the simulated ones."""
+        replicas) is ``R`` times the mean over the simulated ones. ``numpy``: NumPy float64
+        inputs evaluated by :func:`~jaxmem.transform.numpy_eval.eval_eqn` (no XLA compile;
+        raises :class:`~jaxmem.transform.numpy_eval.Unsupported`), else JAX values bound
+        primitive by primitive."""
         k = len(x) if replicas else 1
         xs = list(x) if replicas else [x]
+        lift = as_float64 if numpy else (lambda a: a)
+        consts = {v: lift(c) for v, c in self.consts.items()}
         envs = []
         for r in range(k):
             env: dict = {self.root: xs[r]}
-            env.update(self.consts)
+            env.update(consts)
             env.update(zip(self.sides, [s[r] for s in sides] if replicas else sides))
             envs.append(env)
+        root_shape = _shape(self.root)
         for j in sorted(self.anc | self.const_eqns):
             eqn = self.graph.jaxpr.eqns[j]
-            ins = [[v.val if is_literal(v) else env[v] for v in eqn.invars] for env in envs]
+            ins = [[lift(v.val) if is_literal(v) else env[v] for v in eqn.invars]
+                   for env in envs]
             if eqn.primitive.name in _COLLECTIVES:
                 if not replicas:
                     raise NotImplementedError("a sum over named axes")
-                tot = [jnp.asarray(sum(a) * (replicas / k), jnp.result_type(a[0]))
-                       for a in zip(*ins)]
+                tot = [sum(a) * (replicas / k) for a in zip(*ins)]
+                tot = [np.asarray(t, a[0].dtype) if numpy else
+                       jnp.asarray(t, jnp.result_type(a[0])) for t, a in zip(tot, zip(*ins))]
                 outs = [tot] * k
+            elif numpy:
+                outs = [eval_eqn(eqn, i, root_shape, y.shape) for i, y in zip(ins, xs)]
             else:
-                outs = [_generic(eqn, i, y, _shape(self.root)) for i, y in zip(ins, xs)]
+                outs = [_generic(eqn, i, y, root_shape) for i, y in zip(ins, xs)]
             for env, o in zip(envs, outs):
                 env.update(zip(eqn.outvars, o))
         res = [[env[self.out]] + [env[v] for v in self.extras] for env in envs]
-        return [jnp.stack(col) for col in zip(*res)] if replicas else res[0]
+        stack = np.stack if numpy else jnp.stack
+        return [stack(col) for col in zip(*res)] if replicas else res[0]
 
 
 def _side_source(graph: Graph, v, root):
@@ -694,6 +706,20 @@ def _at_side(sel, s):
     return _take(s, tuple(slice(None) if n == 1 else q for q, n in zip(sel, s.shape)))
 
 
+def _evaluate_float64(region: _Region, x, args, replicas) -> list[np.ndarray]:
+    """The region's outputs at NumPy ``x`` and side inputs ``args``, in float64: in NumPy
+    where every equation has a NumPy rule, else with JAX (eagerly, away from the caller's
+    trace: one XLA compile per primitive and shape)."""
+    try:
+        return [np.asarray(o, np.float64) for o in region.evaluate(
+            np.asarray(x, np.float64), [np.asarray(a, np.float64) for a in args], replicas,
+            numpy=True)]
+    except Unsupported:
+        pass
+    return on_host(lambda: [np.asarray(o, np.float64) for o in region.evaluate(
+        jnp.asarray(x, jnp.float64), [jnp.asarray(a, jnp.float64) for a in args], replicas)])
+
+
 def _verify(region: _Region, shape, axes, group, sides, eps_cands, roles,
             replicas: int = 0):
     """``((sub_mean, eps, scale, bias), stats)`` of the normalisation candidate the region
@@ -721,10 +747,7 @@ def _verify(region: _Region, shape, axes, group, sides, eps_cands, roles,
             args = [s.reshape(lead + _shape(v)) if src is v else
                     np.broadcast_to(s.reshape(lead + b), lead + _shape(v))
                     for s, (src, b), v in zip(svals, sides, region.sides)]
-            outs = on_host(lambda x=x, args=args: [
-                np.asarray(o, np.float64) for o in region.evaluate(
-                    jnp.asarray(x, jnp.float64), [jnp.asarray(a, jnp.float64) for a in args],
-                    replicas)])
+            outs = _evaluate_float64(region, x, args, replicas)
             xs, outs = _at(rsel, x, outs, rshape, raxes)
             sv = [_at_side(rsel, s.reshape(lead + b)) for s, (_, b) in zip(svals, sides)]
             keep = []

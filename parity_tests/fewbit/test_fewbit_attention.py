@@ -44,29 +44,51 @@ def _vjp_all(f, args, ct):
 
 def _vjp_all_jit(f, args, ct):
     """:func:`_vjp_all` as one compiled program (op by op, a vjp is dozens of small
-    compiles; the bit-exact float32 and zero-size checks stay op by op)."""
+    compiles)."""
     return jax.jit(functools.partial(_vjp_all, f))(tuple(args), ct)
+
+
+def _vjp_pair_jit(f, f0, args, ct, args0=None, ct0=None):
+    """``(_vjp_all(f, args, ct), _vjp_all(f0, args0, ct0))`` -- a candidate and its reference
+    -- as one compiled program (``args0`` / ``ct0`` default to ``args`` / ``ct``)."""
+    args0 = args if args0 is None else args0
+    ct0 = ct if ct0 is None else ct0
+
+    def both(args, ct, args0, ct0):
+        return _vjp_all(f, args, ct), _vjp_all(f0, args0, ct0)
+
+    return jax.jit(both)(tuple(args), ct, tuple(args0), ct0)
 
 
 # ------------------------------------------------------------------------------- softmax
 
-@pytest.mark.parametrize("axis", [-1, 0, (0, 2)])
-def test_softmax_forward_and_gradient_match_jax_float64(axis):
+def test_softmax_forward_and_gradient_match_jax_float64():
+    """Axes -1, 0 and (0, 2), all in one compiled program."""
+    axes = (-1, 0, (0, 2))
     with jax.enable_x64(True):
         x = _rand(0, (3, 5, 7), jnp.float64, 3.0)
         g = _rand(1, (3, 5, 7), jnp.float64)
-        y, (dx,) = _vjp_all(lambda x: selective.softmax(x, axis=axis), (x,), g)
-        y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, axis=axis), (x,), g)
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
-        np.testing.assert_allclose(np.asarray(dx), np.asarray(dx0), rtol=1e-12, atol=1e-15)
+
+        def all_axes(x, g):
+            return [(_vjp_all(lambda x, a=a: selective.softmax(x, axis=a), (x,), g),
+                     _vjp_all(lambda x, a=a: jax.nn.softmax(x, axis=a), (x,), g))
+                    for a in axes]
+
+        for axis, ((y, (dx,)), (y0, (dx0,))) in zip(axes, jax.jit(all_axes)(x, g)):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(y0), err_msg=str(axis))
+            np.testing.assert_allclose(np.asarray(dx), np.asarray(dx0), rtol=1e-12, atol=1e-15,
+                                       err_msg=str(axis))
 
 
 def test_softmax_where_float32():
+    """The forward (op by op) equals JAX's; the gradients (one compiled program) are close."""
     x = _rand(2, (4, 9), scale=2.0)
     where = jnp.asarray(np.random.default_rng(3).random((4, 9)) > 0.3)
     g = _rand(4, (4, 9))
-    y, (dx,) = _vjp_all(lambda x: selective.softmax(x, where=where), (x,), g)
-    y0, (dx0,) = _vjp_all(lambda x: jax.nn.softmax(x, where=where), (x,), g)
+    y = jax.vjp(lambda x: selective.softmax(x, where=where), x)[0]
+    y0 = jax.nn.softmax(x, where=where)
+    (_, (dx,)), (_, (dx0,)) = _vjp_pair_jit(lambda x: selective.softmax(x, where=where),
+                                            lambda x: jax.nn.softmax(x, where=where), (x,), g)
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
     else:  # XLA:GPU may sum a row in another order inside another program: 1 ulp apart
@@ -88,28 +110,44 @@ def test_scope_patches_no_softmax():
 
 # ----------------------------------------------------------------------------- attention
 
-@pytest.mark.parametrize("causal,t,s", [(False, 6, 6), (True, 6, 6), (True, 4, 7),
-                                        (False, 5, 3)])
-def test_attention_matches_autodiff_float64(causal, t, s):
+def test_attention_matches_autodiff_float64():
+    """(causal, T, S) in (False, 6, 6), (True, 6, 6), (True, 4, 7), (False, 5, 3), all in one
+    compiled program."""
+    cases = ((False, 6, 6), (True, 6, 6), (True, 4, 7), (False, 5, 3))
     with jax.enable_x64(True):
-        q = _rand(0, (2, t, 3, 4), jnp.float64)
-        k = _rand(1, (2, s, 3, 4), jnp.float64)
-        v = _rand(2, (2, s, 3, 4), jnp.float64)
-        ct = _rand(3, (2, t, 3, 4), jnp.float64)
-        o, grads = _vjp_all_jit(lambda q, k, v: selective.attention(q, k, v, causal=causal),
-                                (q, k, v), ct)
-        o0, grads0 = _vjp_all_jit(lambda q, k, v: _ref_attention(q, k, v, causal), (q, k, v), ct)
-        np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
-        assert_tree_close(grads, grads0, rtol=1e-10, atol=1e-12)
+        data = [tuple(_rand(i, (2, n, 3, 4), jnp.float64) for i, n in enumerate((t, s, s, t)))
+                for _, t, s in cases]
+
+        def all_cases(data):
+            out = []
+            for (causal, _, _), (q, k, v, ct) in zip(cases, data):
+                out.append((
+                    _vjp_all(lambda q, k, v, c=causal: selective.attention(q, k, v, causal=c),
+                             (q, k, v), ct),
+                    _vjp_all(lambda q, k, v, c=causal: _ref_attention(q, k, v, c),
+                             (q, k, v), ct)))
+            return out
+
+        for case, ((o, grads), (o0, grads0)) in zip(cases, jax.jit(all_cases)(data)):
+            np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14,
+                                       err_msg=str(case))
+            assert_tree_close(grads, grads0, rtol=1e-10, atol=1e-12, err_msg=str(case))
 
 
 def test_attention_float32_and_scale():
+    """The forward, op by op, is bit-for-bit the model zoo's; the gradients (one compiled
+    program) are close."""
     q, k, v = (_rand(i, (3, 8, 2, 4)) for i in range(3))
     ct = _rand(9, (3, 8, 2, 4))
-    o, grads = _vjp_all(lambda q, k, v: selective.attention(q, k, v, causal=True, scale=0.3),
-                        (q, k, v), ct)
-    o0, grads0 = _vjp_all(lambda q, k, v: _ref_attention(q, k, v, True, 0.3), (q, k, v), ct)
+
+    def f(q, k, v):
+        return selective.attention(q, k, v, causal=True, scale=0.3)
+
+    o = jax.vjp(f, q, k, v)[0]
+    o0 = _ref_attention(q, k, v, True, 0.3)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))  # same forward arithmetic
+    (_, grads), (_, grads0) = _vjp_pair_jit(
+        f, lambda q, k, v: _ref_attention(q, k, v, True, 0.3), (q, k, v), ct)
     assert_tree_close(grads, grads0, rtol=1e-5, atol=1e-6)
 
 
@@ -118,9 +156,9 @@ def test_attention_low_precision_close_to_float32(dtype):
     q, k, v = (_rand(i, (2, 6, 2, 8)) for i in range(3))
     ct = _rand(7, (2, 6, 2, 8))
     low = [a.astype(dtype) for a in (q, k, v)]
-    o, grads = _vjp_all_jit(lambda q, k, v: selective.attention(q, k, v, causal=True), low,
-                            ct.astype(dtype))
-    o0, grads0 = _vjp_all_jit(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
+    (o, grads), (o0, grads0) = _vjp_pair_jit(
+        lambda q, k, v: selective.attention(q, k, v, causal=True),
+        lambda q, k, v: _ref_attention(q, k, v, True), low, ct.astype(dtype), (q, k, v), ct)
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
     tol = 6e-2 if dtype == jnp.bfloat16 else 1e-2
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o0), rtol=tol, atol=tol)
@@ -128,6 +166,8 @@ def test_attention_low_precision_close_to_float32(dtype):
 
 
 def test_attention_under_jit_vmap_scan_checkpoint():
+    """Gradients through jax.checkpoint, jax.vmap and lax.scan (all traced inside one jax.jit:
+    one compile; the op-by-op custom_vjp is test_attention_float32_and_scale's)."""
     q, k, v = (_rand(i, (4, 5, 2, 3)) for i in range(3))
 
     def fa(q, k, v):
@@ -142,16 +182,6 @@ def test_attention_under_jit_vmap_scan_checkpoint():
     def grads(f):
         return jax.grad(loss_of(f), argnums=(0, 1, 2))(q, k, v)
 
-    ref = grads(ra)
-
-    def close(got, want=ref):
-        assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
-
-    close(jax.jit(jax.grad(loss_of(fa), argnums=(0, 1, 2)))(q, k, v))
-    close(grads(jax.checkpoint(fa)))
-    # vmap over the batch axis of per-example calls
-    close(grads(jax.vmap(lambda q, k, v: fa(q[None], k[None], v[None])[0])))
-
     # lax.scan: the same attention applied to a carried state
     def scan_of(f):
         def loss(q, k, v):
@@ -159,16 +189,27 @@ def test_attention_under_jit_vmap_scan_checkpoint():
             return jnp.sum(jnp.sin(out))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    close(scan_of(fa), scan_of(ra))
+    @jax.jit
+    def everything():
+        return {"ref": grads(ra), "plain": grads(fa), "checkpoint": grads(jax.checkpoint(fa)),
+                # vmap over the batch axis of per-example calls
+                "vmap": grads(jax.vmap(lambda q, k, v: fa(q[None], k[None], v[None])[0])),
+                "scan": scan_of(fa), "scan_ref": scan_of(ra)}
+
+    got = everything()
+    ref, scan_ref = got.pop("ref"), got.pop("scan_ref")
+    for name in ("plain", "checkpoint", "vmap"):
+        assert_tree_close(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_tree_close(got["scan"], scan_ref, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_nonfinite_cotangent_stays_local():
     """A NaN in the cotangent of batch 0 must not leak into batch 1's gradients."""
     q, k, v = (_rand(i, (2, 5, 2, 3)) for i in range(3))
     ct = _rand(4, (2, 5, 2, 3)).at[0, 0, 0, 0].set(jnp.nan)
-    _, grads = _vjp_all_jit(lambda q, k, v: selective.attention(q, k, v, causal=True),
-                            (q, k, v), ct)
-    _, grads0 = _vjp_all_jit(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
+    (_, grads), (_, grads0) = _vjp_pair_jit(
+        lambda q, k, v: selective.attention(q, k, v, causal=True),
+        lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
     for a, b in zip(grads, grads0):
         assert np.all(np.isfinite(np.asarray(a[1])))
         np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), rtol=1e-5, atol=1e-6)
@@ -237,6 +278,8 @@ def test_gpt_patched_attention_is_exact_only_gelu_derivative_approximate():
     # (the forward is checked bit-for-bit against the model zoo arithmetic in
     # test_attention_float32_and_scale; compiles are the cost here, so 4 gradients only)
     # one layer: its GELU, attention and MLP down-projection are what the check is about
+    # (each gradient is its own program: test_attention_compiled_bytes_slope compiles the
+    # one-layer few-bit ones again, loaded from the run's compilation cache)
     _, loss, params, tok = _gpt(1)
     _, loss_conv, _, _ = _gpt(1, fewbit=3)
 
@@ -302,9 +345,9 @@ def test_attention_causal_more_queries_than_keys_gradients():
         q = _rand(0, (2, 5, 2, 4), jnp.float64)
         k, v = _rand(1, (2, 3, 2, 4), jnp.float64), _rand(2, (2, 3, 2, 4), jnp.float64)
         ct = _rand(3, (2, 5, 2, 4), jnp.float64)
-        o, grads = _vjp_all_jit(lambda q, k, v: selective.attention(q, k, v, causal=True),
-                                (q, k, v), ct)
-        o0, grads0 = _vjp_all_jit(lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
+        (o, grads), (o0, grads0) = _vjp_pair_jit(
+            lambda q, k, v: selective.attention(q, k, v, causal=True),
+            lambda q, k, v: _ref_attention(q, k, v, True), (q, k, v), ct)
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(np.asarray(o[:, :2]),
                                    np.asarray(jnp.broadcast_to(v.mean(1, keepdims=True),
@@ -319,10 +362,9 @@ def test_attention_zero_size(qs, ks):
     """Empty batch, T = 0 or S = 0 (zeros out, like plain JAX) forward and backward."""
     q, k = _rand(0, qs), _rand(1, ks)
     for causal in (False, True):
-        o, grads = _vjp_all(lambda q, k, v, c=causal: selective.attention(q, k, v, causal=c),
-                            (q, k, k), jnp.ones(qs))
-        o0, grads0 = _vjp_all(lambda q, k, v, c=causal: _ref_attention(q, k, v, c),
-                              (q, k, k), jnp.ones(qs))
+        (o, grads), (o0, grads0) = _vjp_pair_jit(
+            lambda q, k, v, c=causal: selective.attention(q, k, v, causal=c),
+            lambda q, k, v, c=causal: _ref_attention(q, k, v, c), (q, k, k), jnp.ones(qs))
         assert o.shape == qs
         np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))
         for a, b in zip(grads, grads0):
@@ -338,10 +380,10 @@ def test_attention_bias_and_mask_match_jax():
         mask = jnp.asarray(np.random.default_rng(4).random((2, 1, 4, 4)) > 0.5)
         mask = mask.at[1, 0, 2].set(False)
         ct = _rand(5, (2, 4, 3, 5), jnp.float64)
-        o, grads = _vjp_all_jit(
-            lambda q, k, v, b: selective.attention(q, k, v, bias=b, mask=mask), (q, k, v, bias), ct)
-        o0, grads0 = _vjp_all_jit(lambda q, k, v, b: jax.nn.dot_product_attention(
-            q, k, v, bias=b, mask=mask), (q, k, v, bias), ct)
+        (o, grads), (o0, grads0) = _vjp_pair_jit(
+            lambda q, k, v, b: selective.attention(q, k, v, bias=b, mask=mask),
+            lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b, mask=mask),
+            (q, k, v, bias), ct)
         # JAX's softmax runs in float32 even for float64 inputs
         np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-6, atol=1e-7)
         assert_tree_close(grads, grads0, rtol=1e-5, atol=1e-6)

@@ -57,54 +57,70 @@ def _vjp(f, args, ct):
     return out, vjp(ct)
 
 
-def _compare(mine, flax, args, ct, rtol=1e-5, atol=1e-6, exact=True):
-    o, grads = jax.jit(lambda a, c: _vjp(mine, a, c))(args, ct)
-    o0, grads0 = jax.jit(lambda a, c: _vjp(flax, a, c))(args, ct)
-    if exact:
-        np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))
-    else:
-        np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=rtol, atol=atol)
-    assert_tree_close(grads, grads0, rtol=rtol, atol=atol)
+def _compare(pairs, args, ct, rtol=1e-5, atol=1e-6, exact=True):
+    """For each ``(mine, flax)`` of ``pairs`` (a dict: name -> pair), the outputs (equal when
+    ``exact``) and the input cotangents (close) of the two, all in one compiled program.
+    Returns ``{name: ((o, grads), (o0, grads0))}``."""
+    def run(args, ct):
+        return {name: (_vjp(mine, args, ct), _vjp(flax, args, ct))
+                for name, (mine, flax) in pairs.items()}
+
+    res = jax.jit(run)(args, ct)
+    for name, ((o, grads), (o0, grads0)) in res.items():
+        if exact:
+            np.testing.assert_array_equal(np.asarray(o), np.asarray(o0), err_msg=name)
+        else:
+            np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=rtol, atol=atol,
+                                       err_msg=name)
+        assert_tree_close(grads, grads0, rtol=rtol, atol=atol, err_msg=name)
+    return res
 
 
-@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
-def test_drop_in_matches_flax_float32(flavour, name):
+def test_drop_in_matches_flax_float32(flavour):
+    """Every case of ``CASES``, in one compiled program per flavour."""
     q, k, v, bias, mask, ct = _inputs()
     rng = jax.random.PRNGKey(7) if flavour == "linen" else jax.random.key(7)
     mine, ref = ((fa.dot_product_attention, nn.dot_product_attention) if flavour == "linen"
                  else (fa.nnx_dot_product_attention, nnx.dot_product_attention))
-    case = CASES[name]
-    _compare(lambda q, k, v, b: _call(mine, case, q, k, v, b, mask, rng),
-             lambda q, k, v, b: _call(ref, case, q, k, v, b, mask, rng),
-             (q, k, v, bias), ct)
+    _compare({name: (lambda q, k, v, b, c=case: _call(mine, c, q, k, v, b, mask, rng),
+                     lambda q, k, v, b, c=case: _call(ref, c, q, k, v, b, mask, rng))
+              for name, case in CASES.items()}, (q, k, v, bias), ct)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.25])
-def test_nnx_is_causal(dropout):
+def test_nnx_is_causal():
+    """is_causal with dropout rates 0 and 0.25 (one compiled program)."""
     q, k, v, _, mask, ct = _inputs()
-    kw = {"is_causal": True, "mask": mask, "dropout_rate": dropout,
-          "dropout_rng": jax.random.key(1)}
-    _compare(lambda q, k, v: fa.nnx_dot_product_attention(q, k, v, **kw),
-             lambda q, k, v: nnx.dot_product_attention(q, k, v, **kw), (q, k, v), ct)
+
+    def kw(dropout):
+        return {"is_causal": True, "mask": mask, "dropout_rate": dropout,
+                "dropout_rng": jax.random.key(1)}
+
+    _compare({f"dropout={d}": (
+        lambda q, k, v, d=d: fa.nnx_dot_product_attention(q, k, v, **kw(d)),
+        lambda q, k, v, d=d: nnx.dot_product_attention(q, k, v, **kw(d)))
+        for d in (0.0, 0.25)}, (q, k, v), ct)
 
 
 @pytest.mark.slow
 def test_float64_gradients_equal_flax():
     with jax.enable_x64(True):
         q, k, v, bias, mask, ct = _inputs(jnp.float64)
-        for mine, ref, rng in [(fa.dot_product_attention, nn.dot_product_attention,
-                                jax.random.PRNGKey(3)),
-                               (fa.nnx_dot_product_attention, nnx.dot_product_attention,
-                                jax.random.key(3))]:
-            for case in (CASES["bias_mask"], CASES["dropout_full_bias_mask"]):
-                if ref is nnx.dot_product_attention and case is CASES["bias_mask"]:
+        pairs = {}
+        for flavour, mine, ref, rng in [
+                ("linen", fa.dot_product_attention, nn.dot_product_attention,
+                 jax.random.PRNGKey(3)),
+                ("nnx", fa.nnx_dot_product_attention, nnx.dot_product_attention,
+                 jax.random.key(3))]:
+            for name in ("bias_mask", "dropout_full_bias_mask"):
+                if flavour == "nnx" and name == "bias_mask":
                     continue    # nnx/JAX: float32 softmax even for float64 (covered above)
-                _compare(lambda q, k, v, b, f=mine, c=case, r=rng:
-                         _call(f, c, q, k, v, b, mask, r),
-                         lambda q, k, v, b, f=ref, c=case, r=rng:
-                         _call(f, c, q, k, v, b, mask, r),
-                         (q, k, v, bias), ct, rtol=1e-10, atol=1e-12, exact=False)
+                pairs[f"{flavour}-{name}"] = (
+                    lambda q, k, v, b, f=mine, c=CASES[name], r=rng:
+                    _call(f, c, q, k, v, b, mask, r),
+                    lambda q, k, v, b, f=ref, c=CASES[name], r=rng:
+                    _call(f, c, q, k, v, b, mask, r))
+        _compare(pairs, (q, k, v, bias), ct, rtol=1e-10, atol=1e-12, exact=False)
 
 
 def test_fully_masked_rows_uniform_and_no_query_gradient():
@@ -112,34 +128,39 @@ def test_fully_masked_rows_uniform_and_no_query_gradient():
     row depends on q or k, so its dq is 0 -- the drop-in returns exactly that."""
     q, k, v, _, _, ct = _inputs()
     mask = jnp.ones((B, 1, T, S), bool).at[:, :, 2].set(False)
-    o, vjp = jax.vjp(lambda q, k, v: fa.dot_product_attention(q, k, v, mask=mask), q, k, v)
+    res = _compare({"": (lambda q, k, v: fa.dot_product_attention(q, k, v, mask=mask),
+                         lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask))},
+                   (q, k, v), ct)
+    (o, (dq, _, _)), _ = res[""]
     np.testing.assert_allclose(np.asarray(o[:, 2]), np.asarray(jnp.mean(v, axis=1)),
                                rtol=1e-6)
-    dq = vjp(ct)[0]
     assert np.all(np.asarray(dq[:, 2]) == 0)
-    _compare(lambda q, k, v: fa.dot_product_attention(q, k, v, mask=mask),
-             lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask), (q, k, v), ct)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16])
 def test_low_precision_forward_equal_flax(dtype):
+    """Three configurations, each drop-in and its Flax original, in one compiled program."""
     q, k, v, _, mask, _ = _inputs(dtype)
-    for mine, ref, kw in [
-            (fa.dot_product_attention, nn.dot_product_attention, {}),
-            (fa.dot_product_attention, nn.dot_product_attention,
-             {"force_fp32_for_softmax": True}),
-            (fa.nnx_dot_product_attention, nnx.dot_product_attention, {})]:
-        o = jax.jit(lambda q, k, v, f=mine, kw=kw: f(q, k, v, mask=mask, **kw))(q, k, v)
-        o0 = jax.jit(lambda q, k, v, f=ref, kw=kw: f(q, k, v, mask=mask, **kw))(q, k, v)
+    configs = [(fa.dot_product_attention, nn.dot_product_attention, {}),
+               (fa.dot_product_attention, nn.dot_product_attention,
+                {"force_fp32_for_softmax": True}),
+               (fa.nnx_dot_product_attention, nnx.dot_product_attention, {})]
+
+    @jax.jit
+    def run(q, k, v):
+        def out_and_grad(f, kw):
+            def loss(q):
+                return jnp.sum(f(q, k, v, mask=mask, **kw).astype(jnp.float32))
+            return f(q, k, v, mask=mask, **kw), jax.grad(loss)(q)
+        return [(out_and_grad(mine, kw), out_and_grad(ref, kw)) for mine, ref, kw in configs]
+
+    for i, ((o, g), (o0, g0)) in enumerate(run(q, k, v)):
         assert o.dtype == o0.dtype
-        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o0, np.float32))
-        g = jax.jit(jax.grad(lambda q, f=mine, kw=kw: jnp.sum(
-            f(q, k, v, mask=mask, **kw).astype(jnp.float32))))(q)
-        g0 = jax.jit(jax.grad(lambda q, f=ref, kw=kw: jnp.sum(
-            f(q, k, v, mask=mask, **kw).astype(jnp.float32))))(q)
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o0, np.float32),
+                                      err_msg=str(i))
         assert g.dtype == dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g0, np.float32),
-                                   rtol=5e-2, atol=5e-2)
+                                   rtol=5e-2, atol=5e-2, err_msg=str(i))
 
 
 def test_fallbacks_run_flax():
@@ -213,22 +234,11 @@ def test_under_jit_vmap_scan_checkpoint():
         return loss
 
     def grads(loss):
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-    def close(a, b):
-        assert_tree_close(a, b, rtol=1e-5, atol=1e-6)
-
-    ref = grads(loss_of(nn.dot_product_attention))
-    mine = loss_of(fa.dot_product_attention)
-    close(grads(mine), ref)
-    close(grads(jax.checkpoint(mine)), ref)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     def per_example(fn):
         return lambda q, k, v: jnp.sum(jax.vmap(
             lambda q, k, v, m: fn(q, k, v, mask=m))(q, k, v, mask))
-
-    close(grads(per_example(fa.dot_product_attention)),
-          grads(per_example(nn.dot_product_attention)))
 
     def scanned(fn):
         def loss(q, k, v):
@@ -237,7 +247,20 @@ def test_under_jit_vmap_scan_checkpoint():
             return jnp.sum(jnp.sin(out))
         return loss
 
-    close(grads(scanned(fa.dot_product_attention)), grads(scanned(nn.dot_product_attention)))
+    mine = loss_of(fa.dot_product_attention)
+
+    @jax.jit  # every variant and its Flax reference in one compiled program
+    def run():
+        return {"plain": (grads(mine), grads(loss_of(nn.dot_product_attention))),
+                "checkpoint": (grads(jax.checkpoint(mine)),
+                               grads(loss_of(nn.dot_product_attention))),
+                "vmap": (grads(per_example(fa.dot_product_attention)),
+                         grads(per_example(nn.dot_product_attention))),
+                "scan": (grads(scanned(fa.dot_product_attention)),
+                         grads(scanned(nn.dot_product_attention)))}
+
+    for name, (got, want) in run().items():
+        assert_tree_close(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # ------------------------------------------------------------- as a module's attention_fn
@@ -259,8 +282,8 @@ def test_linen_module_with_the_drop_in_and_dropout_equals_flax():
         return lambda p: jnp.sum(m.apply(p, x, mask=mask,
                                          rngs={"dropout": jax.random.PRNGKey(2)}) ** 2)
 
-    y0, g0 = jax.jit(jax.value_and_grad(loss(m0)))(p)
-    y1, g1 = jax.jit(jax.value_and_grad(loss(m1)))(p)
+    (y0, g0), (y1, g1) = jax.jit(lambda p: (jax.value_and_grad(loss(m0))(p),
+                                            jax.value_and_grad(loss(m1))(p)))(p)
     assert _cores(loss(m1), p) == _cores(loss(m0), p) + 1
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
     assert_tree_close(g1, g0, rtol=1e-5, atol=1e-5)
@@ -269,7 +292,7 @@ def test_linen_module_with_the_drop_in_and_dropout_equals_flax():
 def test_nnx_module_with_the_drop_in_and_dropout_equals_flax():
     x = _rand(0, (2, 6, 8))
 
-    def grads(fn):
+    def loss_and_state(fn):
         net = nnx.MultiHeadAttention(2, 8, dropout_rate=0.2, decode=False, keep_rngs=False,
                                      attention_fn=fn, rngs=nnx.Rngs(0))
         gd, params, rest = nnx.split(net, nnx.Param, ...)
@@ -278,9 +301,11 @@ def test_nnx_module_with_the_drop_in_and_dropout_equals_flax():
             y = nnx.merge(gd, params, rest)(x, deterministic=False,
                                             rngs=nnx.Rngs(dropout=jax.random.key(4)))
             return jnp.sum(y ** 2)
-        return jax.grad(loss)(params, rest, x), _cores(loss, params, rest, x)
+        return loss, params, rest
 
-    g0, n0 = grads(nnx.dot_product_attention)
-    g1, n1 = grads(fa.nnx_dot_product_attention)
-    assert n1 == n0 + 1
+    loss0, p0, r0 = loss_and_state(nnx.dot_product_attention)
+    loss1, p1, r1 = loss_and_state(fa.nnx_dot_product_attention)
+    assert _cores(loss1, p1, r1, x) == _cores(loss0, p0, r0, x) + 1
+    g0, g1 = jax.jit(lambda p0, r0, p1, r1: (jax.grad(loss0)(p0, r0, x),
+                                             jax.grad(loss1)(p1, r1, x)))(p0, r0, p1, r1)
     assert_tree_close(g1, g0, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,8 @@
 
 For every model of :mod:`jaxmem.bench.flax_models` (Linen ResNet built inside the loss,
 Linen causal LM unrolled and under ``nn.scan(nn.remat(...))``, NNX CNN, NNX ViT, NNX
-``nnx.vmap``/``nnx.scan`` stack), the model converted with ``jaxmem.linen.convert`` /
+``nnx.vmap``/``nnx.scan`` stack; one block where the blocks are unrolled copies, two scan
+iterations where they are scanned: :data:`DEPTH`), the model converted with ``jaxmem.linen.convert`` /
 ``jaxmem.nnx.convert`` (exact options: ``fewbit=None``) must give, against the untouched model
 built from the same seed:
 
@@ -60,41 +61,62 @@ def _assert_trees_close(ref, got, what, extra_atol=0.0):
                                    err_msg=f"{what} at {jax.tree_util.keystr(path)}")
 
 
-def _fwd_bwd_and_step(case):
-    """``(grads, step)``: loss, logits and parameter gradients in train and in eval mode, and
-    ``(loss, parameters, batch statistics)`` after one full jitted train step.
+#: Depth of each case: one block where the blocks are unrolled copies of each other (every
+#: layer kind is in the one block); two iterations for the scanned stacks (the carry passes
+#: from one layer to the next). ``None``: the case's default (ResNet: one block per stage).
+DEPTH = {"linen_lm": 1, "nnx_vit": 1, "nnx_scan": 2}
 
-    One compiled program computes both (one compile instead of two): the step is the body
-    the case's own jitted step runs, ``case.pure_step`` (Linen: ``case.step_fn``, the function
-    ``case.train_step`` jits; NNX: the same ``nnx.value_and_grad`` + ``optimizer.update``
-    body as the ``nnx.jit`` step, on the split model and optimizer state, merged back
-    after)."""
+
+def _case(name, convert=None):
+    return STEPS[name](convert=convert, depth=DEPTH.get(name))
+
+
+def _fwd_bwd_and_step(case):
+    """``(run, args)``: ``run(*args)`` gives ``(grads, (new, loss))``: loss, logits and
+    parameter gradients in train and in eval mode, and the state and loss after one full
+    train step.
+
+    The step is the body the case's own jitted step runs, ``case.pure_step`` (Linen:
+    ``case.step_fn``, the function ``case.train_step`` jits; NNX: the same
+    ``nnx.value_and_grad`` + ``optimizer.update`` body as the ``nnx.jit`` step, on the split
+    model and optimizer state, merged back by :func:`_step_result`)."""
     f_train, params = case.loss_of_params(True)
     f_eval, _ = case.loss_of_params(False)
 
-    def both(p):
+    def run(p, *args):
         (lt, yt), gt = jax.value_and_grad(f_train, has_aux=True)(p)
         (le, ye), ge = jax.value_and_grad(f_eval, has_aux=True)(p)
-        return {"train": (lt, yt, gt), "eval": (le, ye, ge)}
+        return {"train": (lt, yt, gt), "eval": (le, ye, ge)}, case.pure_step(*args)
 
-    grads, (new, loss) = jax.jit(lambda p, *args: (both(p), case.pure_step(*args)))(
-        params, *case.pure_args)
+    return run, (params, *case.pure_args)
+
+
+def _step_result(case, new, loss):
+    """``(loss, parameters, batch statistics)`` after the step."""
     if case.api == "linen":
-        return grads, (loss, new["params"], new.get("batch_stats"))
+        return loss, new["params"], new.get("batch_stats")
     model, _ = nnx.merge(case.graphdef, new)
-    return grads, (loss, nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat))
+    return loss, nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
 
 
 @functools.cache
 def _results(name):
-    out = {}
-    for label, convert in (("ref", None), ("conv", _convert(name))):
-        case = STEPS[name](convert=convert)
+    """Both models (untouched ``ref``, converted ``conv``): residual bytes, report, and
+    gradients + one step of each, computed in one compiled program (one compile instead of
+    two)."""
+    cases = {"ref": _case(name), "conv": _case(name, _convert(name))}
+    out, runs = {}, {}
+    for label, case in cases.items():
         f_train, params = case.loss_of_params(True)
         res = residual_bytes(lambda p, f=f_train: f(p)[0], params)
-        rep = jaxmem.report(case.pure_step, *case.pure_args) if convert else None
-        grads, step = _fwd_bwd_and_step(case)
-        out[label] = {"grads": grads, "residual": res, "report": rep, "step": step}
+        rep = jaxmem.report(case.pure_step, *case.pure_args) if label == "conv" else None
+        out[label] = {"residual": res, "report": rep}
+        runs[label] = _fwd_bwd_and_step(case)
+    computed = jax.jit(lambda a: {k: runs[k][0](*a[k]) for k in runs})(
+        {k: runs[k][1] for k in runs})
+    for label, (grads, (new, loss)) in computed.items():
+        out[label]["grads"] = grads
+        out[label]["step"] = _step_result(cases[label], new, loss)
     return out
 
 
@@ -150,7 +172,7 @@ def test_residual_bytes_smaller(name):
 
 def test_cases_are_reproducible_and_dropout_is_active():
     """Same seed, same parameters; train mode differs from eval mode (dropout is on)."""
-    a, b = STEPS["linen_lm"](), STEPS["linen_lm"]()
+    a, b = _case("linen_lm"), _case("linen_lm")
     _assert_trees_close(a.params(), b.params(), "params")
     r = _results("linen_lm")["ref"]["grads"]
     assert not np.allclose(np.asarray(r["train"][1]), np.asarray(r["eval"][1]))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _data import normal
 from flax.linen import relu  # bound to the original before any conversion
 from jax.lax import fori_loop, scan  # likewise
 
@@ -32,7 +33,7 @@ B, D = 2, 8
 
 
 def _x(seed=0):
-    return jax.random.normal(jax.random.key(seed), (B, D))
+    return normal(seed, (B, D))
 
 
 class Layer(nn.Module):
@@ -55,7 +56,7 @@ class Scanned(nn.Module):
 
 
 def _report_of_grad(model, x):
-    v = model.init(jax.random.key(1), x)
+    v = jax.jit(model.init)(jax.random.key(1), x)  # one compile (op by op: one per op)
     conv = jaxmem.linen.convert(model)
     return jaxmem.report(lambda p: jax.grad(lambda p: jnp.sum(conv.apply(p, x) ** 2))(p), v)
 
@@ -198,15 +199,14 @@ def test_functions_imported_by_name_are_converted_like_module_attributes(cls):
 def test_loops_and_imported_names_keep_exact_gradients(cls):
     x = _x(3)
     model = cls()
-    v = model.init(jax.random.key(4), x)
+    v = jax.jit(model.init)(jax.random.key(4), x)
     conv = jaxmem.linen.convert(model)
 
     def loss(m):
         return lambda p: jnp.sum(jnp.sin(m.apply(p, x)))
 
-    # compiled (op by op, a loop's gradient is dozens of small compiles)
-    ref = jax.jit(jax.grad(loss(model)))(v)
-    got = jax.jit(jax.grad(loss(conv)))(v)
+    # compiled, both in one program (op by op, a loop's gradient is dozens of small compiles)
+    ref, got = jax.jit(lambda v: [jax.grad(loss(m))(v) for m in (model, conv)])(v)
     scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(ref))
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * scale)

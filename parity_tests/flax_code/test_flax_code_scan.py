@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _data import normal
 from flax import nnx
 from jax.core import ShapedArray
 
@@ -94,9 +95,8 @@ def _ce(logits, tgt):
 
 
 def _data():
-    tok = jax.random.randint(jax.random.key(0), (B, T), 0, V)
-    tgt = jax.random.randint(jax.random.key(1), (B, T), 0, V)
-    return tok, tgt
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32) for _ in range(2))
 
 
 def _linen_loss(model):
@@ -120,9 +120,14 @@ def _linen(form, act, depth=2, attention=True):
     return _linen_loss(model), _linen_loss(conv), params, tok, tgt
 
 
-def _assert_same_grads(ref_loss, got_loss, params, *args, what):
-    lr, gr = jax.jit(jax.value_and_grad(ref_loss))(params, *args)
-    lg, gg = jax.jit(jax.value_and_grad(got_loss))(params, *args)
+def _values_and_grads(fns, *args, argnums=0):
+    """``[jax.value_and_grad(fn, argnums)(*args) for fn in fns]`` as one compiled program."""
+    return jax.jit(lambda *a: [jax.value_and_grad(fn, argnums)(*a) for fn in fns])(*args)
+
+
+def _assert_same_grads(ref_loss, got_loss, params, *args, what, argnums=0):
+    (lr, gr), (lg, gg) = _values_and_grads([ref_loss, got_loss], params, *args,
+                                           argnums=argnums)
     np.testing.assert_allclose(float(lg), float(lr), rtol=1e-5, err_msg=f"{what}: loss")
     _close(gr, gg, f"{what}: gradient")
 
@@ -166,9 +171,9 @@ class NnxStack(nnx.Module):
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_nnx_scan_gradients_exact_and_converted(act):
-    model = NnxStack(act, 3, rngs=nnx.Rngs(0))
+    model = NnxStack(act, 2, rngs=nnx.Rngs(0))
     conv = jaxmem.nnx.convert(model, fewbit=None, attention=False)
-    x = jax.random.normal(jax.random.key(3), (B, T, D))
+    x = normal(3, (B, T, D))
     _, tgt = _data()
 
     def loss_of(m):
@@ -205,21 +210,18 @@ class MlpBlock(nn.Module):
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_lax_scan_transformed_gradients_exact(act):
     blk = MlpBlock(act)
-    x = jax.random.normal(jax.random.key(3), (B, T, D))
+    x = normal(3, (B, T, D))
     stacked = jax.jit(jax.vmap(lambda k: blk.init(k, x)["params"]))(
-        jax.random.split(jax.random.key(4), 3))
+        jax.random.split(jax.random.key(4), 2))
 
     def body(params, x):
         x, _ = jax.lax.scan(lambda h, p: (blk.apply({"params": p}, h), None), x, params)
         return jnp.sum(jnp.sin(x))
 
     conv = jaxmem.transform(body, attention=False)
-    _assert_same_grads(body, conv, stacked, x, what=f"lax.scan {act}")
-    # x differentiated too (an input-optimisation step); compiled, as above (op by op, a
-    # scan's gradient is dozens of small compiles)
-    gr = jax.jit(jax.grad(body, argnums=1))(stacked, x)
-    gc = jax.jit(jax.grad(conv, argnums=1))(stacked, x)
-    _close(gr, gc, "lax.scan input gradient")
+    # x differentiated too (an input-optimisation step); compiled (op by op, a scan's
+    # gradient is dozens of small compiles)
+    _assert_same_grads(body, conv, stacked, x, what=f"lax.scan {act}", argnums=(0, 1))
 
 
 def test_scan_outside_the_transformation_is_untouched():
@@ -260,8 +262,7 @@ def test_bf16_scan_gradients_match():
     """bf16 parameters and activations: same gradients as the untouched model."""
     ref, got, params, tok, tgt = _linen("scan", "gelu", attention=False)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    gr = jax.jit(jax.grad(ref))(params, tok, tgt)
-    gg = jax.jit(jax.grad(got))(params, tok, tgt)
+    (_, gr), (_, gg) = _values_and_grads([ref, got], params, tok, tgt)
     for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gg)):
         assert a.dtype == b.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32),

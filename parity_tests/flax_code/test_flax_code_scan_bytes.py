@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _data import normal
 from flax import nnx
 from jax.core import ShapedArray
 
@@ -65,14 +66,14 @@ def _lax(form, depth, act="relu"):
     """``(loss, converted loss, params, x)`` of a stack applied in a Python loop over
     per-layer trees (``unrolled``) or with stacked parameters in ``jax.lax.scan``."""
     blk = MlpBlock(act)
-    x = jax.random.normal(jax.random.key(0), (B, T, D))
+    x = normal(0, (B, T, D))
     stacked = jax.jit(jax.vmap(lambda k: blk.init(k, x)["params"]))(
         jax.random.split(jax.random.key(1), depth))
     if form == "unrolled":
         blocks = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(depth)]
     else:
         blocks = stacked
-    params = {"blocks": blocks, "head": jax.random.normal(jax.random.key(2), (D, D)) / D}
+    params = {"blocks": blocks, "head": normal(2, (D, D), scale=1 / D)}
 
     def loss(params, x):
         h = x
@@ -112,8 +113,8 @@ def test_lax_scan_keeps_the_unrolled_saving():
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_lax_scan_gradients_exact(act):
     loss, conv, params, x = _lax("scan", 3, act)
-    lr, gr = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
-    lg, gg = jax.jit(jax.value_and_grad(conv, argnums=(0, 1)))(params, x)
+    (lr, gr), (lg, gg) = jax.jit(lambda p, x: [jax.value_and_grad(f, argnums=(0, 1))(p, x)
+                                               for f in (loss, conv)])(params, x)
     np.testing.assert_allclose(float(lg), float(lr), rtol=1e-5)
     _close(gr, gg, f"lax.scan {act}")
 
@@ -121,9 +122,9 @@ def test_lax_scan_gradients_exact(act):
 def test_lax_scan_gradients_exact_under_vmap():
     """A batch of inputs (``vmap`` of the converted gradient) gives the untouched gradients."""
     loss, conv, params, x = _lax("scan", 2)
-    xs = jax.random.normal(jax.random.key(5), (3,) + x.shape)
-    gr = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, xs)
-    gg = jax.jit(jax.vmap(jax.grad(conv), in_axes=(None, 0)))(params, xs)
+    xs = normal(5, (3,) + x.shape)
+    gr, gg = jax.jit(lambda p, xs: [jax.vmap(jax.grad(f), in_axes=(None, 0))(p, xs)
+                                    for f in (loss, conv)])(params, xs)
     _close(gr, gg, "vmap lax.scan")
 
 
@@ -152,16 +153,17 @@ class NnxStack(nnx.Module):
 
 
 def test_nnx_scan_gradients_exact():
-    model = NnxStack(3, rngs=nnx.Rngs(0))
+    model = NnxStack(2, rngs=nnx.Rngs(0))
     conv = jaxmem.nnx.convert(model, fewbit=None, attention=False)
-    x = jax.random.normal(jax.random.key(3), (B, T, D))
+    x = normal(3, (B, T, D))
+    (graphdef, params), (graphdef_c, params_c) = nnx.split(model), nnx.split(conv)
 
-    def grads(m):
-        graphdef, params = nnx.split(m)
-        return jax.jit(jax.grad(lambda p, x: nnx.merge(graphdef, p)(x), argnums=(0, 1)))(
-            params, x)
+    def grads(params, params_c, x):  # both models' gradients, one compiled program
+        return [jax.grad(lambda p, x, g=g: g(p)(x), argnums=(0, 1))(p, x)
+                for g, p in ((functools.partial(nnx.merge, graphdef), params),
+                             (functools.partial(nnx.merge, graphdef_c), params_c))]
 
-    _close(grads(model), grads(conv), "nnx.scan")
+    _close(*jax.jit(grads)(params, params_c, x), "nnx.scan")
 
 
 # ---------------------------------------------------------------------------- the policy

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -39,12 +41,21 @@ def _xs(seed=0):
                        jnp.float32)
 
 
+@functools.cache
+def _init(depth, fast):
+    """Device 0's variables of ``DenseBNStack(depth, fast)``, one compiled init (op by op
+    it is a compile per initialiser op), shared by the untouched and the converted model."""
+    model = DenseBNStack(depth, fast)
+    v = jax.jit(jax.vmap(lambda x: model.init(jax.random.PRNGKey(0), x), axis_name="dev"))(
+        _xs())
+    return jax.tree.map(lambda a: a[0], v)
+
+
 def _loss(depth, convert, fast=True):
     """``(f, params, xs)``: summed per-device loss under ``vmap(axis_name='dev')``."""
     xs = _xs()
     model = DenseBNStack(depth, fast)
-    v = jax.vmap(lambda x: model.init(jax.random.PRNGKey(0), x), axis_name="dev")(xs)
-    v = jax.tree.map(lambda a: a[0], v)
+    v = _init(depth, fast)
     if convert:
         model = jaxmem.linen.convert(model)
 

@@ -22,6 +22,11 @@ def _x(seed, shape, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
 
 
+def _init(model, seed, *args, **kw):
+    """``model.init`` as one compiled program (run op by op it compiles every op)."""
+    return jax.jit(functools.partial(model.init, **kw))(jax.random.PRNGKey(seed), *args)
+
+
 def _close(a, b, rtol=RTOL, atol=ATOL):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v),
@@ -78,8 +83,8 @@ def test_convert_is_real_module_with_same_tree():
     conv = jaxmem.linen.convert(net)
     assert isinstance(conv, Net) and isinstance(conv, nn.Module)
     assert type(conv).__name__ == "Net" and conv is not net and type(net) is Net
-    v0 = net.init(jax.random.PRNGKey(0), X)
-    v1 = conv.init(jax.random.PRNGKey(0), X)
+    v0 = _init(net, 0, X)
+    v1 = _init(conv, 0, X)
     _close(v0, v1, 0, 0)
     _close(_grads(net, v0, X), _grads(conv, v0, X))
     _close(_grads(net, v0, X, True), _grads(conv, v0, X, True))
@@ -96,9 +101,9 @@ def test_convert_is_real_module_with_same_tree():
 
 def test_converted_other_method_and_as_submodule():
     enc = jaxmem.linen.convert(Enc())
-    v = Enc().init(jax.random.PRNGKey(0), X)
-    np.testing.assert_allclose(np.asarray(enc.apply(v, X, method="encode")),
-                               np.asarray(Enc().apply(v, X, method="encode")), RTOL, ATOL)
+    v = _init(Enc(), 0, X)
+    np.testing.assert_allclose(np.asarray(jax.jit(enc.apply, static_argnames="method")(
+        v, X, method="encode")), np.asarray(Enc().apply(v, X, method="encode")), RTOL, ATOL)
     jaxpr = str(jax.make_jaxpr(lambda p: enc.apply(p, X, method="encode"))(v))
     assert "custom_vjp" in jaxpr  # the method ran inside the scope
 
@@ -110,13 +115,13 @@ def test_converted_other_method_and_as_submodule():
             return nn.Dense(2)(self.inner(x))
 
     o0, o1 = Outer(Block()), Outer(jaxmem.linen.convert(Block()))
-    v0 = o0.init(jax.random.PRNGKey(1), X)
-    _close(v0, o1.init(jax.random.PRNGKey(1), X), 0, 0)
-    _close(jax.grad(lambda p: jnp.sum(o0.apply(p, X) ** 2))(v0),
-           jax.grad(lambda p: jnp.sum(o1.apply(p, X) ** 2))(v0))
+    v0 = _init(o0, 1, X)
+    _close(v0, _init(o1, 1, X), 0, 0)
+    loss = lambda o, p: jnp.sum(o.apply(p, X) ** 2)
+    _close(*jax.jit(lambda p: [jax.grad(loss, 1)(o, p) for o in (o0, o1)])(v0))
     # the converted inner module really converts: its residuals are smaller
-    r0 = residual_bytes(lambda p: jnp.sum(o0.apply(p, X) ** 2), v0)
-    r1 = residual_bytes(lambda p: jnp.sum(o1.apply(p, X) ** 2), v0)
+    r0 = residual_bytes(functools.partial(loss, o0), v0)
+    r1 = residual_bytes(functools.partial(loss, o1), v0)
     assert r1.activation_bytes < r0.activation_bytes
 
 
@@ -140,9 +145,9 @@ def test_lifted_transforms(lift):
         t = nn.jit(Layer) if lift == "jit" else nn.remat(Layer)
         model = t()
     conv = jaxmem.linen.convert(model)
-    v = model.init(jax.random.PRNGKey(0), X)
-    _close(v, conv.init(jax.random.PRNGKey(0), X), 0, 0)
-    f = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, X))))(v)  # noqa: E731
+    v = _init(model, 0, X)
+    _close(v, _init(conv, 0, X), 0, 0)
+    f = lambda m: jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, X)))))(v)
     _close(f(model), f(conv))
     # the converted model traces the selective ReLU (a custom_vjp)
     assert "custom_vjp" in str(jax.make_jaxpr(lambda p: conv.apply(p, X))(v))
@@ -151,7 +156,7 @@ def test_lifted_transforms(lift):
 def test_field_activations_and_partials_converted():
     """1 of 17 ReLUs of a ResNet were converted: the ones held in fields were not."""
     net = Net()
-    v = net.init(jax.random.PRNGKey(0), X)
+    v = _init(net, 0, X)
     rep = jaxmem.report(lambda p: jax.grad(
         lambda p: jnp.sum(jaxmem.linen.convert(net).apply(p, X)))(p), v)
     # the ReLU and the leaky-ReLU partial held in fields: exact 1-bit masks in their blocks
@@ -181,7 +186,7 @@ def test_caller_kwargs_not_mutated_dropout_eval_and_rate_zero():
 
     kw2 = {"use_running_average": True}
     m = M()
-    v = m.init(jax.random.PRNGKey(0), x, deterministic=True)
+    v = _init(m, 0, x, deterministic=True)
     out = jaxmem.linen.convert(m).apply(v, x, deterministic=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(m.apply(v, x, deterministic=True)),
                                RTOL, ATOL)
@@ -196,10 +201,10 @@ def test_caller_kwargs_not_mutated_dropout_eval_and_rate_zero():
 def test_dense_general_and_einsum_equal_and_smaller(layer, inp):
     x = inp()
     m = layer()
-    v = m.init(jax.random.PRNGKey(0), x)
+    v = _init(m, 0, x)
     conv = jaxmem.linen.convert(m)
-    f = lambda mod, p, x: jnp.sum(jnp.sin(mod.apply(p, x)))  # noqa: E731
-    _close(jax.grad(f, (1, 2))(m, v, x), jax.grad(f, (1, 2))(conv, v, x))
+    f = lambda mod, p, x: jnp.sum(jnp.sin(mod.apply(p, x)))
+    _close(*jax.jit(lambda v, x: [jax.grad(f, (1, 2))(mod, v, x) for mod in (m, conv)])(v, x))
     # weights frozen, input differentiated: no input-sized residual of the kernel product
     r0 = residual_bytes(lambda x: f(m, v, x), x)
     r1 = residual_bytes(lambda x: f(conv, v, x), x)
@@ -217,12 +222,13 @@ def test_embed_call_nothing_to_save_and_attend_converted():
 
     tok = jnp.asarray(np.random.default_rng(5).integers(0, 11, (3, 4)))
     m = LM()
-    v = m.init(jax.random.PRNGKey(0), tok)
+    v = _init(m, 0, tok)
     conv = jaxmem.linen.convert(m)
-    f = lambda mod, p: jnp.sum(jnp.sin(mod.apply(p, tok)))  # noqa: E731
-    _close(jax.grad(f, 1)(m, v), jax.grad(f, 1)(conv, v))
-    np.testing.assert_allclose(np.asarray(conv.apply(v, tok)), np.asarray(m.apply(v, tok)),
-                               RTOL, ATOL)
+    f = lambda mod, p: jnp.sum(jnp.sin(mod.apply(p, tok)))
+    (g0, y0), (g1, y1) = jax.jit(lambda v: [(jax.grad(f, 1)(mod, v), mod.apply(v, tok))
+                                            for mod in (m, conv)])(v)
+    _close(g0, g1)
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), RTOL, ATOL)
     rep = jaxmem.report(lambda p: f(conv, p), v)
     # the lookup is a gather of integer indices (nothing to convert); attend is a product
     assert [(e.path, e.status) for e in rep.by_kind("dot")] == [("Embed_0.attend", "converted")], \
@@ -233,12 +239,13 @@ def test_functions_inside_sequential_are_converted():
     """``nn.Sequential([nn.Dense(8), nn.relu, ...])`` holds the activation in a list field:
     it is converted (1-bit mask instead of the ReLU's input), exactly."""
     model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(8), jax.nn.gelu, nn.Dense(1)])
-    x = jax.random.normal(jax.random.key(0), (4, 5))
-    params = model.init(jax.random.key(1), x)
+    x = _x(6, (4, 5))
+    params = _init(model, 1, x)
     conv = jaxmem.linen.convert(model)
-    f = lambda m: lambda p: jnp.sum(m.apply(p, x) ** 2)  # noqa: E731
-    np.testing.assert_allclose(conv.apply(params, x), model.apply(params, x), rtol=1e-6)
-    ga, gb = jax.grad(f(conv))(params), jax.grad(f(model))(params)
+    f = lambda m: lambda p: jnp.sum(m.apply(p, x) ** 2)
+    (ya, ga), (yb, gb) = jax.jit(lambda p: [(m.apply(p, x), jax.grad(f(m))(p))
+                                            for m in (conv, model)])(params)
+    np.testing.assert_allclose(ya, yb, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert "1-bit mask" in str(jaxmem.report(f(conv), params))

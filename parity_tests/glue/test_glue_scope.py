@@ -48,7 +48,7 @@ NET = _Net()
 @functools.cache
 def _params():
     """The untouched network's variables (made on first use, not when the suite collects)."""
-    return NET.init(jax.random.key(0), X)
+    return jax.jit(NET.init)(jax.random.key(0), X)  # one compiled program, not one per op
 
 
 def _grad(model):
@@ -58,6 +58,21 @@ def _grad(model):
 
 def _jaxpr(model):
     return str(jax.make_jaxpr(jax.grad(lambda p: model.apply(p, X)))(_params()))
+
+
+# Few-bit tests use 2 bits throughout: the first trace at a new width fits the activations'
+# tables (seconds), later ones reuse them.
+@functools.cache
+def _converted_jaxpr(fewbit):
+    """The reference: ``_jaxpr`` of ``jaxmem.linen.convert(NET, fewbit=fewbit)``, traced once
+    and shared by the tests."""
+    return _jaxpr(jaxmem.linen.convert(NET, fewbit=fewbit))
+
+
+@functools.cache
+def _plain_jaxpr():
+    """``_jaxpr(NET)`` outside any scope, traced once."""
+    return _jaxpr(NET)
 
 
 def _same(a, b):
@@ -71,7 +86,7 @@ def test_linen_calls_inside_run_as_linen_convert(fewbit):
         got = _grad(NET)
         traced = _jaxpr(NET)
     _same(got, want)
-    assert traced == _jaxpr(jaxmem.linen.convert(NET, fewbit=fewbit))
+    assert traced == _converted_jaxpr(fewbit)
     assert traced != _jaxpr(NET)  # outside: the untouched model again
 
 
@@ -83,14 +98,13 @@ def test_exact_scope_gradient_equals_the_untouched_model():
 
 
 def test_inner_scope_overrides_outer_and_outer_is_restored():
-    few3 = _jaxpr(jaxmem.linen.convert(NET, fewbit=3))
-    exact = _jaxpr(jaxmem.linen.convert(NET))
-    with jaxmem.scope(fewbit=3):
-        assert _jaxpr(NET) == few3
+    few2, exact = _converted_jaxpr(2), _converted_jaxpr(None)
+    with jaxmem.scope(fewbit=2):
+        assert _jaxpr(NET) == few2
         with jaxmem.scope(fewbit=None):
             assert _jaxpr(NET) == exact
-        assert _jaxpr(NET) == few3
-    assert few3 != exact
+        assert _jaxpr(NET) == few2
+    assert few2 != exact
 
 
 def test_nothing_is_patched_and_nothing_is_left():
@@ -105,7 +119,7 @@ def test_nothing_is_patched_and_nothing_is_left():
 
 
 def test_thread_without_scope_gets_plain_flax():
-    plain, out = _jaxpr(NET), {}
+    plain, out = _plain_jaxpr(), {}
     go, done = threading.Event(), threading.Event()
 
     def scoped():
@@ -128,7 +142,7 @@ def test_thread_without_scope_gets_plain_flax():
 
 
 def test_raw_functions_and_nnx_are_left_as_written():
-    f = lambda x: jnp.sum(jax.nn.gelu(x))  # noqa: E731
+    f = lambda x: jnp.sum(jax.nn.gelu(x))
     plain = str(jax.make_jaxpr(jax.grad(f))(X))
     lin = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
     plain_nnx = str(jax.make_jaxpr(lambda x: lin(x))(X))
@@ -143,17 +157,17 @@ def test_deprecation_names_what_the_scope_converts():
 
 
 def test_converted_module_inside_a_scope_keeps_its_own_options():
-    conv = jaxmem.linen.convert(NET, fewbit=3)
+    conv = jaxmem.linen.convert(NET, fewbit=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxmem.NothingConvertedWarning)
         with jaxmem.scope(selective=False, fewbit=None, attention=False):
             # its inner calls are not converted again (that would convert nothing: a warning)
-            assert _jaxpr(conv) == _jaxpr(jaxmem.linen.convert(NET, fewbit=3))
+            assert _jaxpr(conv) == _converted_jaxpr(2)
 
 
 def test_init_inside_a_scope_gives_the_same_variables():
     with jaxmem.scope(fewbit=2):
-        v = NET.init(jax.random.key(0), X)
+        v = jax.jit(NET.init)(jax.random.key(0), X)  # traced inside the scope
     _same(v, _params())
 
 
@@ -167,11 +181,9 @@ def test_report_of_a_scoped_call_lists_the_transformation_rows():
 
 
 def test_bad_options():
-    with pytest.raises(ValueError, match="fewbit"):
-        with jaxmem.scope(fewbit=0):
-            pass
-    with pytest.raises(TypeError, match="selective"):
-        with jaxmem.scope(selective="yes"):
-            pass
+    with pytest.raises(ValueError, match="fewbit"), jaxmem.scope(fewbit=0):
+        pass
+    with pytest.raises(TypeError, match="selective"), jaxmem.scope(selective="yes"):
+        pass
     with pytest.raises(TypeError, match="callable"):
         jaxmem.report(3)

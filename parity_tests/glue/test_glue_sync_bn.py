@@ -55,10 +55,15 @@ def _step(model, v, xs, train=True):
 def test_vmap_axis_name_equals_flax(fast, groups, train):
     xs = _x(0, (4, 5, 3))  # 4 "devices", 5 examples each
     model = Net(fast=fast, groups=groups)
-    v = jax.vmap(lambda x: model.init(jax.random.PRNGKey(0), x), axis_name="dev")(xs)
-    v = jax.tree.map(lambda a: a[0], v)
-    # running statistics away from their initial 0 / 1 (eval mode normalises with them)
-    v = dict(v, batch_stats=jax.tree.map(lambda a: a * 1.5 + 0.25, v["batch_stats"]))
+
+    @jax.jit  # one compiled program, not one per eager op
+    def init(xs):
+        v = jax.vmap(lambda x: model.init(jax.random.PRNGKey(0), x), axis_name="dev")(xs)
+        v = jax.tree.map(lambda a: a[0], v)
+        # running statistics away from their initial 0 / 1 (eval mode normalises with them)
+        return dict(v, batch_stats=jax.tree.map(lambda a: a * 1.5 + 0.25, v["batch_stats"]))
+
+    v = init(xs)
     conv = jaxmem.linen.convert(model)
     step = jax.jit(_step, static_argnums=(0, 3))
     (y0, u0), g0 = step(model, v, xs, train)

@@ -53,10 +53,20 @@ def _bytes(wrap):
     return O.compiled_bytes(compile_lowered(lowered, TARGET, "auto")[0])
 
 
+@pytest.fixture(scope="module")
+def device_bytes():
+    """Bytes of the untouched step and of the offloaded ones, each compiled once (GPU-plan
+    compiles are not cached): ``None`` stored, ``True`` only the dots' outputs offloaded,
+    ``False`` every residual."""
+    out = {None: _bytes(lambda f: f)}
+    for only_dots in (True, False):
+        out[only_dots] = _bytes(lambda f, d=only_dots: O.offload_chunk(f, only_dots=d))
+    return out
+
+
 @pytest.mark.parametrize("only_dots", [True, False], ids=["dots", "all"])
-def test_offloaded_blocks_keep_fewer_device_bytes(only_dots):
-    stored = _bytes(lambda f: f)
-    off = _bytes(lambda f: O.offload_chunk(f, only_dots=only_dots))
+def test_offloaded_blocks_keep_fewer_device_bytes(device_bytes, only_dots):
+    stored, off = device_bytes[None], device_bytes[only_dots]
     assert stored["host"] == 0 and off["host"] > 0
     assert off["device"] <= 0.75 * stored["device"], (stored, off)
     if only_dots:   # the dot outputs moved are what the device no longer holds
@@ -65,8 +75,9 @@ def test_offloaded_blocks_keep_fewer_device_bytes(only_dots):
 
 def test_offloaded_blocks_as_accurate_as_the_untouched_step():
     """Against a float64 step: the offloaded fp32 step (its layer norms and GELUs recomputed
-    in another fusion, so not bit for bit) errs no more than twice the untouched fp32 one."""
-    args = (_params(), rand(98, (B, T, D)))
+    in another fusion, so not bit for bit) errs no more than twice the untouched fp32 one.
+    Two blocks (the error bound does not depend on the depth; the byte figures above do)."""
+    args = (_params()[:2], rand(98, (B, T, D)))
     step = jax.value_and_grad(_loss(lambda f: f))
     ref = jax.jit(step)(*args)
     got = jax.jit(jax.value_and_grad(_loss(O.offload_chunk)))(*args)

@@ -31,8 +31,10 @@ class Twin:
 
 
 def twins() -> list[Twin]:
-    gcfg = jm.GPTConfig(vocab=61, ctx=16, d_model=32, n_head=4, n_layer=2)
-    vcfg = jm.ViTConfig(image_size=16, patch_size=4, d_model=32, n_head=2, n_layer=2,
+    """Reduced-depth twins (compile time): one transformer block each, and a basic-block
+    ResNet of two stages (an identity-shortcut block and a downsampling one)."""
+    gcfg = jm.GPTConfig(vocab=61, ctx=16, d_model=32, n_head=4, n_layer=1)
+    vcfg = jm.ViTConfig(image_size=16, patch_size=4, d_model=32, n_head=2, n_layer=1,
                         num_classes=7)
     return [
         Twin("convchain", jm.ConvChain(depth=6, channels=4),
@@ -48,8 +50,8 @@ def twins() -> list[Twin]:
                               hidden=(20,)),
              lambda: tm.VGG((8, "M", 12, 12, "M", 16), batch_norm=True, num_classes=6,
                             hidden=(20,)), (3, 16, 16, 3), has_bn=True),
-        Twin("resnet_basic", jm.ResNet("basic", (1, 1, 1, 1), width=0.125, num_classes=5),
-             lambda: tm.ResNet("basic", (1, 1, 1, 1), width=0.125, num_classes=5),
+        Twin("resnet_basic", jm.ResNet("basic", (1, 1), width=0.125, num_classes=5),
+             lambda: tm.ResNet("basic", (1, 1), width=0.125, num_classes=5),
              (3, 32, 32, 3), has_bn=True),
         Twin("resnet_bottleneck_cifar",
              jm.ResNet("bottleneck", (1, 2, 1), width=0.0625, num_classes=5, stem="cifar"),

@@ -24,7 +24,9 @@ def _gpt(n_layer=2, d_model=32, ctx=32, batch=8):
 
 @pytest.fixture(scope="module")
 def gpt_half():
-    loss, params, tok = _gpt()
+    # one block: its plan still recomputes units (segments and a recomputed MLP) to half the
+    # default, in fewer compiles than two blocks
+    loss, params, tok = _gpt(n_layer=1)
     return loss, params, tok, plan(loss, params, tok, budget=0.5)
 
 
@@ -64,12 +66,16 @@ def test_plan_every_option_exact_float64():
         units = T.choose_units(tr)
         labels = [u.label for u in units]
         assert labels[:2] == ["wte", "wpe"] and any(lb.startswith("h_0") for lb in labels)
-        g0 = jax.jit(jax.grad(loss))(params, tok)
-        for opt in ("dots", "recompute"):
-            def f(p, t, opt=opt):
-                flat = jax.tree_util.tree_leaves((p, t))
-                return T.run_chunks(tr.closed, units, {u.label: opt for u in units}, flat)[0]
-            g1 = jax.jit(jax.grad(f))(params, tok)
+        opts = ("dots", "recompute")
+
+        def f(p, t, opt):
+            flat = jax.tree_util.tree_leaves((p, t))
+            return T.run_chunks(tr.closed, units, {u.label: opt for u in units}, flat)[0]
+
+        # the untouched gradients and those of each option, in one compiled program
+        g0, *gs = jax.jit(lambda p, t: [jax.grad(loss)(p, t)] + [
+            jax.grad(f)(p, t, opt) for opt in opts])(params, tok)
+        for opt, g1 in zip(opts, gs):
             assert _max_rel(g0, g1) < 1e-12, opt
 
 
@@ -168,8 +174,9 @@ def test_plan_budget_below_every_per_unit_option_met_by_segments(mlp, mlp_segmen
     assert _max_rel(g0, g1) < 1e-5
 
 
-def test_plan_refused_below_arguments_reports_reached_smallest(mlp):
-    loss, params, x = mlp
+def test_plan_refused_below_arguments_reports_reached_smallest():
+    # a small MLP (few units: the planner compiles few plans before it refuses)
+    loss, params, x = _deep_mlp(depth=2, width=32, batch=64)
     with pytest.raises(BudgetError, match=r"cannot be met.*arguments \(parameters.*before any "
                                           r"activation is kept") as e:
         plan(loss, params, x, budget=4096)
@@ -187,8 +194,8 @@ def test_plan_bad_options():
         plan(loss, w, x, budget=0.5, max_iterations=0)
 
 
-def _mlp_batches(width=32):
-    loss, params, _ = _deep_mlp(depth=4, width=width, batch=8)
+def _mlp_batches(width=32, depth=4):
+    loss, params, _ = _deep_mlp(depth=depth, width=width, batch=8)
 
     def make(b):
         return params, jax.random.normal(jax.random.key(b), (b, width))
@@ -208,8 +215,9 @@ def test_max_batch_default_largest_within_budget_and_planned_at_least_default():
     fit = max_batch(loss, make, budget, limit=48, max_iterations=1, order=False,
                     time_limit=1.0)
     assert 0 < fit.default_batch < 48 and fit.default_bytes <= budget
-    nxt = compiled_memory(jax.value_and_grad(loss), *make(fit.default_batch + 1)).total_bytes
-    assert nxt > budget
+    nxt = [compiled_memory(fn, *make(fit.default_batch + 1)).total_bytes
+           for fn in (jax.value_and_grad(loss), jax.grad(loss))]
+    assert max(nxt) > budget
     assert fit.default_batch <= fit.planned_batch
     assert fit.planned_bytes <= budget and fit.plan.compiled_bytes == fit.planned_bytes
     assert fit.plan.step(*make(fit.planned_batch)).shape == ()
@@ -217,6 +225,27 @@ def test_max_batch_default_largest_within_budget_and_planned_at_least_default():
         max_batch(loss, make, 0.5)
     with pytest.raises(TypeError, match="make_args must be callable"):
         max_batch(loss, 3, budget)
+
+
+def test_max_batch_default_holds_the_plans_promise():
+    """A 2-layer MLP whose ``jax.grad`` compiles to more bytes than its ``value_and_grad``:
+    the default batch is the largest whose untouched step fits as both (the promise a plan
+    makes), so the plan of that batch is the step itself and the planned batch is not
+    smaller."""
+    from jaxmem.measure import compiled_memory
+    from jaxmem.planner import max_batch
+    loss, make = _mlp_batches(depth=2)
+    budget = 40 * 2**10
+    fit = max_batch(loss, make, budget, limit=64, max_iterations=1, order=False,
+                    time_limit=1.0)
+    b = fit.default_batch
+    both = [compiled_memory(fn, *make(b)).total_bytes
+            for fn in (jax.value_and_grad(loss), jax.grad(loss))]
+    assert 0 < b < 64 and max(both) == fit.default_bytes <= budget
+    nxt = [compiled_memory(fn, *make(b + 1)).total_bytes
+           for fn in (jax.value_and_grad(loss), jax.grad(loss))]
+    assert max(nxt) > budget
+    assert fit.planned_batch >= b and fit.planned_bytes <= budget
 
 
 def test_max_batch_docstring_example():

@@ -20,7 +20,7 @@ def _gpt(scope):
     # block, the block into ln_f and the head; on the finer cut attention into the MLP)
     m = models.gpt(n_layer=1, d_model=32, ctx=16)
     tok = jax.random.randint(jax.random.key(3), (4, 16), 0, 256)
-    params = m.init(jax.random.key(4), tok)["params"]
+    params = jax.jit(m.init)(jax.random.key(4), tok)["params"]   # one program, not op by op
 
     def loss(p, t):
         return -jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, t))[..., 0])
@@ -77,7 +77,7 @@ class _MLP(nn.Module):
 def test_trailing_matmul_is_not_counted_and_candidates_use_the_cost():
     m = _MLP()
     x = jax.random.normal(jax.random.key(0), (64, 32))
-    p = m.init(jax.random.key(1), x)
+    p = jax.jit(m.init)(jax.random.key(1), x)
 
     def loss(p, x):
         return jnp.sum(jnp.sin(m.apply(p, x)))

@@ -38,24 +38,25 @@ def _codes(shape, bits, seed, dtype="uint8"):
     return np.random.default_rng(seed).integers(0, 2**bits, size=shape).astype(dtype)
 
 
+_round_trip = jax.jit(lambda c, bits: (pack(c, bits), unpack(pack(c, bits), bits, c.shape)),
+                      static_argnums=1)
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(shape=shapes, bits=st.sampled_from(BITS), seed=st.integers(0, 2**16),
        dtype=st.sampled_from(["uint8", "int32", "uint32", "int8"]))
 def test_round_trip_and_stream_every_width(shape, bits, seed, dtype):
+    # pack and unpack in one compiled program per example (op by op, each new shape compiles
+    # every op; the eager spellings run in the tests below)
     c = _codes(shape, bits, seed, "uint8").astype(dtype)
-    p = pack(jnp.asarray(c), bits)
+    p, u = _round_trip(jnp.asarray(c), bits)
     assert p.dtype == jnp.uint8 and p.shape == packed_shape(shape, bits)
     size = math.prod(shape)
     assert p.size == packed_size(size, bits)
     assert p.size * 8 >= size * bits and p.size <= -(-size * bits // 8) + GROUP_BYTES[bits]
     np.testing.assert_array_equal(np.asarray(p).reshape(-1), _reference_stream(c, bits))
-    u = unpack(p, bits, shape)
     assert u.shape == tuple(shape) and u.dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(u), c.astype(np.uint8))
-
-
-_round_trip = jax.jit(lambda c, bits: (pack(c, bits), unpack(pack(c, bits), bits, c.shape)),
-                      static_argnums=1)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -242,10 +243,15 @@ def test_one_bit_pack_is_packbits_in_every_layout(shape, blocks):
         runs = low.reshape(shape[:-1] + (blocks, -1))
     else:
         runs = low if shape[-1] % 8 == 0 else low.reshape(-1)
-    got = np.asarray(pack(jnp.asarray(c), 1, blocks))
+
+    @jax.jit  # one compiled program (op by op, every op compiles for each new shape)
+    def run(c, runs):
+        got = pack(c, 1, blocks)
+        return got, jnp.packbits(runs, axis=-1, bitorder="little"), unpack(got, 1, shape, blocks)
+
+    got, jref, back = (np.asarray(a) for a in run(jnp.asarray(c), jnp.asarray(runs)))
     assert got.shape == packed_shape(shape, 1, blocks)
     ref = np.packbits(runs, axis=-1, bitorder="little")
     np.testing.assert_array_equal(got.reshape(-1), ref.reshape(-1))
-    jref = jnp.packbits(jnp.asarray(runs), axis=-1, bitorder="little")
-    np.testing.assert_array_equal(got.reshape(-1), np.asarray(jref).reshape(-1))
-    np.testing.assert_array_equal(np.asarray(unpack(jnp.asarray(got), 1, shape, blocks)), low)
+    np.testing.assert_array_equal(got.reshape(-1), jref.reshape(-1))
+    np.testing.assert_array_equal(back, low)

@@ -66,13 +66,14 @@ def test_hybrid_segments_exact(mode):
 
 
 def test_float32_tolerance():
+    # three tiles (first, middle, last): each more tile is more program to compile
     layers = MIXED
     shape = (1, 150, 13, 3)
     x = normal(shape, 1)
     params = random_params(layers, shape)
     y1, (_, g1) = value_and_grads(layers, params, x, 1)
     for mode in rc.MODES:
-        yn, (_, gn) = value_and_grads(layers, params, x, 4, mode)
+        yn, (_, gn) = value_and_grads(layers, params, x, 3, mode)
         assert_tree_close((yn, gn), (y1, g1), rtol=1e-4, atol=1e-4)
 
 

@@ -27,17 +27,17 @@ def rnd(i, shape, scale=1.0, shift=0.0, dtype=jnp.float32):
 
 def _cmp_grads(f, g, args, subsets, rtol=1e-5, atol=1e-6):
     """Gradients of sum(f(*)*ct) and sum(g(*)*ct) agree for each tuple of argnums in
-    ``subsets`` (a tuple of ints is one subset). One jit per side for all subsets, so
+    ``subsets`` (a tuple of ints is one subset). One jit for both sides and all subsets, so
     every subset gets its own trace (its own ``.perturbed`` flags) but one compile."""
     if isinstance(subsets[0], int):
         subsets = [subsets]
     ct = rnd(7, jax.eval_shape(g, *args).shape)
 
-    def all_grads(fn):
-        return jax.jit(lambda *a: [jax.grad(lambda *b: jnp.sum(fn(*b) * ct), s)(*a)
-                                   for s in subsets])(*args)
+    def all_grads(fn, a):
+        return [jax.grad(lambda *b: jnp.sum(fn(*b) * ct), s)(*a) for s in subsets]
 
-    for sa, sb, sub in zip(all_grads(f), all_grads(g), subsets):
+    ga, gb = jax.jit(lambda *a: (all_grads(f, a), all_grads(g, a)))(*args)
+    for sa, sb, sub in zip(ga, gb, subsets):
         assert_tree_close(sa, sb, rtol=rtol, atol=atol, err_msg=f"argnums={sub}")
 
 
@@ -152,7 +152,8 @@ RV = once(lambda: jnp.asarray(np.random.default_rng(48).uniform(size=4).astype(n
 def test_norm_matches_flax(name):
     ours, ref = NORMS[name]
     x, s, b = rnd(0, (3, 5, 5, 4), 2.0, 1.0), rnd(1, (4,)), rnd(2, (4,))
-    np.testing.assert_allclose(jax.jit(ours)(x, s, b), jax.jit(ref)(x, s, b), rtol=0, atol=1e-6)
+    y, y0 = jax.jit(lambda *a: (ours(*a), ref(*a)))(x, s, b)
+    np.testing.assert_allclose(y, y0, rtol=0, atol=1e-6)
     _cmp_grads(ours, ref, (x, s, b), ALL3, rtol=2e-5, atol=2e-5)
 
 
@@ -162,8 +163,8 @@ def test_norm_error_vs_float64_no_worse_than_jax(name):
     ours, ref = NORMS[name]
     x, s, b = rnd(0, (4, 5, 5, 4), 3.0, 2.0), rnd(1, (4,)), rnd(2, (4,))
     ct = rnd(7, x.shape)
-    g32 = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), (0, 1)))(x, s, b)
-           for f in (ours, ref)]
+    g32 = jax.jit(lambda *a: [jax.grad(lambda *b, f=f: jnp.sum(f(*b) * ct), (0, 1))(*a)
+                              for f in (ours, ref)])(x, s, b)
     with jax.enable_x64():
         a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, s, b, ct)]
         g64 = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * a64[3]), (0, 1)))(*a64[:3])
@@ -184,8 +185,8 @@ def test_batch_norm_running_stats_and_stat_outputs():
     f = lambda x: jnp.sum(S.normalize(x, axes=(0, 1), feature_axes=(2,))[1] ** 2) + jnp.sum(
         jnp.sin(S.normalize(x, axes=(0, 1), feature_axes=(2,))[2]))
     r = lambda x: jnp.sum(jnp.mean(x, (0, 1)) ** 2) + jnp.sum(jnp.sin(jnp.var(x, (0, 1))))
-    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), jax.jit(jax.grad(r))(x), rtol=1e-4,
-                               atol=1e-6)
+    gf, gr = jax.jit(lambda x: (jax.grad(f)(x), jax.grad(r)(x)))(x)
+    np.testing.assert_allclose(gf, gr, rtol=1e-4, atol=1e-6)
 
 
 def test_norm_check_grads():
@@ -295,8 +296,8 @@ def test_vmap_of_grad():
     xs = jnp.stack([args[0], args[0] * 2])
     f = lambda x: jax.grad(lambda w: jnp.sum(_net(x, w, *args[2:])))(args[1])
     r = lambda x: jax.grad(lambda w: jnp.sum(_ref_net(x, w, *args[2:])))(args[1])
-    np.testing.assert_allclose(jax.jit(jax.vmap(f))(xs), jax.jit(jax.vmap(r))(xs), rtol=2e-5,
-                               atol=2e-5)
+    gf, gr = jax.jit(lambda xs: (jax.vmap(f)(xs), jax.vmap(r)(xs)))(xs)
+    np.testing.assert_allclose(gf, gr, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("carry_weights", [False, True])
@@ -328,8 +329,8 @@ def test_checkpoint_and_names():
     policy = jax.checkpoint_policies.save_only_these_names(
         "jaxmem.selective.relu.mask", "jaxmem.selective.conv.input")
     f = jax.checkpoint(lambda *a: jnp.sum(jnp.sin(_net(*a))), policy=policy)
-    g = jax.jit(jax.grad(f, (0, 1)))(*args)
-    r = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(_ref_net(*a))), (0, 1)))(*args)
+    g, r = jax.jit(lambda *a: (jax.grad(f, (0, 1))(*a), jax.grad(
+        lambda *b: jnp.sum(jnp.sin(_ref_net(*b))), (0, 1))(*a)))(*args)
     assert_tree_close(g, r, rtol=2e-5, atol=2e-5)
     from jaxmem._compat import saved_residuals
     names = [s for _, s in saved_residuals(f, *args[:5], args[5])]
@@ -343,13 +344,13 @@ def test_half_precision(dtype):
     f = lambda x, w: jnp.sum(S.relu(S.layer_norm(S.conv(x, w), s)).astype(jnp.float32))
     r = lambda x, w: jnp.sum(jax.nn.relu(nn.LayerNorm(use_bias=False).apply(
         {"params": {"scale": s}}, _lax_conv(x, w))).astype(jnp.float32))
-    ga, gb = jax.jit(jax.grad(f, (0, 1)))(x, w), jax.jit(jax.grad(r, (0, 1)))(x, w)
+    ga, gb = jax.jit(lambda x, w: (jax.grad(f, (0, 1))(x, w), jax.grad(r, (0, 1))(x, w)))(x, w)
     for a, b in zip(ga, gb):
         assert a.dtype == dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
-    p = jax.jit(jax.grad(lambda x: jnp.sum(S.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32))))(x)
-    q = jax.jit(jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)).astype(jnp.float32))))(x)
+    p, q = jax.jit(lambda x: [jax.grad(lambda x, pool=pool: jnp.sum(
+        pool(x, (2, 2), (2, 2)).astype(jnp.float32)))(x) for pool in (S.max_pool, nn.max_pool)])(x)
     np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(q, np.float32))
 
 

@@ -1,11 +1,11 @@
-"""Hugging Face ``transformers`` 4.x Flax models (tiny configs: hidden 32, 2 layers,
-sequence 8; random weights, nothing downloaded) under ``jaxmem.transform``: the loss and
+"""Hugging Face ``transformers`` 4.x Flax models (tiny configs: hidden 32, one layer -- two in
+T5's encoder --, sequence 8; random weights, nothing downloaded) under ``jaxmem.transform``: the loss and
 its gradients equal the untouched model's, in train mode (dropout with the same rng) and in
 evaluation mode, and the report accounts for every Dense / Conv1D / convolution, norm,
 activation, attention and dropout of the config with what happened to it.
 
-The jitted steps are compiled with XLA:CPU's cheap settings (``_fast``): the same
-arithmetic, less compile time on a small CI machine."""
+The untouched and the transformed step are compiled as one program with XLA:CPU's cheap
+settings (``_fast``): the same arithmetic, less compile time on a small CI machine."""
 from __future__ import annotations
 
 import collections
@@ -22,7 +22,7 @@ if not hasattr(_transformers, "FlaxPreTrainedModel"):   # transformers 5 dropped
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from _assert import assert_tree_close, scaled_atol
-from _models import CASES, L
+from _models import CASES, T5_ENC_LAYERS, L
 
 from jaxmem.transform import transform
 
@@ -31,9 +31,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 _FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _fast(fn, *args):
-    """``jax.jit(jax.value_and_grad(fn))(*args)`` compiled with cheap XLA:CPU settings."""
-    step = jax.jit(jax.value_and_grad(fn))
+def _fast(fns, *args):
+    """``[jax.value_and_grad(fn)(*args) for fn in fns]`` as one jitted program compiled with
+    cheap XLA:CPU settings."""
+    step = jax.jit(lambda *a: [jax.value_and_grad(fn)(*a) for fn in fns])
     return step.lower(*args).compile(compiler_options=_FAST)(*args)
 
 
@@ -63,8 +64,7 @@ def test_loss_and_gradients_are_exact(case, train):
     def f(p, *inputs):
         return case.loss(p, inputs, rng, train)
 
-    got = _fast(transform(f), case.params, *case.inputs)
-    want = _fast(f, case.params, *case.inputs)
+    got, want = _fast([transform(f), f], case.params, *case.inputs)
     _close(got, want)
 
 
@@ -78,13 +78,14 @@ def _counts(case, train, **options):
 
 # per config: (dots, convs, norms, piecewise-linear activations, smooth activations,
 # attentions, dropouts in train mode, attentions with dropout in train mode) -- from the
-# architecture, L layers
+# architecture, L layers (T5: E encoder and L decoder layers)
 def _expected(name, train):
     if name == "resnet" and not train:
         # running averages: each BatchNorm is affine in x, nothing to re-emit; the smooth
         # rsqrt(running var + eps) of each is reported (kept as it is)
         return (0, 6, 0, 5, 6, 0, 0, 0)
-    drop_att = {"t5": 2 * L, "clip": 0}.get(name, L)
+    E = T5_ENC_LAYERS
+    drop_att = {"t5": E + L, "clip": 0}.get(name, L)
     return {
         # q k v o, up, down per layer; MLM head transform + tied decoder; GELU per layer and
         # in the head; LN: embeddings, 2 per layer, head; dropout: embeddings, 2 per layer
@@ -97,11 +98,12 @@ def _expected(name, train):
         # patch embedding conv; 6 per layer + pooler; LN 2 per layer + final; GELU per
         # layer (the pooler's tanh is summed by the loss: no activation to approximate)
         "vit": (6 * L + 1, 1, 2 * L + 1, 0, L, L, 2 * L + 1, L),
-        # encoder 6 per layer, decoder 10 per layer, LM head; RMS norms 2L+1 / 3L+1; ReLU
+        # encoder 6 per layer, decoder 10 per layer, LM head; RMS norms 2E+1 / 3L+1; ReLU
         # per layer; attention: encoder self, decoder self + cross (Hugging Face calls the
         # cross-attention without ``deterministic``: it never drops); dropout: embeddings,
         # each residual branch, after each ReLU, final (per stack)
-        "t5": (16 * L + 1, 0, 5 * L + 2, 2 * L, 0, 3 * L, 7 * L + 4, drop_att),
+        "t5": (6 * E + 10 * L + 1, 0, 2 * E + 3 * L + 2, E + L, 0, E + 2 * L,
+               3 * E + 4 * L + 4, drop_att),
         # stem conv, per basic block two convs (+ a projection shortcut where the width
         # changes), a BatchNorm after each conv, ReLUs; no dropout
         "resnet": (0, 6, 6, 5, 0, 0, 0, 0),

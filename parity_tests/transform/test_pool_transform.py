@@ -134,8 +134,10 @@ def test_under_jit_vmap_scan_checkpoint_and_second_order():
         return lax.scan(step, 0.0, xs)[0]
 
     g_scan = transform(scanned)
-    close(jax.jit(g_scan)(w, xs), jax.jit(scanned)(w, xs))
-    close(jax.jit(jax.grad(g_scan, (0, 1)))(w, xs), jax.jit(jax.grad(scanned, (0, 1)))(w, xs))
+    # values and gradients of both sides: one compiled program
+    got, want = jax.jit(lambda w, xs: tuple((fn(w, xs), jax.grad(fn, (0, 1))(w, xs))
+                                            for fn in (g_scan, scanned)))(w, xs)
+    close(got, want)
     assert {r.path for r in _pool_rows(g_scan, w, xs)} == {"scan/remat2"}
 
     g = transform(f)
@@ -146,9 +148,9 @@ def test_under_jit_vmap_scan_checkpoint_and_second_order():
                 jax.grad(remat(fn), 1)(w, xs[0]),
                 jax.grad(jax.grad(fn))(w, xs[0]))
 
-    # one compiled program per side (not one per eager op)
-    got = jax.jit(lambda w, xs: uses(g, jax.checkpoint, w, xs))(w, xs)
-    want = jax.jit(lambda w, xs: uses(f, lambda fn: fn, w, xs))(w, xs)
+    # one compiled program for both sides (not one per eager op)
+    got, want = jax.jit(lambda w, xs: (uses(g, jax.checkpoint, w, xs),
+                                       uses(f, lambda fn: fn, w, xs)))(w, xs)
     close(got[:3], want[:3])
     # the transformed function inside the caller's checkpoint and grad of grad in w
     close(got[3], want[3], rtol=1e-4)
@@ -190,7 +192,7 @@ def test_what_stays_and_why():
         return jnp.sum(a ** 2) + jnp.sum(b ** 2) + jnp.sum(i) + jnp.sum(c)
 
     g = transform(f)
-    close(jax.jit(g)(x), jax.jit(f)(x))
+    close(*jax.jit(lambda x: (g(x), f(x)))(x))
     rows = _pool_rows(g, x)
     assert not [r for r in rows if r.converted]
     reasons = " | ".join(r.reason for r in rows)
@@ -201,7 +203,7 @@ def test_what_stays_and_why():
     h = lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)) ** 2)
     off = transform(h, pools=False)
     assert not _pool_rows(off, x)
-    close(jax.jit(jax.grad(off))(x), jax.jit(jax.grad(h))(x))
+    close(*jax.jit(lambda x: (jax.grad(off)(x), jax.grad(h)(x)))(x))
     with pytest.raises(TypeError):
         transform(h, pools=1)
 

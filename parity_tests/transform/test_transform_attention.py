@@ -68,6 +68,11 @@ def head_mask_einsum(q, k, v):
     return jnp.einsum("...hqk,...khd->...qhd", p, v)
 
 
+def _both_grads(g, f, *args):
+    """``grad(g)(*args), grad(f)(*args)``: one compiled program."""
+    return jax.jit(lambda *a: (jax.grad(g)(*a), jax.grad(f)(*a)))(*args)
+
+
 CASES = [flax_plain, flax_mask_bias, einsum_scaled, causal_where, manual_softmax,
          head_factor, head_mask_einsum]
 
@@ -83,9 +88,11 @@ def test_attention_is_matched_and_exact(att):
     g = transform(f)
     row, = g.report(q, k, v, *extra).by_kind("attention")
     assert row.converted and "attention_core" in row.became
-    close(jax.jit(g)(q, k, v, *extra), jax.jit(f)(q, k, v, *extra), rtol=1e-5)
-    close(jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v, *extra),
-          jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v, *extra), rtol=1e-4, atol=1e-5)
+    # values and gradients of both sides: one compiled program
+    (vg, gg), (vf, gf) = jax.jit(lambda *a: tuple(
+        (fn(*a), jax.grad(fn, (0, 1, 2))(*a)) for fn in (g, f)))(q, k, v, *extra)
+    close(vg, vf, rtol=1e-5)
+    close(gg, gf, rtol=1e-4, atol=1e-5)
     res = residual_bytes(g, q, k, v, *extra, argnums=(0, 1, 2))
     # nothing T x T computed is kept by autodiff: only the bias given (its own size) and
     # boolean masks at their source shape (1 byte, no batch / head axes unless given so)
@@ -100,8 +107,7 @@ def test_bias_gradient_is_exact():
     def f(bias, q, k, v):
         return jnp.sum(nn.dot_product_attention(q, k, v, bias=bias) ** 2)
 
-    close(jax.jit(jax.grad(transform(f)))(bias, q, k, v), jax.jit(jax.grad(f))(bias, q, k, v),
-          rtol=1e-4, atol=1e-5)
+    close(*_both_grads(transform(f), f, bias, q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def test_weights_used_elsewhere_are_not_matched():
@@ -114,7 +120,7 @@ def test_weights_used_elsewhere_are_not_matched():
     g = transform(f)
     row, = g.report(q, k, v).by_kind("attention")
     assert not row.converted and "used elsewhere" in row.reason
-    close(jax.jit(jax.grad(g))(q, k, v), jax.jit(jax.grad(f))(q, k, v), rtol=1e-4, atol=1e-5)
+    close(*_both_grads(g, f, q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def test_attention_in_bfloat16():
@@ -125,5 +131,5 @@ def test_attention_in_bfloat16():
 
     g = transform(f)
     assert g.report(q, k, v).by_kind("attention")[0].converted
-    close(jax.jit(jax.grad(g))(q, k, v), jax.jit(jax.grad(f))(q, k, v), rtol=5e-2, atol=5e-2)
+    close(*_both_grads(g, f, q, k, v), rtol=5e-2, atol=5e-2)
 

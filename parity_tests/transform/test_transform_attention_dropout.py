@@ -31,14 +31,16 @@ def _fresh_key():
 
 def _dropout_inside_and_exact(f, *args, rtol=1e-5, atol=1e-6):
     """``transform(f)``: one attention row, converted with its dropout; the value and the
-    gradients w.r.t. ``q, k, v`` those of ``f`` (the same mask). Returns the transform."""
+    gradients w.r.t. ``q, k, v`` those of ``f`` (the same mask), both sides in one compiled
+    program. Returns the transform and its gradients."""
     g = transform(f)
     row, = g.report(*args).by_kind("attention")
     assert row.converted and "dropout" in row.matched
-    close(jax.jit(g)(*args), jax.jit(f)(*args), rtol=1e-5)
-    close(jax.jit(jax.grad(g, (0, 1, 2)))(*args), jax.jit(jax.grad(f, (0, 1, 2)))(*args),
-          rtol=rtol, atol=atol)
-    return g
+    (vg, gg), (vf, gf) = jax.jit(lambda *a: tuple(
+        (fn(*a), jax.grad(fn, (0, 1, 2))(*a)) for fn in (g, f)))(*args)
+    close(vg, vf, rtol=1e-5)
+    close(gg, gf, rtol=rtol, atol=atol)
+    return g, gg
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
@@ -84,9 +86,8 @@ def test_select_dropout_on_the_weights_is_inside_the_attention(shared):
     shape = (1, 1, T, T) if shared else None
     f = lambda q, k, v, key: jnp.sum(_select_attention(q, k, v, key, shape=shape) * w)
     key = _fresh_key()
-    g = _dropout_inside_and_exact(f, q, k, v, key)
+    g, got = _dropout_inside_and_exact(f, q, k, v, key)
     assert not g.report(q, k, v, key).by_kind("dropout")     # not converted apart
-    got = jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v, key)
     # against float64 autodiff of the same program (the mask drawn as in float32: under
     # x64, bernoulli draws float64 uniforms, other bits)
     mask = jax.random.bernoulli(key, 0.9, shape or (B, H, T, T))
@@ -113,7 +114,8 @@ def test_one_mask_per_example_key_under_vmap():
     _dropout_inside_and_exact(f, q, k, v, keys)
     # each example's mask follows its own key
     other = keys.at[1].set(_fresh_key())
-    a, b = jax.jit(jax.vmap(one))(q, k, v, keys), jax.jit(jax.vmap(one))(q, k, v, other)
+    run = jax.jit(jax.vmap(one))
+    a, b = run(q, k, v, keys), run(q, k, v, other)
     assert np.allclose(a[0], b[0]) and not np.allclose(a[1], b[1])
 
 
@@ -125,5 +127,6 @@ def test_select_dropout_with_another_divisor_stays_as_written():
     key = _fresh_key()
     g = transform(f)
     assert not [r for r in g.report(q, k, v, key).by_kind("attention") if r.converted]
-    close(jax.jit(jax.grad(g, (0, 1, 2)))(q, k, v, key),
-          jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v, key), rtol=1e-5, atol=1e-6)
+    got, want = jax.jit(lambda *a: (jax.grad(g, (0, 1, 2))(*a), jax.grad(f, (0, 1, 2))(*a)))(
+        q, k, v, key)
+    close(got, want, rtol=1e-5, atol=1e-6)

@@ -51,10 +51,17 @@ def _grads(f, args, argnums):
     return jax.jit(jax.grad(f, argnums))(*args)
 
 
-def _value_and_grads(f, args, argnums):
-    """``(f(*args), grad(f, argnums)(*args))`` as one compiled program: the value from the
-    undifferentiated function (its primal, not the forward of its gradient)."""
-    return jax.jit(lambda *a: (f(*a), jax.grad(f, argnums)(*a)))(*args)
+def _both_grads(g, f, args, argnums):
+    """``grad(g, argnums)(*args), grad(f, argnums)(*args)``: one compiled program."""
+    return jax.jit(lambda *a: (jax.grad(g, argnums)(*a), jax.grad(f, argnums)(*a)))(*args)
+
+
+def _both_values_and_grads(g, f, args, argnums):
+    """``(fn(*args), grad(fn, argnums)(*args))`` for ``fn`` in ``(g, f)``, one compiled
+    program for both: the values from the undifferentiated functions (their primals, not
+    the forwards of their gradients)."""
+    return jax.jit(lambda *a: tuple((fn(*a), jax.grad(fn, argnums)(*a)) for fn in (g, f)))(
+        *args)
 
 
 def _converted(g, *args):
@@ -116,7 +123,7 @@ def test_dot_product_attention_f32_matched_and_exact(case):
     _converted(g, *args)
     argnums = tuple(i for i, a in enumerate(args) if a is not None
                     and jnp.issubdtype(a.dtype, jnp.floating))
-    (vg, gg), (vf, gf) = _value_and_grads(g, args, argnums), _value_and_grads(f, args, argnums)
+    (vg, gg), (vf, gf) = _both_values_and_grads(g, f, args, argnums)
     close(vg, vf, rtol=1e-5)
     close(gg, gf, rtol=1e-5, atol=1e-5)
 
@@ -144,13 +151,12 @@ def test_dot_product_attention_under_vmap_and_grad_of_vmap():
 
     g = transform(f)
     _converted(g, q, k, v)
-    close(_grads(g, (q, k, v), (0, 1, 2)), _grads(f, (q, k, v), (0, 1, 2)), rtol=1e-5,
-          atol=1e-5)
+    close(*_both_grads(g, f, (q, k, v), (0, 1, 2)), rtol=1e-5, atol=1e-5)
     # transform inside vmap: the per-example function is matched
-    per = transform(lambda q, k, v, w: jnp.sum(att(q, k, v) * w))
-    got = jax.jit(jax.vmap(jax.grad(per, (0, 1, 2))))(q, k, v, w)
-    want = jax.jit(jax.vmap(jax.grad(lambda q, k, v, w: jnp.sum(att(q, k, v) * w),
-                                     (0, 1, 2))))(q, k, v, w)
+    plain = lambda q, k, v, w: jnp.sum(att(q, k, v) * w)
+    per = transform(plain)
+    got, want = jax.jit(lambda *a: tuple(jax.vmap(jax.grad(fn, (0, 1, 2)))(*a)
+                                         for fn in (per, plain)))(q, k, v, w)
     close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -170,8 +176,7 @@ def test_masks_kept_at_their_sources_size(kw):
 
     g = transform(f)
     _converted(g, q, k, v)
-    close(_grads(g, (q, k, v), (0, 1, 2)), _grads(f, (q, k, v), (0, 1, 2)), rtol=1e-5,
-          atol=1e-5)
+    close(*_both_grads(g, f, (q, k, v), (0, 1, 2)), rtol=1e-5, atol=1e-5)
     res = residual_bytes(g, q, k, v, argnums=(0, 1, 2)).entries
     masks = [e for e in res if e.dtype == np.bool_]
     assert sum(e.nbytes for e in masks) <= B * T * T, masks
@@ -203,8 +208,8 @@ def test_bf16_attention_matched_close_to_untouched_and_float64(name):
     f = _loss(att, w)
     g = transform(f)
     _converted(g, q, k, v)
-    got = [np.asarray(a, np.float64) for a in _grads(g, (q, k, v), (0, 1, 2))]
-    base = [np.asarray(a, np.float64) for a in _grads(f, (q, k, v), (0, 1, 2))]
+    (vg, gg), (vf, gf) = _both_values_and_grads(g, f, (q, k, v), (0, 1, 2))
+    got, base = ([np.asarray(a, np.float64) for a in gr] for gr in (gg, gf))
     with jax.enable_x64(True):
         ref = [np.asarray(a) for a in _grads(_loss(att, w.astype(jnp.float64)),
                                              tuple(a.astype(jnp.float64) for a in (q, k, v)),
@@ -228,7 +233,7 @@ def test_bf16_attention_matched_close_to_untouched_and_float64(name):
             assert np.max(np.abs(a - b)) <= (1 if jax.default_backend() == "cpu" else 2
                                              ) * step * scale
     # forward: the same bf16 arithmetic
-    close(jax.jit(g)(q, k, v), jax.jit(f)(q, k, v), rtol=1e-2, atol=1e-2)
+    close(vg, vf, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("fill", [-1e9, -1e4, 0.0])
@@ -249,7 +254,7 @@ def test_any_constant_fill_is_matched(fill, dtype):
     g = transform(f)
     _converted(g, q, k, v, mask)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    (vg, gg), (vf, gf) = (_value_and_grads(fn, (q, k, v, mask), (0, 1, 2)) for fn in (g, f))
+    (vg, gg), (vf, gf) = _both_values_and_grads(g, f, (q, k, v, mask), (0, 1, 2))
     if dtype == jnp.float32:
         close(vg, vf, rtol=tol, atol=tol)
     else:
@@ -271,8 +276,8 @@ def test_bf16_einsum_under_vmap_jit():
 
     g = transform(f)
     _converted(g, q, k, v)
-    got = [np.asarray(x, np.float64) for x in _grads(g, (q, k, v), (0, 1, 2))]
-    base = [np.asarray(x, np.float64) for x in _grads(f, (q, k, v), (0, 1, 2))]
+    got, base = ([np.asarray(x, np.float64) for x in gr]
+                 for gr in _both_grads(g, f, (q, k, v), (0, 1, 2)))
     with jax.enable_x64(True):
         w64 = w.astype(jnp.float64)
         ref = [np.asarray(x) for x in _grads(
@@ -314,7 +319,7 @@ def test_nnx_multi_head_attention_with_attention_dropout_is_one_op():
     g = transform(f)
     rows = _converted(g, params, x, key)
     assert len(rows) == 1 and "[dropout]" in rows[0].matched, rows
-    close(_grads(g, (params, x, key), (0, 1)), _grads(f, (params, x, key), (0, 1)))
+    close(*_both_grads(g, f, (params, x, key), (0, 1)))
 
 
 # ------------------------------------------------------------- unmatched: rows, no codes
@@ -354,8 +359,7 @@ def test_unmatched_softmax_attention_gets_a_row_and_no_fewbit_exp(att, why, dtyp
     coded = [r for r in rep.by_kind("activation") if r.converted and "exp" in r.matched]
     assert not coded, coded
     tol = 1e-4 if dtype == jnp.float32 else 1e-2
-    close(_grads(g, (q, k, v), (0, 1, 2)), _grads(f, (q, k, v), (0, 1, 2)), rtol=tol,
-          atol=tol)
+    close(*_both_grads(g, f, (q, k, v), (0, 1, 2)), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "where"])

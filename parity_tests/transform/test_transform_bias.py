@@ -47,10 +47,10 @@ def test_dense_biases_are_exact_and_the_embedding_is_left():
     p = _perturbed(jax.jit(model.init)(key(), x)["params"])
     f = _loss(model)
     g = transform(f)
-    want = jax.jit(jax.value_and_grad(f, (0, 1)))(p, x)
-    got = jax.jit(jax.value_and_grad(g, (0, 1)))(p, x)
+    got, want = jax.jit(lambda p, x: (jax.value_and_grad(g, (0, 1))(p, x),
+                                      jax.value_and_grad(f, (0, 1))(p, x)))(p, x)
     # the same additions and sums in the same order: equal to rounding (XLA may fuse the
-    # two programs' reductions differently)
+    # two sides' reductions differently)
     close(got, want, rtol=1e-6, atol=1e-6)
     rows = g.report(p, x).by_kind("bias")
     assert [r.converted for r in rows] == [True, True], rows

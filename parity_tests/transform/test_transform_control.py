@@ -32,8 +32,11 @@ def _control_flow(w, x):
 def test_scan_cond_switch_checkpoint_are_entered_and_exact():
     w, x = normal((6, 6), scale=0.5), normal((4, 6))
     g = transform(_control_flow)
-    close(jax.jit(g)(w, x), jax.jit(_control_flow)(w, x), rtol=1e-6)
-    close(jax.jit(jax.grad(g, (0, 1)))(w, x), jax.jit(jax.grad(_control_flow, (0, 1)))(w, x))
+    # values and gradients of both sides: one compiled program
+    (vg, gg), (vf, gf) = jax.jit(lambda *a: tuple(
+        (fn(*a), jax.grad(fn, (0, 1))(*a)) for fn in (g, _control_flow)))(w, x)
+    close(vg, vf, rtol=1e-6)
+    close(gg, gf)
     rows = g.report(w, x)
     entered = {r.matched for r in rows.by_kind("higher-order") if r.converted}
     assert {"scan", "remat2", "cond"} <= entered
@@ -49,7 +52,7 @@ def test_while_loop_is_entered():
                               (x, 0))[0]
 
     g = transform(f)
-    close(jax.jit(g)(w, x), jax.jit(f)(w, x), rtol=1e-6)
+    close(*jax.jit(lambda *a: (g(*a), f(*a)))(w, x), rtol=1e-6)
     assert any(r.path == "while" and r.converted for r in g.report(w, x).by_kind("dot"))
 
 
@@ -60,16 +63,15 @@ def test_inside_scan_and_checkpoint_of_the_caller():
     def total(fn, p, xs):
         return lax.scan(lambda c, x: (c + jax.checkpoint(fn)(p, x), None), 0.0, xs)[0]
 
-    close(jax.jit(jax.grad(lambda p: total(g, p, xs)))(p),
-          jax.jit(jax.grad(lambda p: total(_mlp, p, xs)))(p))
+    close(*jax.jit(lambda p: (jax.grad(lambda p: total(g, p, xs))(p),
+                              jax.grad(lambda p: total(_mlp, p, xs))(p)))(p))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_matches_the_original(dtype):
     p, x = _params(dtype), normal((5, 8), dtype)
     g = transform(_mlp)
-    want = jax.jit(jax.grad(_mlp))(p, x)
-    got = jax.jit(jax.grad(g))(p, x)
+    got, want = jax.jit(lambda *a: (jax.grad(g)(*a), jax.grad(_mlp)(*a)))(p, x)
     assert jax.tree_util.tree_map(lambda a: a.dtype, got) == jax.tree_util.tree_map(
         lambda a: a.dtype, want)
     close(got, want, rtol=2e-2, atol=2e-2)
@@ -78,7 +80,7 @@ def test_low_precision_matches_the_original(dtype):
 def test_float64_is_exact():
     with jax.enable_x64(True):
         p, x = _params(jnp.float64), normal((5, 8), jnp.float64)
-        close(jax.jit(jax.grad(transform(_mlp)))(p, x), jax.jit(jax.grad(_mlp))(p, x),
+        close(*jax.jit(lambda *a: (jax.grad(transform(_mlp))(*a), jax.grad(_mlp)(*a)))(p, x),
               rtol=1e-12, atol=1e-13)
 
 

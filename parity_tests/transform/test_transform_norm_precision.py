@@ -136,9 +136,15 @@ def _net(bn):
     return f
 
 
+def _value_grad_fn(fn):
+    """One compiled program: ``((loss, y), (dp, dx))`` with ``x`` differentiated (the same
+    jitted function for every call: traced once)."""
+    return jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))
+
+
 def _value_grad(fn, p, x, skip):
-    """One compiled program: ``((loss, y), (dp, dx))`` with ``x`` differentiated."""
-    return jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))(p, x, skip)
+    """:func:`_value_grad_fn` at ``(p, x, skip)``."""
+    return _value_grad_fn(fn)(p, x, skip)
 
 
 @pytest.mark.parametrize("bn", [pytest.param(_torch_bn, id="torch-1/sqrt"),
@@ -168,10 +174,11 @@ def test_relu_at_its_kink_gets_jaxs_gradient(bn):
     f = _net(bn)
     g = transform(f)
     zero = jnp.zeros(x.shape[:-1] + (C,))
-    y = _value_grad(f, p, x, zero)[0][1]          # JAX's forward, same program
-    half = jnp.asarray(np.arange(y.size).reshape(y.shape) % 2 == 0)
-    skip = jnp.where(half, -y, normal(y.shape))
-    (_, yf), gf = _value_grad(f, p, x, skip)
+    vg_f = _value_grad_fn(f)
+    y = vg_f(p, x, zero)[0][1]          # JAX's forward, same program
+    half = np.arange(y.size).reshape(y.shape) % 2 == 0
+    skip = jnp.asarray(np.where(half, -np.asarray(y), np.asarray(normal(y.shape))))
+    (_, yf), gf = vg_f(p, x, skip)
     np.testing.assert_array_equal(np.asarray(yf), np.asarray(y))
     _, gg = _value_grad(g, p, x, skip)
     close(gg, gf, rtol=1e-5, atol=1e-5)
@@ -331,10 +338,11 @@ def test_narrowing_cast_ends_the_normalisation():
     rows = g.report(p, x, jnp.zeros(x.shape)).by_kind("norm")
     assert [r.converted for r in rows] == [True]
     assert "scale" not in rows[0].matched and "bias" not in rows[0].matched, rows[0].matched
-    y = _value_grad(f, p, x, jnp.zeros(x.shape))[0][1]
-    half = jnp.asarray(np.arange(y.size).reshape(y.shape) % 2 == 0)
-    skip = jnp.where(half, -y, normal(y.shape))
-    ((lg, yg), gg), ((lf, yf), gf) = _value_grad(g, p, x, skip), _value_grad(f, p, x, skip)
+    vg_f = _value_grad_fn(f)
+    y = vg_f(p, x, jnp.zeros(x.shape))[0][1]
+    half = np.arange(y.size).reshape(y.shape) % 2 == 0
+    skip = jnp.asarray(np.where(half, -np.asarray(y), np.asarray(normal(y.shape))))
+    ((lg, yg), gg), ((lf, yf), gf) = _value_grad(g, p, x, skip), vg_f(p, x, skip)
     np.testing.assert_array_equal(np.asarray(yg), np.asarray(yf))
     np.testing.assert_array_equal(np.asarray(lg), np.asarray(lf))
     close(gg, gf, rtol=1e-5, atol=1e-5)

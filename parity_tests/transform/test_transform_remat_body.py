@@ -90,8 +90,9 @@ def test_mask_predicate_is_the_literal_rule(name, dtype):
     near = np.zeros(x.shape, bool)
     if name in ARITHMETIC_KINKS:
         near = np.isin(np.asarray(x, np.float32), ARITHMETIC_KINKS[name])
-    for run, skip in ((lambda fn: fn, np.zeros_like(near)), (jax.jit, near)):
-        got, want = run(predicate)(x), run(literal)(x)
+    eager = (predicate(x), literal(x))
+    compiled = jax.jit(lambda x: (predicate(x), literal(x)))(x)   # one program for both
+    for (got, want), skip in ((eager, np.zeros_like(near)), (compiled, near)):
         assert got.dtype == jnp.bool_ and got.shape == x.shape
         np.testing.assert_array_equal(np.asarray(got)[~skip], np.asarray(want)[~skip],
                                       err_msg=name)
@@ -109,9 +110,13 @@ def test_mask_predicate_falls_back_where_the_derivative_is_no_selection():
     x = normal((16,))
     sub = _subgraph(lambda x: jnp.maximum(x, 0.2 * x), x)
     assert mask_predicate(sub, *two_slopes(sub)) is None
-    g = transform(lambda x: jnp.sum(jnp.maximum(x, 0.2 * x) * jnp.arange(16.0)))
-    close(jax.jit(jax.grad(g))(x), jax.jit(jax.grad(lambda x: jnp.sum(
-        jnp.maximum(x, 0.2 * x) * jnp.arange(16.0))))(x))
+    f = lambda x: jnp.sum(jnp.maximum(x, 0.2 * x) * jnp.arange(16.0))
+    close(*_both(lambda fn, x: jax.grad(fn)(x), transform(f), f, x))
+
+
+def _both(use, g, f, *args):
+    """``use(g, *args), use(f, *args)`` as one compiled program."""
+    return jax.jit(lambda *a: (use(g, *a), use(f, *a)))(*args)
 
 
 def _cnn(act):
@@ -199,8 +204,8 @@ def test_remat_body_fuses_activation_and_product(act):
     row = _activation_row(g, p, x)
     assert row.became == "exact (input kept, f' recomputed)"
     assert "recomputed together" in row.reason
-    close(jax.jit(jax.value_and_grad(g, (0, 1)))(p, x),
-          jax.jit(jax.value_and_grad(f, (0, 1)))(p, x), rtol=1e-6, atol=1e-7)
+    close(*_both(lambda fn, p, x: jax.value_and_grad(fn, (0, 1))(p, x), g, f, p, x),
+          rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("policy", ["off", "dots"])
@@ -210,7 +215,7 @@ def test_no_fusion_outside_a_recomputed_body(policy):
     g = transform(f)
     row = _activation_row(g, p, x)
     assert "recomputed together" not in row.reason
-    close(jax.jit(jax.grad(g))(p, x), jax.jit(jax.grad(f))(p, x), rtol=1e-6, atol=1e-7)
+    close(*_both(lambda fn, p, x: jax.grad(fn)(p, x), g, f, p, x), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.usefixtures("fusing")
@@ -218,16 +223,18 @@ def test_fused_op_under_vmap_second_order_and_frozen_operands():
     f = _mlp("none")
     p, xs = _params(), normal((3, 8, 16), scale=2.0)
     g = transform(f)
-    per = lambda fn: jax.jit(jax.vmap(jax.grad(fn, (0, 1)), (None, 0)))(p, xs)
-    close(per(g), per(f), rtol=1e-6, atol=1e-7)
-    gg = lambda fn: jax.jit(jax.grad(lambda p, x: jnp.sum(jax.grad(fn, 1)(p, x) ** 2)))(
-        p, xs[0])
-    close(gg(g), gg(f), rtol=1e-5, atol=1e-6)
-    # only the input differentiated (weights frozen), only the weights
-    close(jax.jit(jax.grad(g, 1))(p, xs[0]), jax.jit(jax.grad(f, 1))(p, xs[0]),
-          rtol=1e-6, atol=1e-7)
-    close(jax.jit(jax.grad(g))(p, xs[0]), jax.jit(jax.grad(f))(p, xs[0]), rtol=1e-6,
-          atol=1e-7)
+
+    def uses(fn, p, xs):
+        return (jax.vmap(jax.grad(fn, (0, 1)), (None, 0))(p, xs),        # per example
+                jax.grad(lambda p, x: jnp.sum(jax.grad(fn, 1)(p, x) ** 2))(p, xs[0]),
+                # only the input differentiated (weights frozen), only the weights
+                jax.grad(fn, 1)(p, xs[0]), jax.grad(fn)(p, xs[0]))
+
+    # one compiled program for both sides
+    (per_g, gg_g, dx_g, dp_g), (per_f, gg_f, dx_f, dp_f) = _both(uses, g, f, p, xs)
+    close(per_g, per_f, rtol=1e-6, atol=1e-7)
+    close(gg_g, gg_f, rtol=1e-5, atol=1e-6)
+    close((dx_g, dp_g), (dx_f, dp_f), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.usefixtures("fusing")
@@ -238,12 +245,12 @@ def test_fused_op_with_a_frozen_second_weight_and_bf16():
     def frozen(q, x):  # w2 not differentiated: the pair keeps x for the input gradient
         return f({**q, "w2": lax.stop_gradient(q["w2"])}, x)
 
-    close(jax.jit(jax.grad(transform(frozen), (0, 1)))(p, x),
-          jax.jit(jax.grad(frozen, (0, 1)))(p, x), rtol=1e-6, atol=1e-7)
+    close(*_both(lambda fn, p, x: jax.grad(fn, (0, 1))(p, x), transform(frozen), frozen,
+                 p, x), rtol=1e-6, atol=1e-7)
     pb, xb = _params(jnp.bfloat16), normal((32, 16), jnp.bfloat16, 2.0)
-    got = jax.jit(jax.grad(transform(f)))(pb, xb)
+    got, want = _both(lambda fn, p, x: jax.grad(fn)(p, x), transform(f), f, pb, xb)
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(got))
-    close(got, jax.jit(jax.grad(f))(pb, xb), rtol=2e-2, atol=2e-2)
+    close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_fewbit_keeps_its_code_in_a_recomputed_body():

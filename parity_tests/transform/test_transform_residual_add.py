@@ -18,7 +18,8 @@ from jaxmem.transform import transform
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _util import close, normal
 
-N, S, C, BLOCKS = 4, 8, 8, 3
+#: two blocks: the first one's output feeds the second
+N, S, C, BLOCKS = 4, 8, 8, 2
 
 
 def _bn(h, g, b):
@@ -50,11 +51,14 @@ def _params():
 
 def test_recorded_add_keeps_no_block_output_and_gradients_are_exact():
     params, x = _params(), normal((N, S, S, 3))
-    want = jax.jit(jax.grad(loss))(params, x)
-    close(jax.jit(jax.grad(transform(loss)))(params, x), want)
-    recorded = residual_bytes(transform(loss), params, x).activation_bytes
-    apart = residual_bytes(transform(loss, residual_adds=False), params, x).activation_bytes
-    close(jax.jit(jax.grad(transform(loss, residual_adds=False)))(params, x), want)
+    fns = (transform(loss), transform(loss, residual_adds=False), loss)
+    # the three gradients in one compiled program
+    got, got_apart, want = jax.jit(lambda p, x: tuple(jax.grad(fn)(p, x) for fn in fns))(
+        params, x)
+    close(got, want)
+    close(got_apart, want)
+    recorded = residual_bytes(fns[0], params, x).activation_bytes
+    apart = residual_bytes(fns[1], params, x).activation_bytes
     block_output, stats = N * S * S * C * 4, 2 * C * 4
     # every block output but the last feeds the next block's first conv (the stem's output,
     # a ReLU of a norm, is recorded either way); each recomputation keeps the norm's
@@ -75,7 +79,7 @@ def test_add_of_values_without_recipes_records_nothing(products):
     before = residual_bytes(g, w, x).activation_bytes
     apart = transform(f, products=products, residual_adds=False)
     assert residual_bytes(apart, w, x).activation_bytes == before
-    close(jax.grad(g)(w, x), jax.grad(f)(w, x))
+    close(*jax.jit(lambda w, x: (jax.grad(g)(w, x), jax.grad(f)(w, x)))(w, x))
 
 
 def test_recorded_add_compiled_slope_on_cpu():
@@ -124,16 +128,19 @@ def test_linen_and_nnx_convert_pass_residual_adds_on():
 
     x = normal((N, S, S, 3))
     net = Net()
-    # one compiled program each (op by op, every conv / norm op compiles on its own)
+    # compiled programs (op by op, every conv / norm op compiles on its own): the init, and
+    # the gradients of the untouched and both converted models together
     v = jax.jit(net.init)(jax.random.key(0), x)
-    want = jax.jit(jax.grad(lambda v: net.apply(v, x)))(v)
+    on, off = jaxmem.linen.convert(net), jaxmem.linen.convert(net, residual_adds=False)
+    want, got_on, got_off = jax.jit(lambda v: tuple(
+        jax.grad(lambda v, m=m: m.apply(v, x))(v) for m in (net, on, off)))(v)
+    close(got_on, want)
+    close(got_off, want)
 
-    def kept(**options):
-        m = jaxmem.linen.convert(net, **options)
-        close(jax.jit(jax.grad(lambda v: m.apply(v, x)))(v), want)
+    def kept(m):
         return residual_bytes(lambda v: m.apply(v, x), v).activation_bytes
 
-    assert kept(residual_adds=False) - kept() >= (BLOCKS - 1) * N * S * S * C * 4 // 2
+    assert kept(off) - kept(on) >= (BLOCKS - 1) * N * S * S * C * 4 // 2
 
     class NnxNet(nnx.Module):
         def __init__(self):

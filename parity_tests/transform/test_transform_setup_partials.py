@@ -59,7 +59,7 @@ def test_setup_partials_get_codes_under_fewbit():
     x = _x(2, (4, 8))
     model = Block("silu")
     params = model.init(jax.random.key(3), x)
-    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, x)))  # noqa: E731
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, x)))
     conv = jaxmem.linen.convert(model, selective=False, fewbit=2)
     rep = jaxmem.report(lambda p: jnp.sum(jnp.sin(conv.apply(p, x))), params)
     acts = [e for e in rep.by_kind("activation") if e.status != "nothing-to-save"]

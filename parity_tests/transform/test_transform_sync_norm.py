@@ -45,15 +45,20 @@ class ConvNet(nn.Module):
 
 
 def _perturbed(tree):
-    """Flax's init (ones / zeros) with fresh noise, so scale, bias and statistics matter."""
-    return jax.tree_util.tree_map(lambda a: a + normal(a.shape, scale=0.3), tree)
+    """Flax's init (ones / zeros) with fresh noise, so scale, bias and statistics matter
+    (added in NumPy: no compile per leaf shape)."""
+    def noisy(a):
+        a = np.asarray(a)
+        return jnp.asarray(a + np.asarray(normal(a.shape, scale=0.3), a.dtype))
+    return jax.tree_util.tree_map(noisy, tree)
 
 
 def _variables(model, x):
     """Parameters and batch statistics (initialised for one replica under a bound axis),
-    perturbed."""
-    v = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name=model.axis)(x[None])
-    v = jax.tree_util.tree_map(lambda a: a[0], v)
+    perturbed; one compiled init (op by op it compiles each initialiser op)."""
+    v = jax.jit(jax.vmap(lambda x: model.init(jax.random.key(0), x),
+                         axis_name=model.axis))(x[None])
+    v = jax.tree_util.tree_map(lambda a: np.asarray(a)[0], v)
     return _perturbed(v["params"]), _perturbed(v["batch_stats"])
 
 
@@ -65,13 +70,16 @@ def _local(model, stats):
     return f
 
 
-def _vmap_step(f):
-    """Values, updated statistics and gradients (parameters, inputs) of the loss summed
-    over the replicas of ``vmap(axis_name="batch")``; one compiled program."""
-    def total(p, xs):
-        losses, new = jax.vmap(f, (None, 0), axis_name="batch")(p, xs)
-        return jnp.sum(losses), new
-    return jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))
+def _vmap_steps(*fs):
+    """Per function of ``fs``: values, updated statistics and gradients (parameters,
+    inputs) of the loss summed over the replicas of ``vmap(axis_name="batch")``; one
+    compiled program for all of them."""
+    def total(f):
+        def tot(p, xs):
+            losses, new = jax.vmap(f, (None, 0), axis_name="batch")(p, xs)
+            return jnp.sum(losses), new
+        return jax.value_and_grad(tot, (0, 1), has_aux=True)
+    return jax.jit(lambda p, xs: tuple(total(f)(p, xs) for f in fs))
 
 
 def _rows(g, p, xs, axis="batch"):
@@ -90,9 +98,10 @@ def _replica_sum(fn, axis="r"):
 
 def _pooled_grads_match(f, g, p, xs):
     """Values and gradients (parameters, inputs) of ``g`` summed over replicas equal
-    ``f``'s in float64."""
-    step = lambda fn: jax.jit(jax.value_and_grad(_replica_sum(fn), (0, 1)))(p, xs)
-    close(step(g), step(f), rtol=1e-10, atol=1e-10)
+    ``f``'s in float64 (one compiled program for both)."""
+    got, want = jax.jit(lambda p, xs: tuple(jax.value_and_grad(_replica_sum(fn), (0, 1))(
+        p, xs) for fn in (g, f)))(p, xs)
+    close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-variance", "two-pass"])
@@ -103,7 +112,7 @@ def test_linen_batch_norm_under_vmap_axis_name(fast):
     p, stats = _variables(model, xs[0])
     f = _local(model, stats)
     g = transform(f)
-    ((lg, ng), gg), ((lf, nf), gf) = _vmap_step(g)(p, xs), _vmap_step(f)(p, xs)
+    ((lg, ng), gg), ((lf, nf), gf) = _vmap_steps(g, f)(p, xs)
     close(lg, lf)
     close(ng, nf)          # running mean / variance from the pooled statistics
     close(gg, gf)
@@ -130,8 +139,8 @@ def test_linen_batch_norm_in_shard_map():
 
     f = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
     g = transform(f)
-    step = lambda fn: jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))(p, x)
-    close(step(g), step(f))
+    close(*jax.jit(lambda p, x: tuple(jax.value_and_grad(fn, (0, 1), has_aux=True)(p, x)
+                                      for fn in (g, f)))(p, x))
     rows = g.report(p, x).by_kind("norm")
     assert [(r.converted, r.path) for r in rows] == [(True, "shard_map")]
     assert "pooled over axis 'data'" in rows[0].matched
@@ -150,7 +159,7 @@ def test_nnx_batch_norm_under_vmap_axis_name():
         return jnp.sum(jnp.cos(y) * jnp.arange(4.0)), nnx.state(m, nnx.BatchStat)
 
     g = transform(f)
-    close(_vmap_step(g)(params, xs), _vmap_step(f)(params, xs))
+    close(*_vmap_steps(g, f)(params, xs))
     rows = _rows(g, params, xs)
     assert [r.converted for r in rows] == [True] and "axis 'batch'" in rows[0].matched
 
@@ -183,12 +192,14 @@ def test_hand_written_spellings_float64(spelling):
         w, b = normal((5,), jnp.float64, 0.3) + 1.0, normal((5,), jnp.float64)
         g = transform(spelling)
 
-        def grads(fn):
+        def grads(fn, *args):
             tot = lambda w, b, xs: jnp.sum(jax.vmap(fn, (None, None, 0), axis_name="r")(
                 w, b, xs))
-            return jax.jit(jax.value_and_grad(tot, (0, 1, 2)))(w, b, xs)
+            return jax.value_and_grad(tot, (0, 1, 2))(*args)
 
-        close(grads(g), grads(spelling), rtol=1e-10, atol=1e-10)
+        # one compiled program for both sides
+        got, want = jax.jit(lambda *a: (grads(g, *a), grads(spelling, *a)))(w, b, xs)
+        close(got, want, rtol=1e-10, atol=1e-10)
         out = []
         jax.eval_shape(jax.vmap(lambda x: out.append(g.report(w, b, x).by_kind("norm")) or x,
                                 axis_name="r"), xs)
@@ -228,7 +239,7 @@ def test_layer_and_rms_norm_pooled_over_a_named_axis(fast):
         xs = normal((4, 3, 7), jnp.float64, 2.0) + normal((4, 1, 7), jnp.float64)
         # one compiled init (float64, op by op it compiles each initialiser op)
         v = jax.jit(jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="r"))(xs)
-        p = _perturbed(jax.tree_util.tree_map(lambda a: a[0], v)["params"])
+        p = _perturbed(jax.tree_util.tree_map(lambda a: np.asarray(a)[0], v)["params"])
         f = lambda p, x: jnp.sum(jnp.sin(model.apply({"params": p}, x)) ** 2)
         g = transform(f)
         _pooled_grads_match(f, g, p, xs)
@@ -247,7 +258,7 @@ def test_group_norm_pooled_over_a_named_axis():
     with jax.enable_x64(True):
         xs = normal((3, 2, 4, 4, 6), jnp.float64, 2.0) + normal((3, 2, 1, 1, 6), jnp.float64)
         v = jax.jit(jax.vmap(lambda x: gn.init(jax.random.key(0), x), axis_name="r"))(xs)
-        p = _perturbed(jax.tree_util.tree_map(lambda a: a[0], v))
+        p = _perturbed(jax.tree_util.tree_map(lambda a: np.asarray(a)[0], v))
         f = lambda p, x: jnp.sum(jnp.sin(gn.apply(p, x)) ** 2)
         g = transform(f)
         _pooled_grads_match(f, g, p, xs)
@@ -263,7 +274,7 @@ def test_axis_index_groups_under_pmap():
     bn = nn.BatchNorm(use_running_average=False, axis_name="b",
                       axis_index_groups=[list(range(n))])
     xs = normal((n, 6, 3), scale=2.0) + 1.0
-    v = bn.init(jax.random.key(0), xs[0])
+    v = jax.jit(bn.init)(jax.random.key(0), xs[0])
     p, stats = _perturbed(v["params"]), _perturbed(v["batch_stats"])
     f = _local(bn, stats)
     g = transform(f)
