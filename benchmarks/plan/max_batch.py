@@ -1,7 +1,8 @@
 """Largest batch whose compiled step fits a budget: untouched vs ``jaxmem.plan``.
 
 ``jaxmem.plan.max_batch`` doubles the batch, then bisects, for the untouched
-``value_and_grad(loss)`` and for the planned step at the same budget. Models are the
+step (``value_and_grad(loss)`` and ``grad(loss)`` both within the budget, the promise a plan
+makes) and for the planned step at the same budget. Models are the
 CPU-scaled ones of ``bench_plan.py`` (GPT 4x64, ctx 64; ResNet-50 width 0.125 at 32x32).
 
     .venv/bin/python benchmarks/plan/max_batch.py [--budget 256MiB] [--models gpt,resnet50]
@@ -77,7 +78,8 @@ def main():
     (OUT / "max_batch.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
     lines = ["# Largest batch within a compiled budget: untouched vs jaxmem.plan", "",
              (f"Command: `{cmd}` (jax {jax.__version__}, {jax.default_backend()}). Compiled bytes "
-             "= temp + output + argument - alias of `value_and_grad(loss)`; the planned step is "
+             "= temp + output + argument - alias, the larger of `value_and_grad(loss)` and "
+             "`grad(loss)`; the planned step is "
              "`jaxmem.plan(loss, *args, budget=...)` at each batch tried (doubling, then "
              "bisection)."), "",
              "| model | budget | default batch (MiB) | planned batch (MiB) | batch gain | search s |",
