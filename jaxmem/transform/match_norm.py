@@ -249,9 +249,8 @@ class _Region:
             if eqn.primitive.name in _COLLECTIVES:
                 if not replicas:
                     raise NotImplementedError("a sum over named axes")
-                tot = [sum(a) * (replicas / k) for a in zip(*ins)]
-                tot = [np.asarray(t, a[0].dtype) if numpy else
-                       jnp.asarray(t, jnp.result_type(a[0])) for t, a in zip(tot, zip(*ins))]
+                tot = [(np if numpy else jnp).asarray(sum(a) * (replicas / k), a[0].dtype)
+                       for a in zip(*ins)]
                 outs = [tot] * k
             elif numpy:
                 outs = [eval_eqn(eqn, i, root_shape, y.shape) for i, y in zip(ins, xs)]

@@ -13,17 +13,12 @@ import pytest
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/transform")
-from _util import close, key, normal
+from _util import close, key, normal, values_and_grads
 
 from jaxmem.measure import residual_bytes
 from jaxmem.transform import transform
 
 H, T, B, FF = 32, 8, 2, 64
-
-
-def _values_and_grads(fns, *args):
-    """``[jax.value_and_grad(fn)(*args) for fn in fns]`` as one compiled program."""
-    return jax.jit(lambda *a: [jax.value_and_grad(fn)(*a) for fn in fns])(*args)
 
 
 def _counts(rep):
@@ -78,7 +73,7 @@ def test_equinox_block(eqx_case, inference):
     keys = jax.random.split(key(), B)
     f = lambda p, x: loss(p, x, keys, inference)
     g = transform(f)
-    close(*_values_and_grads([g, f], params, x))
+    close(*values_and_grads([g, f], params, x))
     rep = g.report(params, x)
     n = _counts(rep)
     assert n["norm", True] == 3                       # ln1, ln2, rms (vmapped)
@@ -115,7 +110,7 @@ def test_raw_jax_mlp():
                normal((H,), scale=0.1) + 1.0, normal((H,), scale=0.1)) for _ in range(3)]
     x, k = normal((16, H)), key()
     g = transform(_raw_loss)
-    close(*_values_and_grads([g, _raw_loss], params, x, k))
+    close(*values_and_grads([g, _raw_loss], params, x, k))
     n = _counts(g.report(params, x, k))
     assert (n["norm", True], n["dot", True], n["dropout", True]) == (3, 3, 3)
     # relu: masks; gelu: input kept (exact); the loss's square stays

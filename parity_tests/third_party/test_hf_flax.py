@@ -4,8 +4,9 @@ its gradients equal the untouched model's, in train mode (dropout with the same 
 evaluation mode, and the report accounts for every Dense / Conv1D / convolution, norm,
 activation, attention and dropout of the config with what happened to it.
 
-The untouched and the transformed step are compiled as one program with XLA:CPU's cheap
-settings (``_fast``): the same arithmetic, less compile time on a small CI machine."""
+The untouched and the transformed step are compiled as one program (``values_and_grads``;
+the suite's cheap code generation, ``FAST_CODEGEN`` in ``parity_tests/conftest.py``, applies).
+"""
 from __future__ import annotations
 
 import collections
@@ -21,22 +22,14 @@ if not hasattr(_transformers, "FlaxPreTrainedModel"):   # transformers 5 dropped
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/transform")
 from _assert import assert_tree_close, scaled_atol
 from _models import CASES, T5_ENC_LAYERS, L
+from _util import values_and_grads
 
 from jaxmem.transform import transform
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-
-_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _fast(fns, *args):
-    """``[jax.value_and_grad(fn)(*args) for fn in fns]`` as one jitted program compiled with
-    cheap XLA:CPU settings."""
-    step = jax.jit(lambda *a: [jax.value_and_grad(fn)(*a) for fn in fns])
-    return step.lower(*args).compile(compiler_options=_FAST)(*args)
-
 
 def _close(got, want):
     """Leaf-wise ``|got - want| <= 1e-5 max(1, max|want|) + 1e-5 |want|`` (f32 rounding of
@@ -64,7 +57,7 @@ def test_loss_and_gradients_are_exact(case, train):
     def f(p, *inputs):
         return case.loss(p, inputs, rng, train)
 
-    got, want = _fast([transform(f), f], case.params, *case.inputs)
+    got, want = values_and_grads([transform(f), f], case.params, *case.inputs)
     _close(got, want)
 
 

@@ -24,6 +24,17 @@ def normal(shape, dtype=jnp.float32, scale=1.0, rng=None):
     return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
 
 
+def both(use, g, f, *args):
+    """``use(g, *args), use(f, *args)`` as one compiled program (value comparisons only:
+    compiled bytes are measured per program, where fusion is the one users get)."""
+    return jax.jit(lambda *a: (use(g, *a), use(f, *a)))(*args)
+
+
+def values_and_grads(fns, *args):
+    """``[jax.value_and_grad(fn)(*args) for fn in fns]`` as one compiled program."""
+    return jax.jit(lambda *a: [jax.value_and_grad(fn)(*a) for fn in fns])(*args)
+
+
 def close(got, want, rtol=1e-5, atol=1e-5):
     """Same tree structure, and leaf-wise ``|got - want| <= atol * max(1, max|want|) +
     rtol * |want|``."""

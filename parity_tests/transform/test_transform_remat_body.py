@@ -33,7 +33,7 @@ from jaxmem.transform.mask_region import mask_predicate
 from jaxmem.transform.match_elementwise import Subgraph, _const_support, canonical, two_slopes
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _util import close, normal
+from _util import both, close, normal
 
 TARGETS = ["cpu", pytest.param("h100", marks=pytest.mark.skipif(
     not gpu_plan_available(), reason="the H100 plan needs the CUDA PJRT plugin"))]
@@ -111,12 +111,7 @@ def test_mask_predicate_falls_back_where_the_derivative_is_no_selection():
     sub = _subgraph(lambda x: jnp.maximum(x, 0.2 * x), x)
     assert mask_predicate(sub, *two_slopes(sub)) is None
     f = lambda x: jnp.sum(jnp.maximum(x, 0.2 * x) * jnp.arange(16.0))
-    close(*_both(lambda fn, x: jax.grad(fn)(x), transform(f), f, x))
-
-
-def _both(use, g, f, *args):
-    """``use(g, *args), use(f, *args)`` as one compiled program."""
-    return jax.jit(lambda *a: (use(g, *a), use(f, *a)))(*args)
+    close(*both(lambda fn, x: jax.grad(fn)(x), transform(f), f, x))
 
 
 def _cnn(act):
@@ -204,7 +199,7 @@ def test_remat_body_fuses_activation_and_product(act):
     row = _activation_row(g, p, x)
     assert row.became == "exact (input kept, f' recomputed)"
     assert "recomputed together" in row.reason
-    close(*_both(lambda fn, p, x: jax.value_and_grad(fn, (0, 1))(p, x), g, f, p, x),
+    close(*both(lambda fn, p, x: jax.value_and_grad(fn, (0, 1))(p, x), g, f, p, x),
           rtol=1e-6, atol=1e-7)
 
 
@@ -215,7 +210,7 @@ def test_no_fusion_outside_a_recomputed_body(policy):
     g = transform(f)
     row = _activation_row(g, p, x)
     assert "recomputed together" not in row.reason
-    close(*_both(lambda fn, p, x: jax.grad(fn)(p, x), g, f, p, x), rtol=1e-6, atol=1e-7)
+    close(*both(lambda fn, p, x: jax.grad(fn)(p, x), g, f, p, x), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.usefixtures("fusing")
@@ -231,7 +226,7 @@ def test_fused_op_under_vmap_second_order_and_frozen_operands():
                 jax.grad(fn, 1)(p, xs[0]), jax.grad(fn)(p, xs[0]))
 
     # one compiled program for both sides
-    (per_g, gg_g, dx_g, dp_g), (per_f, gg_f, dx_f, dp_f) = _both(uses, g, f, p, xs)
+    (per_g, gg_g, dx_g, dp_g), (per_f, gg_f, dx_f, dp_f) = both(uses, g, f, p, xs)
     close(per_g, per_f, rtol=1e-6, atol=1e-7)
     close(gg_g, gg_f, rtol=1e-5, atol=1e-6)
     close((dx_g, dp_g), (dx_f, dp_f), rtol=1e-6, atol=1e-7)
@@ -245,10 +240,10 @@ def test_fused_op_with_a_frozen_second_weight_and_bf16():
     def frozen(q, x):  # w2 not differentiated: the pair keeps x for the input gradient
         return f({**q, "w2": lax.stop_gradient(q["w2"])}, x)
 
-    close(*_both(lambda fn, p, x: jax.grad(fn, (0, 1))(p, x), transform(frozen), frozen,
+    close(*both(lambda fn, p, x: jax.grad(fn, (0, 1))(p, x), transform(frozen), frozen,
                  p, x), rtol=1e-6, atol=1e-7)
     pb, xb = _params(jnp.bfloat16), normal((32, 16), jnp.bfloat16, 2.0)
-    got, want = _both(lambda fn, p, x: jax.grad(fn)(p, x), transform(f), f, pb, xb)
+    got, want = both(lambda fn, p, x: jax.grad(fn)(p, x), transform(f), f, pb, xb)
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(got))
     close(got, want, rtol=2e-2, atol=2e-2)
 

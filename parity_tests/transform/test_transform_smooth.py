@@ -19,7 +19,7 @@ from jaxmem.selective.smooth import smooth_activation
 from jaxmem.transform import transform
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _util import close, normal
+from _util import both, close, normal
 
 ACTS = {
     "gelu erf": lambda x: jax.nn.gelu(x, approximate=False),
@@ -29,11 +29,6 @@ ACTS = {
     "softplus": jax.nn.softplus,
     "tanh": jnp.tanh,
 }
-
-
-def _both(use, g, f, *args):
-    """``use(g, *args), use(f, *args)`` as one compiled program."""
-    return jax.jit(lambda *a: (use(g, *a), use(f, *a)))(*args)
 
 
 # --------------------------------------------------------------------------- the op
@@ -49,7 +44,7 @@ def test_op_value_and_gradient_are_jax_own(name):
         # second order: the backward (JAX's vjp of f) is differentiable itself
         return d1(x), jax.grad(lambda x: jnp.sum(d1(x)))(x)
 
-    (got, got2), (want, want2) = _both(grads, op, f, x)       # one program, both sides
+    (got, got2), (want, want2) = both(grads, op, f, x)       # one program, both sides
     close(got, want, rtol=1e-6, atol=1e-7)
     close(got2, want2, rtol=1e-6, atol=1e-6)
 
@@ -62,7 +57,7 @@ def test_op_gradient_in_float64(name):
         g = jnp.asarray(np.random.default_rng().normal(size=(128,)), jnp.float64)
         # compiled, both sides in one program (op by op, every float64 op would compile on
         # its own)
-        got, want = _both(lambda fn, x: jax.grad(lambda x: jnp.sum(fn(x) * g))(x),
+        got, want = both(lambda fn, x: jax.grad(lambda x: jnp.sum(fn(x) * g))(x),
                           lambda x: smooth_activation(f, x), f, x)
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-13, atol=1e-15)
@@ -100,7 +95,7 @@ def test_transform_matches_and_product_recomputes():
     row, = [r for r in g.report(p, x).by_kind("activation") if r.converted]
     assert row.became == "exact (input kept, f' recomputed)"
     assert "recomputed by the product" in row.reason
-    close(*_both(lambda fn, p, x: jax.value_and_grad(fn)(p, x), g, f, p, x))
+    close(*both(lambda fn, p, x: jax.value_and_grad(fn)(p, x), g, f, p, x))
     # autodiff keeps one (32, 64) array for the GELU and the down-projection together
     big = lambda fn: [e for e in residual_bytes(fn, p, x).entries if e.shape == (32, 64)]
     assert len(big(g)) == 1 and len(big(f)) >= 3
@@ -116,7 +111,7 @@ def test_transform_under_vmap_and_second_order(name):
         return (jax.vmap(jax.grad(fn), (None, 0))(p, xs),
                 jax.grad(lambda p, x: jnp.sum(jax.grad(fn, 1)(p, x) ** 2))(p, xs[0]))
 
-    (per_g, gg_g), (per_f, gg_f) = _both(uses, g, f, p, xs)   # one program, both sides
+    (per_g, gg_g), (per_f, gg_f) = both(uses, g, f, p, xs)   # one program, both sides
     close(per_g, per_f)
     close(gg_g, gg_f, rtol=1e-5, atol=1e-6)
 
@@ -137,7 +132,7 @@ def test_transform_inside_scan_and_checkpoint():
         g = transform(f)
         assert any(r.converted and r.became.startswith("exact")
                    for r in g.report(ws, x).by_kind("activation"))
-        close(*_both(lambda fn, ws, x: jax.grad(fn, (0, 1))(ws, x), g, f, ws, x))
+        close(*both(lambda fn, ws, x: jax.grad(fn, (0, 1))(ws, x), g, f, ws, x))
     # the stacked scan residuals: one (8, 32) array per layer, not the GELU's three
     big = lambda fn: [e for e in residual_bytes(fn, ws, x).entries if e.shape == (3, 8, 32)]
     assert len(big(transform(scanned))) < len(big(scanned))
@@ -147,7 +142,7 @@ def test_transform_bf16_inputs():
     f = _loss(ACTS["gelu erf"])
     p, x = _params(jnp.bfloat16), normal((32, 16), jnp.bfloat16, 2.0)
     g = transform(f)
-    got, want = _both(lambda fn, p, x: jax.grad(fn)(p, x), g, f, p, x)
+    got, want = both(lambda fn, p, x: jax.grad(fn)(p, x), g, f, p, x)
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(got))
     close(got, want, rtol=2e-2, atol=2e-2)
 
