@@ -110,7 +110,19 @@ def _make_tie(body, partitioned_body):
 
     local.def_partition(partition=partition, infer_sharding_from_operands=_infer,
                         sharding_rule=_rule)
-    return _layered(local, lambda batched, x, dep: batched(x, dep))
+    return _traced_once(_layered(local, lambda batched, x, dep: batched(x, dep)))
+
+
+def _traced_once(op):
+    """``op`` traced once per operand types and then replayed: an inlined ``jax.jit``.
+
+    The op is three nested custom rules (``custom_jvp`` -> ``custom_vmap`` ->
+    ``custom_partitioning`` with a ``platform_dependent`` body), which Python would trace
+    again at every call: a ResNet-18 train step calls it a few hundred times. ``inline=True``
+    puts the cached jaxpr's equations into the caller's jaxpr, so the program (and its
+    StableHLO) is the one the uncached op gives; autodiff and ``vmap`` of the call are
+    cached per jaxpr as well."""
+    return jax.jit(op, inline=True)
 
 
 def _layered(local, batched_value):
@@ -274,13 +286,16 @@ def _together_vmap(axis_size, in_batched, a, b):
 
 
 @jax.custom_jvp
-def _together(a, b):
+def _together_op(a, b):
     return _together_batched(a, b)
 
 
-@_together.defjvp
+@_together_op.defjvp
 def _together_jvp(primals, tangents):
-    return _together(*primals), tuple(tangents)
+    return _together_op(*primals), tuple(tangents)
+
+
+_together = _traced_once(_together_op)
 
 
 def together(a, b):
@@ -410,7 +425,7 @@ _like_local.def_partition(partition=_like_partition, infer_sharding_from_operand
 
 
 #: batched: ``p`` as it is
-_like = _layered(_like_local, lambda batched, p, x: p)
+_like = _traced_once(_layered(_like_local, lambda batched, p, x: p))
 
 
 def laid_out_like(p, x):

@@ -114,6 +114,30 @@ def test_tie_leaves_a_dependency_in_the_compiled_program(dep):
     assert entry.count(dep_param) >= 2, entry
 
 
+def test_tie_is_traced_once_per_operand_types_and_inlined(monkeypatch):
+    """Repeated ties of one shape replay one trace (the op is three nested custom rules,
+    traced per call otherwise); the caller's jaxpr holds the op's own equations, not a
+    ``jit`` call, and the values are the operand's."""
+    from jaxmem._prims import ties
+
+    calls = []
+    arith = ties._arith
+    monkeypatch.setattr(ties, "_arith", lambda x, d: calls.append(x.shape) or arith(x, d))
+    xs = [jnp.full((3, 7, 5), float(i)) for i in range(6)]
+    dep = jnp.ones((2, 9))
+
+    def f(xs, dep):
+        return [tie(x, dep) for x in xs]
+
+    jaxpr = jax.make_jaxpr(f)(xs, dep)
+    assert calls == [(3, 7, 5)]            # six ties, one trace of the body
+    names = {e.primitive.name for e in jaxpr.eqns}
+    assert "jit" not in names and "pjit" not in names, names
+    assert sum(e.primitive.name == "custom_jvp_call" for e in jaxpr.eqns) == 6
+    for got, want in zip(jax.jit(f)(xs, dep), xs):
+        _bits_equal(got, want)
+
+
 def test_tie_rejects_non_array_dependency():
     with pytest.raises(TypeError, match="tie: dep must be an array"):
         tie(jnp.ones(2), [object()])
