@@ -162,6 +162,11 @@ def shard_axes(*names: str) -> Iterator[None]:
         _SHARD_AXES.reset(token)
 
 
+def shard_axes_in_context() -> tuple[str, ...] | None:
+    """The names :func:`shard_axes` set in context (``None`` outside any such block)."""
+    return _SHARD_AXES.get()
+
+
 def _context_axis_sizes() -> tuple[int, ...]:
     """Sizes (> 1) of the axes of the abstract mesh in context that a traced array's trailing
     axis may be split over: every axis not in manual mode (inside ``shard_map`` the arrays are

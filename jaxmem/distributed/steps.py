@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._prims.bitpack import shard_axes
-from jaxmem._prims.grad_layout import gradient_layout
+from jaxmem._prims.grad_layout import gradient_layout, placed
 from jaxmem.distributed.sharding import (
     MODES,
     _check_mesh,
@@ -68,7 +68,10 @@ def _placed(params, use, grad):
     ``use``: the sum and the slice to ``grad`` become one reduce-scatter (XLA:GPU), device
     ``d`` keeping ``(sum_d ct_d)[shard_d]`` and no full copy of the sum. The ``use``
     constraint first keeps the ``grad`` layout from spreading into the backward of the
-    model's own ops."""
+    model's own ops. Each result is recorded with its ``p``
+    (:func:`jaxmem._prims.grad_layout.placed`): where a store layout is in context (FSDP
+    with ``reduce_early``) jaxmem's dense / conv layers read ``p`` instead and gather it
+    themselves, and a result left without a use is never gathered."""
     def one(p, u, g):
         @jax.custom_vjp
         def place(x):
@@ -82,7 +85,9 @@ def _placed(params, use, grad):
             return (jax.lax.with_sharding_constraint(ct, g),)
 
         place.defvjp(fwd, bwd)
-        return place(p)
+        out = place(p)
+        placed(out, p)   # jaxmem's layers reading ``out`` gather ``p`` where they run
+        return out
 
     return jax.tree.map(one, params, use, grad)
 
@@ -286,8 +291,10 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         parameters (an all-reduce under ``"dp"``) and the update with them.
       reduce_early: jaxmem's layers (dense / conv weights, biases, norm scales) reduce
         their parameter gradient onto its update layout where their backward forms it, and
-        pass the input gradient on only once it exists (XLA:GPU); under ``"fsdp"`` they keep
-        a weight for the backward as its shard and gather it again there. A layer sees a
+        pass the input gradient on only once it exists (XLA:GPU); under ``"fsdp"`` a dense /
+        conv layer takes its weight's shard, gathers it once its input exists (not with
+        every other weight at the start of the step), keeps the shard for the backward and
+        gathers it again there. A layer sees a
         weight's shape, not its path: shapes whose parameters disagree on a layout are
         left to XLA. Left free, XLA:GPU forms every weight gradient at
         the end of the backward pass, next to the combined reduce-scatter, and keeps every

@@ -39,7 +39,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.grad_layout import bilinear_gradients, gathered, split_by_spmd, stored
+from jaxmem._prims.grad_layout import (
+    bilinear_gradients,
+    gathered,
+    stored,
+    unplaced,
+    used,
+    weights_whole,
+)
 from jaxmem._prims.recipes import PROJECTED, depth, extend, project
 from jaxmem._prims.ties import tie, typed_struct, vary_like
 from jaxmem.selective._core import (
@@ -94,7 +101,7 @@ def _late(w, dep, on: bool):
 
 def _bilinear_fwd(fn, name, x_struct, w_struct, dx_fn, x, w):
     del x_struct, w_struct, dx_fn
-    y = fn(x.value, _late(w.value, x.value, name in _LATE_FWD))
+    y = fn(x.value, used(w.value, x.value, name in _LATE_FWD))
     # keep x only if dL/dW is requested, W only if dL/dx is requested.
     res_x = tag(x.value, name + ".input") if w.perturbed else None
     y, res_w = stored(w.value, y) if x.perturbed else (y, None)
@@ -149,7 +156,7 @@ def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w
     does (one of ``rec[i]``, ``i in kept_if``, is differentiated), keep ``rec`` -- the very
     same residuals, stored once -- instead of ``x``."""
     del x_struct, w_struct, dx_fn, rec_fn
-    y = fn(x.value, _late(w.value, x.value, name in _LATE_FWD))
+    y = fn(x.value, used(w.value, x.value, name in _LATE_FWD))
     shared = w.perturbed and kept(rec, kept_if, perturbed)
     res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
     res_rec = tuple(value(p) for p in rec) if shared else None
@@ -198,11 +205,13 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     ``_project`` (a dense product, ``jaxmem.transform(..., projections=True)``): when ``x``
     is such a normalisation or activation output, the output is recorded as recomputable
     from its producer's residuals and ``w`` (:func:`jaxmem._prims.recipes.project`), for the
-    attention core only (queries, keys and values recomputed in its backward pass); not in
-    a program that XLA's SPMD partitioner splits (a mesh in context). A bilinear layer fed
+    attention core only (queries, keys and values recomputed in its backward pass); not
+    where XLA's SPMD partitioner splits the weight (``grad_layout.weights_whole``: a mesh
+    in context other than a data parallel step's). A bilinear layer fed
     a value recorded so ignores the recipe and keeps its input.
     """
     x_in = x
+    w = unplaced(w)   # a sharded step's parameter shard, gathered in the forward rule
     r = recipe(x) if depth(x) < PROJECTED else None
     # under ``shard_map``: give ``x`` and ``w`` the same varying axes (a replicated weight
     # with a per-device batch), so the rule's cotangents have its arguments' types; the
@@ -214,10 +223,11 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
         y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
         if _pointwise:
             extend(y, fn, x_in, (w,))
-        elif _project and not split_by_spmd():
-            # not in a program the SPMD partitioner splits: a recomputed projection of a
-            # sharded weight would repeat the forward's collectives (measured: the GPT of
-            # parity_tests/distributed under TP, 2 -> 4 collective-permutes)
+        elif _project and weights_whole():
+            # not where the weight is split (TP, FSDP's stored shard): a recomputed
+            # projection would repeat the forward's collectives (measured: the GPT of
+            # parity_tests/distributed under TP, 2 -> 4 collective-permutes); data
+            # parallelism holds every weight whole
             project(y, fn, x_in, (w,))
         return y
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)

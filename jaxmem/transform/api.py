@@ -102,9 +102,10 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         that norm's residuals and the weights instead of ``q, k, v`` (three arrays of the
         layer's width less per layer) and recomputes the projections in its backward pass
         (exact: the same products of bit-identical values; one more projection per
-        attention in the backward). Not in a program XLA's SPMD partitioner splits (a mesh
-        with an axis of size > 1 in context, e.g. :mod:`jaxmem.distributed`'s steps), where
-        the recomputation would repeat the forward's collectives. ``False`` keeps ``q, k, v``.
+        attention in the backward). Not where XLA's SPMD partitioner splits the weights (a
+        mesh with an axis of size > 1 in context, outside a :mod:`jaxmem.distributed` data
+        parallel step or a fully sharded one without ``reduce_early``), where the
+        recomputation would repeat the forward's collectives. ``False`` keeps ``q, k, v``.
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the

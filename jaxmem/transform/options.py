@@ -34,7 +34,7 @@ class Options:
       keys and values are dense projections of a normalisation's output (``LN(x) W + b``,
       reshaped, split, transposed, scaled by constants) keeps that norm's residuals and the
       weights instead of ``q, k, v`` and recomputes the projections in its backward pass
-      (not in programs XLA's SPMD partitioner splits).
+      (not where XLA's SPMD partitioner splits the weights: data parallel steps only).
     """
 
     fewbit: int | None = None

@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import jaxmem.linen
+import jaxmem.selective.linear
 from jaxmem import distributed as jd
 from jaxmem.models.transformer import MLPBlock
 
@@ -56,8 +57,13 @@ def _param_bytes():
 
 
 @functools.cache
-def _compiled(mode, shard_update=True, reduce_early=None, layers=1, tokens=T):
-    """(memory_analysis, collectives) of the step compiled for 8 x H100."""
+def _compiled(mode, shard_update=True, reduce_early=None, layers=1, tokens=T,
+              gather_in_layer=True):
+    """(memory_analysis, collectives) of the step compiled for 8 x H100.
+    ``gather_in_layer=False``: the layers read the step's gathered copy of each weight
+    (``grad_layout.unplaced`` made the identity), for comparison."""
+    from unittest import mock
+
     from jaxmem.measure import target_mesh
     from jaxmem.measure.target import compile_lowered
 
@@ -68,8 +74,10 @@ def _compiled(mode, shard_update=True, reduce_early=None, layers=1, tokens=T):
     step = jd.train_step(loss, opt, jd.mesh(**shape, devices=devs), mode,
                          shard_update=shard_update, reduce_early=reduce_early)
     assert step.reduce_early is (reduce_early is not False)  # on by default on GPU meshes
-    compiled, _ = compile_lowered(step.lower(params, jax.eval_shape(opt.init, params), batch),
-                                  "h100", "auto")
+    with mock.patch("jaxmem.selective.linear.unplaced",
+                    (lambda w: w) if not gather_in_layer else jaxmem.selective.linear.unplaced):
+        lowered = step.lower(params, jax.eval_shape(opt.init, params), batch)
+    compiled, _ = compile_lowered(lowered, "h100", "auto")
     return compiled.memory_analysis(), jd.collectives(compiled.as_text())
 
 
@@ -126,3 +134,17 @@ def test_gradients_reduced_where_formed_lower_per_device_bytes(mode, shard_updat
     # every kernel but the first, whose input (the data) needs no gradient: not kept
     regathered = kernels - D * HIDDEN * 4
     assert gathers == (regathered if mode == "fsdp" else 0), (gathers, kernels)
+
+
+def test_fsdp_layers_gather_their_weight_where_they_run():
+    """Under FSDP (``reduce_early``) a jaxmem layer takes its weight's shard, not the copy
+    the step gathered before the loss, and gathers it once its input exists: XLA cannot
+    combine every weight's all-gather into one at the start of the step, where all gathered
+    kernels would be live together. Fewer temporaries than the layers reading the step's
+    copy, more (per-layer) all-gathers, the same reductions."""
+    m, c = _compiled("fsdp", layers=3, tokens=64)
+    held, c_held = _compiled("fsdp", layers=3, tokens=64, gather_in_layer=False)
+    assert m.temp_size_in_bytes < held.temp_size_in_bytes, (m, held)
+    assert c.counts["all-gather"] > c_held.counts["all-gather"], (c.counts, c_held.counts)
+    for kind in ("reduce-scatter", "all-reduce"):
+        assert c.bytes[kind] == c_held.bytes[kind], (kind, c.bytes, c_held.bytes)

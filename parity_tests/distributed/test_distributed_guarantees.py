@@ -61,3 +61,29 @@ def test_init_copies_the_callers_params_so_donating_steps_leave_them_usable():
             assert not a.is_deleted()
             np.testing.assert_array_equal(np.asarray(a), b)
         assert not np.allclose(np.asarray(p["w"]), kept["w"])  # the step did train
+
+
+def test_weights_whole_only_where_no_layout_splits_a_weight():
+    """Recomputing a product of a weight in the backward pass (``projections``) adds no
+    collective only where every device holds the whole weight: one device, a data parallel
+    step (no feature axis split, no weight kept as its shard). Not under tensor
+    parallelism, not in a fully sharded step with ``reduce_early`` (its layers hold
+    shards), not under a bare mesh whose layout jaxmem does not know."""
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    from jaxmem._prims.bitpack import shard_axes
+    from jaxmem._prims.grad_layout import gradient_layout, weights_whole
+
+    mesh = AbstractMesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    assert weights_whole()
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert not weights_whole()
+        with shard_axes():
+            assert weights_whole()                                   # "dp"
+            with gradient_layout(lambda s: None):
+                assert weights_whole()                               # "dp", reduce_early
+            with gradient_layout(lambda s: None, lambda s: None,
+                                 NamedSharding(mesh, PartitionSpec())):
+                assert not weights_whole()                           # "fsdp", reduce_early
+        with shard_axes("data"):
+            assert not weights_whole()                               # "tp"-like
