@@ -90,10 +90,24 @@ def _relu_masked_fwd(x, ok, value):
 
 
 def _relu_masked_bwd(value, m, g):
-    return jnp.where(m > 0, g, jnp.zeros((), g.dtype)), None
+    zero = _unshared_zero(m.dtype)
+    return jnp.where(m > zero, g, zero.astype(g.dtype)), None
 
 
 _relu_masked.defvjp(_relu_masked_fwd, _relu_masked_bwd)
+
+
+def _unshared_zero(dtype):
+    """A scalar 0 that XLA:GPU does not merge with the other zero maps of a tile (CSE).
+
+    A tile's max-pool backward scatters into a zeros map; were ``m > 0`` to read the same
+    broadcast, that map would be used twice, so XLA:GPU would materialise it and copy it for
+    the in-place scatter (two tile maps where one is needed). Behind an
+    ``optimization_barrier`` (off CPU; a plain 0 on CPU, where the scalar's own buffer
+    would be the only change) the comparison's zero is its own scalar, fused into its
+    consumer. Values unchanged."""
+    return lax.platform_dependent(cpu=lambda: jnp.zeros((), dtype),
+                                  default=lambda: lax.optimization_barrier(jnp.zeros((), dtype)))
 
 
 def _masks_next(nd, nxt) -> bool:
