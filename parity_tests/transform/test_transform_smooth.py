@@ -209,6 +209,21 @@ def _stack_params():
     return dict(_params(), w3=normal((64, 16), scale=0.2))
 
 
+def _as_accurate_as_jax(got, f, *args):
+    """``got`` (f32 value and gradients of a transformed ``f``) is as close to ``f``'s float64
+    value and gradients as JAX's own f32 ones are (within 4x, per leaf, plus 1e-6 of the
+    leaf's scale): a 12-layer stack's f32 gradients differ from run to run by rounding alone
+    (up to ~4e-3 relative on entries that cancel), so the reference is the float64 truth."""
+    plain = jax.jit(jax.value_and_grad(f))(*args)
+    with jax.enable_x64():
+        a64 = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a, np.float64)), args)
+        ref = jax.jit(jax.value_and_grad(f))(*a64)
+    for g, j, r in zip(*(jax.tree_util.tree_leaves(t) for t in (got, plain, ref))):
+        g, j, r = (np.asarray(v, np.float64) for v in (g, j, r))
+        e_got, e_jax = np.max(np.abs(g - r)), np.max(np.abs(j - r))
+        assert e_got <= 4 * e_jax + 1e-6 * max(1.0, np.max(np.abs(r))), (e_got, e_jax)
+
+
 @pytest.mark.parametrize("name", ["gelu erf", "gelu tanh", "silu", "tanh"])
 def test_fewbit_keeps_the_exact_op_where_many_products_read_outputs(name):
     """Under ``fewbit`` a smooth activation read by a selective product stays exact when the
@@ -224,7 +239,7 @@ def test_fewbit_keeps_the_exact_op_where_many_products_read_outputs(name):
     assert all(r.became == "exact (input kept, f' recomputed)" for r in rows)
     assert all("fewbit=3 not applied" in r.reason and "product" in r.reason for r in rows)
     got = jax.jit(jax.value_and_grad(g3))(p, x)
-    close(got, jax.jit(jax.value_and_grad(f))(p, x))
+    _as_accurate_as_jax(got, f, p, x)
     if name != "tanh":  # the same step as without fewbit
         want = jax.jit(jax.value_and_grad(transform(f)))(p, x)
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got),
