@@ -190,14 +190,13 @@ def unplaced(w):
 def used(w, dep, tied: bool = False):
     """A weight as the layer's forward pass uses it, once ``dep`` (the layer's input) exists.
 
-    With a store layout in context (``"fsdp"``): ``w`` tied to ``dep`` and then laid out to
-    be gathered (``gradient_layout``'s ``gather``), so each layer's all-gather runs where
-    the layer does and no earlier (a weight the step already gathered is left as it is).
+    With a store layout in context (``"fsdp"``): :func:`gathered` (``w`` tied to ``dep`` and
+    then laid out to be gathered), so each layer's all-gather runs where the layer does and
+    no earlier (a weight the step already gathered is left as it is).
     Else ``tie(w, dep)`` if ``tied`` (a convolution's re-laid-out kernel copies made next to
     their use, :mod:`jaxmem.selective.linear`), or ``w``. Values unchanged."""
-    st = _STORE.get()
-    if st is not None and w is not None and not _inside_shard_map():
-        return jax.lax.with_sharding_constraint(tie(w, dep), st[1])
+    if _gathers(w):
+        return gathered(w, dep)
     return tie(w, dep) if tied and w is not None else w
 
 
@@ -206,7 +205,12 @@ def gathered(w, dep):
     once ``dep`` (the backward's cotangent) exists: ``tie(w, dep)`` first, so XLA cannot
     gather it earlier (or keep the forward's gathered copy instead). ``w`` itself when no
     store layout is in context."""
-    st = _STORE.get()
-    if st is None or w is None or _inside_shard_map():
+    if not _gathers(w):
         return w
-    return jax.lax.with_sharding_constraint(tie(w, dep), st[1])
+    return jax.lax.with_sharding_constraint(tie(w, dep), _STORE.get()[1])
+
+
+def _gathers(w) -> bool:
+    """Whether :func:`gathered` gathers ``w``: a store layout in context, outside
+    ``shard_map``."""
+    return _STORE.get() is not None and w is not None and not _inside_shard_map()

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jaxmem._prims.ties import tie, varying_axes
+from jaxmem._prims.ties import barrier_off_cpu, tie, varying_axes
 
 from . import halo as H
 from .layers import (
@@ -103,11 +103,10 @@ def _unshared_zero(dtype):
     A tile's max-pool backward scatters into a zeros map; were ``m > 0`` to read the same
     broadcast, that map would be used twice, so XLA:GPU would materialise it and copy it for
     the in-place scatter (two tile maps where one is needed). Behind an
-    ``optimization_barrier`` (off CPU; a plain 0 on CPU, where the scalar's own buffer
-    would be the only change) the comparison's zero is its own scalar, fused into its
-    consumer. Values unchanged."""
-    return lax.platform_dependent(cpu=lambda: jnp.zeros((), dtype),
-                                  default=lambda: lax.optimization_barrier(jnp.zeros((), dtype)))
+    ``optimization_barrier`` (``ties.barrier_off_cpu``: a plain 0 on CPU, where the scalar's
+    own buffer would be the only change) the comparison's zero is its own scalar, fused into
+    its consumer. Values unchanged."""
+    return barrier_off_cpu(jnp.zeros((), dtype))
 
 
 def _masks_next(nd, nxt) -> bool:
