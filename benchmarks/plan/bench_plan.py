@@ -93,7 +93,25 @@ def vgg_case(quick, batch=None):
     return "vgg16 (w 0.125, 512x512, b1)", loss, (params, x, y)
 
 
+def gpt_wide_case(quick, batch=None):
+    """GPT 4 x 128, ctx 128, vocab 2048: wider than ``gpt`` (4x the FLOPs per residual byte
+    of a block), with a GPU-sized vocabulary whose logits are the largest array."""
+    del quick
+    m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
+    tok = jax.random.randint(jax.random.key(0), (batch or 8, 128), 0, 2048)
+    params = m.init(jax.random.key(1), tok)["params"]
+
+    def loss(p, t):
+        lg = m.apply({"params": p}, t)
+        return -jnp.mean(jax.nn.log_softmax(lg)[..., 0])
+
+    return f"gpt (4x128, ctx 128, vocab 2048, b{tok.shape[0]})", loss, (params, tok)
+
+
 CASES = {"gpt": gpt_case, "resnet50": resnet_case, "vit": vit_case, "vgg16": vgg_case}
+#: cases run only when named in ``--models`` (a plan on the H100 plan takes tens of minutes)
+EXTRA_CASES = {"gpt_wide": gpt_wide_case}
+ALL_CASES = {**CASES, **EXTRA_CASES}
 #: models with smooth activations (GELU): also planned with ``allow_approximate=True``
 APPROXIMATE = ("gpt", "vit")
 
@@ -167,7 +185,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
     timed = target == "cpu"
     for key in names:
         t_case = time.perf_counter()
-        name, loss, args = CASES[key](quick, batch)
+        name, loss, args = ALL_CASES[key](quick, batch)
         default = total(loss, args, target)
         uni = uniform_steps(loss, args)
         uni_bytes = {k: total(f, args, target) for k, f in uni.items()}
@@ -332,10 +350,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
 
 def _models_arg(text):
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in names if t not in CASES]
+    bad = [t for t in names if t not in ALL_CASES]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"--models must be a comma-separated subset of {','.join(CASES)}, got {text!r}")
+            f"--models must be a comma-separated subset of {','.join(ALL_CASES)}, got {text!r}")
     return tuple(dict.fromkeys(names))
 
 
@@ -395,7 +413,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", type=_models_arg, default=tuple(CASES),
-                    help=f"comma-separated subset of {','.join(CASES)} (default: all)")
+                    help=f"comma-separated subset of {','.join(ALL_CASES)} (default: "
+                         f"{','.join(CASES)})")
     ap.add_argument("--out", type=pathlib.Path, default=OUT,
                     help="folder for plan.json and plan.md (default: benchmarks/results/plan)")
     ap.add_argument("--target", type=_target_arg, default="cpu",
@@ -418,7 +437,7 @@ def main():
     if a.update:
         old = json.loads((a.out / "plan.json").read_text())
         rows = _merged(old["rows"], rows)
-        names = tuple(m for m in CASES if m in old["meta"]["models"] or m in a.models)
+        names = tuple(m for m in ALL_CASES if m in old["meta"]["models"] or m in a.models)
         fractions = tuple(old["meta"]["fractions"])
         rerun = f"--models {','.join(a.models)}" + (
             "" if a.fractions == fractions else f" --fractions {','.join(map(str, a.fractions))}")
