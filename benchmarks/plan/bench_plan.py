@@ -34,16 +34,20 @@ OUT = pathlib.Path(__file__).resolve().parents[1] / "results" / "plan"
 MIB = 2.0**20
 
 
-def gpt_case(quick, batch=None):
-    m = models.gpt(n_layer=4, d_model=64, ctx=64)
-    tok = jax.random.randint(jax.random.key(0), (batch or (16 if quick else 32), 64), 0, 256)
-    params = m.init(jax.random.key(1), tok)["params"]
-
+def _token_loss(m):
+    """The GPT cases' loss: mean negative log-probability of token 0 over all positions."""
     def loss(p, t):
         lg = m.apply({"params": p}, t)
         return -jnp.mean(jax.nn.log_softmax(lg)[..., 0])
 
-    return f"gpt (4x64, ctx 64, b{tok.shape[0]})", loss, (params, tok)
+    return loss
+
+
+def gpt_case(quick, batch=None):
+    m = models.gpt(n_layer=4, d_model=64, ctx=64)
+    tok = jax.random.randint(jax.random.key(0), (batch or (16 if quick else 32), 64), 0, 256)
+    params = m.init(jax.random.key(1), tok)["params"]
+    return f"gpt (4x64, ctx 64, b{tok.shape[0]})", _token_loss(m), (params, tok)
 
 
 def resnet_case(quick, batch=None):
@@ -94,18 +98,14 @@ def vgg_case(quick, batch=None):
 
 
 def gpt_wide_case(quick, batch=None):
-    """GPT 4 x 128, ctx 128, vocab 2048: wider than ``gpt`` (4x the FLOPs per residual byte
-    of a block), with a GPU-sized vocabulary whose logits are the largest array."""
+    """GPT 4 x 128, ctx 128, vocab 2048: wider than ``gpt`` (twice the FLOPs per residual
+    byte of a block), with a vocabulary whose logits are the step's largest array."""
     del quick
     m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
     tok = jax.random.randint(jax.random.key(0), (batch or 8, 128), 0, 2048)
     params = m.init(jax.random.key(1), tok)["params"]
-
-    def loss(p, t):
-        lg = m.apply({"params": p}, t)
-        return -jnp.mean(jax.nn.log_softmax(lg)[..., 0])
-
-    return f"gpt (4x128, ctx 128, vocab 2048, b{tok.shape[0]})", loss, (params, tok)
+    return (f"gpt (4x128, ctx 128, vocab 2048, b{tok.shape[0]})", _token_loss(m),
+            (params, tok))
 
 
 CASES = {"gpt": gpt_case, "resnet50": resnet_case, "vit": vit_case, "vgg16": vgg_case}
