@@ -10,6 +10,8 @@ Submodules (imported lazily, so ``import jaxmem`` stays cheap and never imports 
 - :mod:`jaxmem.models`    — reference Flax models (twins of ``torch_ref.models``).
 - :mod:`jaxmem.distributed` — DP/FSDP/TP train steps on a ``Mesh``, collectives accounting.
 - :mod:`jaxmem.planner`   — :func:`jaxmem.plan`: fit a training step into a memory budget.
+- :mod:`jaxmem.losses`    — the LM head's cross-entropy a chunk of tokens at a time (no
+  ``tokens x vocab`` array kept).
 
 Any JAX function: :func:`jaxmem.transform` (a function transformation that converts what
 the program computes; nothing is patched). Flax models: :func:`jaxmem.linen.convert`,
@@ -25,7 +27,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _SUBMODULES = ("measure", "selective", "fewbit", "rowconv", "schedule", "models", "bench",
-               "linen", "nnx", "distributed", "planner")
+               "linen", "nnx", "distributed", "planner", "losses")
 _ATTRS = {"scope": ("jaxmem.linen", "deprecated_scope"),
           "plan": ("jaxmem.planner", "plan"),
           "transform": ("jaxmem.transform", "transform"),

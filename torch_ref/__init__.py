@@ -6,6 +6,7 @@
 - :mod:`torch_ref.fewbit`   — few-bit activations sharing jaxmem's tables.
 - :mod:`torch_ref.rowconv`  — row-centric convolution training.
 - :mod:`torch_ref.olla`     — torch.fx importer for jaxmem.schedule.
+- :mod:`torch_ref.losses`   — the LM head's cross-entropy a chunk of tokens at a time.
 
 Needs the ``torch`` extra: ``pip install 'jaxmem[torch]'``.
 """

@@ -108,9 +108,29 @@ def gpt_wide_case(quick, batch=None):
             (params, tok))
 
 
+def gpt_wide_chunked_case(quick, batch=None):
+    """``gpt_wide`` with the same loss computed by
+    :func:`jaxmem.losses.chunked_softmax_cross_entropy` (128-token chunks over the model's
+    ``features=True`` output and its tied embedding): no ``tokens x vocab`` array."""
+    from jaxmem.losses import chunked_softmax_cross_entropy
+
+    del quick
+    m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
+    tok = jax.random.randint(jax.random.key(0), (batch or 8, 128), 0, 2048)
+    params = m.init(jax.random.key(1), tok)["params"]
+
+    def loss(p, t):   # _token_loss's loss: label 0 at every position
+        h = m.apply({"params": p}, t, features=True)
+        return jnp.mean(chunked_softmax_cross_entropy(
+            h, p["wte"]["embedding"].T, jnp.zeros(t.shape, jnp.int32), chunk_size=128))
+
+    return (f"gpt (4x128, ctx 128, vocab 2048, b{tok.shape[0]}, chunked head)", loss,
+            (params, tok))
+
+
 CASES = {"gpt": gpt_case, "resnet50": resnet_case, "vit": vit_case, "vgg16": vgg_case}
 #: cases run only when named in ``--models`` (a plan on the H100 plan takes tens of minutes)
-EXTRA_CASES = {"gpt_wide": gpt_wide_case}
+EXTRA_CASES = {"gpt_wide": gpt_wide_case, "gpt_wide_chunked": gpt_wide_chunked_case}
 ALL_CASES = {**CASES, **EXTRA_CASES}
 #: models with smooth activations (GELU): also planned with ``allow_approximate=True``
 APPROXIMATE = ("gpt", "vit")

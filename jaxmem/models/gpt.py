@@ -50,7 +50,10 @@ class GPT(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, features: bool = False):
+        """Logits ``(batch, time, vocab)``; with ``features=True`` the final norm's output
+        ``(batch, time, d_model)`` instead (the head's input: e.g. for
+        :func:`jaxmem.losses.chunked_softmax_cross_entropy` with ``wte.embedding.T``)."""
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"GPT: tokens must be (batch, time), got shape {tuple(tokens.shape)}")
@@ -69,7 +72,7 @@ class GPT(nn.Module):
             x = Block(cfg.n_head, cfg.mlp_ratio, True, cfg.gelu_approximate, cfg.bias,
                       self.dtype, name=f"h_{i}")(x)
         x = layer_norm("ln_f", self.dtype)(x)
-        return wte.attend(x)
+        return x if features else wte.attend(x)
 
 
 def gpt(config: GPTConfig | None = None, **overrides) -> GPT:

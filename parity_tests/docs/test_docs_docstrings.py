@@ -25,6 +25,7 @@ ENTRY_POINTS = [
     ("jaxmem.schedule", "optimize"),
     ("jaxmem.schedule", "execute"),
     ("jaxmem.distributed", "train_step"),
+    ("jaxmem.losses", "chunked_softmax_cross_entropy"),
 ]
 
 
