@@ -11,7 +11,11 @@ Cases (compiled bytes = temp + output + argument - alias of ``value_and_grad``):
   ``features=True`` + the chunked head (chunks of 128 tokens), stored and with uniform
   ``jax.checkpoint(nothing_saveable)`` per block (``bench_plan.uniform_steps``);
 * CPU step time of both ``gpt_wide`` steps and of a smaller head (4 x 256 tokens, d 256, vocab
-  8192), as a ratio to the whole head (median of interleaved runs).
+  8192), as a ratio to the whole head (median of interleaved runs);
+* residuals kept for the backward pass of that smaller head (level 1: ``jaxmem.measure.
+  residual_bytes``), beside PyTorch's saved tensors (``torch_ref.measure.saved_bytes``) for
+  ``F.cross_entropy`` on the whole logits and the reference ``torch_ref.losses.
+  chunked_cross_entropy`` (``torch.utils.checkpoint`` per chunk), when torch is installed.
 
     .venv/bin/python benchmarks/losses/bench_chunked_head.py [--target h100] [--reps 15]
 """
@@ -25,6 +29,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxmem import models
@@ -117,12 +122,41 @@ def main():
     t_head = median_times([head_losses(None), head_losses(256)], small, a.reps, (0, 1))
     times["head (4x256 tokens, d 256, vocab 8192), chunks of 256"] = t_head[1] / t_head[0]
     print(times, flush=True)
+    residuals = residual_rows(small)
+    print(residuals, flush=True)
     res = {"jax": jax.__version__, "targets": targets, "rows": rows, "cpu_time_ratio": times,
-           "seconds": time.time() - t0}
+           "residual_mib": residuals, "seconds": time.time() - t0}
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "chunked_head.json").write_text(json.dumps(res, indent=1) + "\n")
     write_md(res, out / "chunked_head.md", a.target)
+
+
+def residual_rows(args, chunk=256):
+    """Residual MiB of the smaller head's backward pass: JAX (``residual_bytes``, gradients
+    w.r.t. features and weight) and, when torch is installed, PyTorch (saved tensors)."""
+    from jaxmem.measure import residual_bytes
+
+    out = {}
+    for label, c in (("whole head", None), (f"chunked head ({chunk} tokens)", chunk)):
+        rep = residual_bytes(head_losses(c), *args, argnums=(0, 1))
+        out[f"jax, {label}"] = rep.activation_bytes / MIB
+    try:
+        import torch
+    except ImportError:
+        return out
+    from torch_ref.losses import chunked_cross_entropy
+    from torch_ref.measure import saved_bytes
+
+    h, w = (torch.tensor(np.asarray(a), requires_grad=True) for a in args[:2])
+    y = torch.tensor(np.asarray(args[2], np.int64))
+    fns = {"torch, whole head (F.cross_entropy)":
+           lambda h, w: torch.nn.functional.cross_entropy(h @ w, y),
+           f"torch, chunked head ({chunk} tokens, torch.utils.checkpoint)":
+           lambda h, w: chunked_cross_entropy(h, w, y, chunk_size=chunk).mean()}
+    for label, f in fns.items():
+        out[label] = saved_bytes(f, h, w).activation_bytes / MIB
+    return out
 
 
 def write_md(res, path, target):
@@ -151,6 +185,14 @@ def write_md(res, path, target):
         L.append("")
     L += ["## CPU step time, chunked / whole (median of interleaved runs)", ""]
     L += [f"- {k}: {v:.2f}x" for k, v in res["cpu_time_ratio"].items()]
+    if res.get("residual_mib"):
+        L += ["", ("## Residuals kept for the backward pass (level 1), head 4x256 tokens, "
+                   "d 256, vocab 8192 (one f32 logits array: 32 MiB)"), "",
+              "| step | MiB |", "|---|---|"]
+        L += [f"| {k} | {v:.2f} |" for k, v in res["residual_mib"].items()]
+        L += ["", ("JAX's chunked residual is the features split into chunks (the scan's input: "
+              "level 1 counts the reshaped array, which the compiled step does not copy); "
+              "PyTorch's chunks are views of the features, an argument.")]
     path.write_text("\n".join(L) + "\n")
 
 
