@@ -8,11 +8,11 @@ For features ``h`` (``N x d`` once the leading axes are flattened), a projection
 as ``optax.softmax_cross_entropy_with_integer_labels(h @ W + b, y)`` computes it. Written
 that way, a training step holds ``N x V`` arrays at once (the logits or the softmax kept for
 the backward pass, and their cotangent: two at the peak of a GPT-2-style head on XLA:GPU's
-plan and on XLA:CPU's). Here
-the tokens are split into chunks of ``chunk_size``; each chunk's logits are formed, reduced to
-its ``chunk_size`` losses and dropped, under ``jax.checkpoint`` inside ``lax.scan``: the
-backward pass forms them again, chunk by chunk (``dl/dz_i = softmax(z_i) - onehot(y_i)``,
-times the loss's cotangent), and accumulates ``dW``, ``db`` over chunks. Every token's loss
+plan and on XLA:CPU's). Here the tokens are split into chunks of ``chunk_size``; each chunk's
+logits are formed, reduced to its ``chunk_size`` losses (optax's function on the chunk) and
+dropped, under ``jax.checkpoint`` inside ``lax.scan``: the backward pass forms them again,
+chunk by chunk (``dl/dz_i = softmax(z_i) - onehot(y_i)``, times the loss's cotangent), and
+accumulates ``dW``, ``db`` over chunks. Every token's loss
 and every gradient is the same sum as the unchunked head's, in another summation order over
 chunks for ``dW`` and ``db`` (float32: within ``1e-5`` relative); the head's matmul runs
 twice (forward, and again in the backward pass): ``2 N d V`` FLOPs more per step.
@@ -22,18 +22,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 __all__ = ["chunked_softmax_cross_entropy"]
 
 
 def _token_losses(h, w, b, y):
-    """``logsumexp(z) - z[y]`` per row of ``z = h w (+ b)``, as optax computes it."""
+    """optax's ``logsumexp(z) - z[y]`` per row of one chunk's logits ``z = h w (+ b)``."""
     z = jnp.matmul(h, w)
-    if b is not None:
-        z = z + b
-    picked = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
-    return jax.nn.logsumexp(z, axis=-1) - picked
+    return optax.softmax_cross_entropy_with_integer_labels(z if b is None else z + b, y)
 
 
 def _check(features, weight, labels, bias, chunk_size):
