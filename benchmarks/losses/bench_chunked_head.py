@@ -32,13 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmem import models
 from jaxmem.losses import chunked_softmax_cross_entropy
 from jaxmem.measure import compiled_memory
 
 HERE = pathlib.Path(__file__).resolve()
 OUT = HERE.parents[1] / "results" / "losses"
-sys.path.insert(0, str(HERE.parents[1] / "plan"))   # bench_plan: uniform remat, step times
+sys.path.insert(0, str(HERE.parents[1] / "plan"))
+# the plan benchmark's gpt_wide model, its uniform remat per block and its step timing
+from bench_plan import gpt_wide_model, times, uniform_steps
+
 MIB = 2.0**20
 
 
@@ -50,10 +52,8 @@ def head_losses(chunk):
 
 
 def gpt_wide_losses():
-    """The ``gpt_wide`` model, its batch, and the two losses (next-token prediction)."""
-    m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
-    tok = jax.random.randint(jax.random.key(0), (8, 128), 0, 2048)
-    params = m.init(jax.random.key(1), tok)["params"]
+    """The ``gpt_wide`` model's arguments and the two losses (next-token prediction)."""
+    m, tok, params = gpt_wide_model()
     tgt = jnp.roll(tok, -1, axis=1)
 
     def whole(p, t, y):
@@ -75,8 +75,6 @@ def total(fn, args, target, argnums=0):
 
 def median_times(fns, args, reps, argnums=0):
     """Median seconds of each ``value_and_grad`` step, interleaved (``bench_plan.times``)."""
-    from bench_plan import times
-
     return times([jax.value_and_grad(f, argnums) for f in fns], args, reps)
 
 
@@ -100,7 +98,6 @@ def main():
                          "target": tg, "total_mib": tot / MIB, "temp_mib": tmp / MIB})
             print(rows[-1], flush=True)
 
-    from bench_plan import uniform_steps  # jax.checkpoint per block, as nn.remat would
     args, losses = gpt_wide_losses()
     for label, fn in losses.items():
         for variant, step in (("stored", fn),
@@ -113,18 +110,18 @@ def main():
                              "total_mib": tot / MIB, "temp_mib": tmp / MIB})
                 print(rows[-1], flush=True)
 
-    times = {}
+    time_ratio = {}
     t_gpt = median_times(list(losses.values()), args, a.reps)
-    times["gpt_wide (4x128, ctx 128, vocab 2048, b8)"] = t_gpt[1] / t_gpt[0]
+    time_ratio["gpt_wide (4x128, ctx 128, vocab 2048, b8)"] = t_gpt[1] / t_gpt[0]
     k = jax.random.split(jax.random.key(5), 3)
     small = (jax.random.normal(k[0], (4 * 256, 256)), jax.random.normal(k[1], (256, 8192)) / 16,
              jax.random.randint(k[2], (4 * 256,), 0, 8192))
     t_head = median_times([head_losses(None), head_losses(256)], small, a.reps, (0, 1))
-    times["head (4x256 tokens, d 256, vocab 8192), chunks of 256"] = t_head[1] / t_head[0]
-    print(times, flush=True)
+    time_ratio["head (4x256 tokens, d 256, vocab 8192), chunks of 256"] = t_head[1] / t_head[0]
+    print(time_ratio, flush=True)
     residuals = residual_rows(small)
     print(residuals, flush=True)
-    res = {"jax": jax.__version__, "targets": targets, "rows": rows, "cpu_time_ratio": times,
+    res = {"jax": jax.__version__, "targets": targets, "rows": rows, "cpu_time_ratio": time_ratio,
            "residual_mib": residuals, "seconds": time.time() - t0}
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -97,13 +97,18 @@ def vgg_case(quick, batch=None):
     return "vgg16 (w 0.125, 512x512, b1)", loss, (params, x, y)
 
 
+def gpt_wide_model(batch=None):
+    """``(model, tokens, params)`` of GPT 4 x 128, ctx 128, vocab 2048, batch 8 by default."""
+    m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
+    tok = jax.random.randint(jax.random.key(0), (batch or 8, 128), 0, 2048)
+    return m, tok, m.init(jax.random.key(1), tok)["params"]
+
+
 def gpt_wide_case(quick, batch=None):
     """GPT 4 x 128, ctx 128, vocab 2048: wider than ``gpt`` (twice the FLOPs per residual
     byte of a block), with a vocabulary whose logits are the step's largest array."""
     del quick
-    m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
-    tok = jax.random.randint(jax.random.key(0), (batch or 8, 128), 0, 2048)
-    params = m.init(jax.random.key(1), tok)["params"]
+    m, tok, params = gpt_wide_model(batch)
     return (f"gpt (4x128, ctx 128, vocab 2048, b{tok.shape[0]})", _token_loss(m),
             (params, tok))
 
@@ -115,9 +120,7 @@ def gpt_wide_chunked_case(quick, batch=None):
     from jaxmem.losses import chunked_softmax_cross_entropy
 
     del quick
-    m = models.gpt(n_layer=4, d_model=128, n_head=4, ctx=128, vocab=2048)
-    tok = jax.random.randint(jax.random.key(0), (batch or 8, 128), 0, 2048)
-    params = m.init(jax.random.key(1), tok)["params"]
+    m, tok, params = gpt_wide_model(batch)
 
     def loss(p, t):   # _token_loss's loss: label 0 at every position
         h = m.apply({"params": p}, t, features=True)
