@@ -88,11 +88,8 @@ def test_under_vmap_scan_checkpoint_and_second_order():
         def loss(w):
             def body(c, hy):
                 return c + jnp.sum(jax.checkpoint(fn)(hy[0], w, b, hy[1])), None
-            return lax_scan(body, hs, ys)
+            return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ys))[0]
         return loss
-
-    def lax_scan(body, hs, ys):
-        return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ys))[0]
 
     assert_tree_close(jax.jit(jax.grad(scanned(_chunked)))(w), jax.grad(scanned(_ref))(w),
                       rtol=1e-5, atol=scaled_atol(1e-6))
