@@ -19,11 +19,11 @@ twice (forward, and again in the backward pass): ``2 N d V`` FLOPs more per step
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
+
+from jaxmem.losses.row_chunks import map_row_chunks
 
 __all__ = ["chunked_softmax_cross_entropy"]
 
@@ -32,6 +32,12 @@ def _token_losses(h, w, b, y):
     """optax's ``logsumexp(z) - z[y]`` per row of one chunk's logits ``z = h w (+ b)``."""
     z = jnp.matmul(h, w)
     return optax.softmax_cross_entropy_with_integer_labels(z if b is None else z + b, y)
+
+
+def _chunk_losses(rows, shared):
+    """One chunk's losses (:func:`map_row_chunks`'s ``fn``)."""
+    (h, y), (w, b) = rows, shared
+    return (_token_losses(h, w, b, y),)
 
 
 def _check(features, weight, labels, bias, chunk_size):
@@ -119,24 +125,5 @@ def chunked_softmax_cross_entropy(features, weight, labels, *, bias=None,
                                 *(() if bias is None else (bias.dtype,)))
     if n == 0:
         return jnp.zeros(lead, out_dtype)
-    chunk = min(int(chunk_size), n)
-    whole, rest = divmod(n, chunk)
-    # one chunk's loss, checkpointed: its logits are formed again in the backward pass
-    # (inside the scan without CSE barriers, which a scan body does not need; the remainder
-    # chunk outside it with them, so that XLA cannot merge the recomputation back)
-    def piece_fn(hc, yc, w, b):
-        return _token_losses(hc, w, b, yc)
-
-    piece = jax.checkpoint(piece_fn, prevent_cse=False)
-    body_h = h[:whole * chunk].reshape(whole, chunk, d)
-    body_y = y[:whole * chunk].reshape(whole, chunk)
-
-    def step(carry, xs):
-        return carry, piece(xs[0], xs[1], weight, bias)
-
-    _, losses = lax.scan(step, None, (body_h, body_y))
-    losses = losses.reshape(whole * chunk)
-    if rest:
-        last = jax.checkpoint(piece_fn)(h[whole * chunk:], y[whole * chunk:], weight, bias)
-        losses = jnp.concatenate([losses, last])
+    (losses,) = map_row_chunks(_chunk_losses, (h, y), (weight, bias), chunk_size)
     return losses.astype(out_dtype).reshape(lead)

@@ -17,6 +17,10 @@
   (the mask regenerated from the key) -- :mod:`~jaxmem.transform.match_dropout`;
 * max pools (``reduce_window`` max) -> :func:`jaxmem.selective.max_pool` (argmax codes kept
   instead of the input; exact, ties included) -- :mod:`~jaxmem.transform.match_pool`;
+* language-model heads (a product ``h W`` wider than ``h`` and a softmax-like loss per row:
+  optax's cross-entropies, ``log_softmax`` + ``take_along_axis``, one-hot sums) -> the same
+  equations computed ``logits_chunk`` rows at a time under ``jax.checkpoint`` (no
+  ``tokens x vocab`` array kept) -- :mod:`~jaxmem.transform.match_logits`;
 
 through ``scan``, ``cond``, ``while``, ``remat`` and ``jit`` bodies
 (:mod:`~jaxmem.transform.interpret`).  :func:`report` lists every decision with the user's

@@ -2,7 +2,7 @@
 
 ``transform(f, *, fewbit=None, attention=True, products=True, activations=True, norms=True,
 dropout=True, pools=True, residual_adds=True, conv_recompute=True, biases=True,
-projections=True)`` returns
+projections=True, logits_chunk=1024)`` returns
 a function ``g`` with ``g(*args, **kwargs) == f(*args, **kwargs)`` (the same pytree of
 outputs) whose reverse-mode autodiff stores less: ``g`` traces ``f`` to a jaxpr (with
 ``jax.make_jaxpr``) and re-emits it with jaxmem's ``custom_vjp`` ops wherever the
@@ -57,7 +57,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               products: bool = True, activations: bool = True, norms: bool = True,
               dropout: bool = True, pools: bool = True,
               residual_adds: bool = True, conv_recompute: bool = True,
-              biases: bool = True, projections: bool = True) -> Callable:
+              biases: bool = True, projections: bool = True,
+              logits_chunk: int | None = 1024) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -106,6 +107,14 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         mesh with an axis of size > 1 in context, outside a :mod:`jaxmem.distributed` data
         parallel step or a fully sharded one without ``reduce_early``), where the
         recomputation would repeat the forward's collectives. ``False`` keeps ``q, k, v``.
+      logits_chunk: rows (tokens) per chunk of a language-model head: a product ``h W``
+        whose rows are wider than ``h``'s (``V > d``), reduced within each row to per-token
+        values by a softmax-like loss (optax's cross-entropies, ``log_softmax`` +
+        ``take_along_axis``, one-hot sums, any spelling), is computed that many rows at a
+        time under ``jax.checkpoint`` (:mod:`jaxmem.transform.match_logits`): no
+        ``tokens x vocab`` array is kept or formed whole; the head's product runs again in
+        the backward pass. Heads of at most ``logits_chunk`` rows are left as they are.
+        ``None`` never chunks.
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -125,7 +134,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     options = Options(fewbit=fewbit, attention=attention, products=products,
                       activations=activations, norms=norms, dropout=dropout, pools=pools,
                       residual_adds=residual_adds, conv_recompute=conv_recompute,
-                      biases=biases, projections=projections)
+                      biases=biases, projections=projections, logits_chunk=logits_chunk)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -6,8 +6,9 @@ level it
 
 1. inlines ``jit`` / ``closed_call`` bodies (:func:`~jaxmem.transform.graph.inline_calls`; a
    ``jit``'s shardings become sharding constraints on the body's inputs and outputs),
-2. runs the matchers on the flat jaxpr (attention first, then normalisations, dropout,
-   max pools, products, then activation subgraphs, each on the equations the earlier ones left),
+2. runs the matchers on the flat jaxpr (language-model heads first, then attention,
+   normalisations, dropout, max pools, products, then activation subgraphs, each on the
+   equations the earlier ones left),
 3. walks the equations in order: a matched set is re-emitted as its op at its last
    equation (a reader of a statistic it also produces waits for it); higher-order
    primitives are entered (their bodies go through 1-3 again and
@@ -133,6 +134,10 @@ class Interpreter:
                 taken.update(item.eqns)
             found.append(item)
 
+        if opts.logits_chunk is not None:
+            from jaxmem.transform.match_logits import match_logits
+            for item in match_logits(graph, taken, path, opts.logits_chunk):
+                add(item)
         if opts.attention:
             for item in match_attention(graph, path):
                 add(item)

@@ -35,6 +35,10 @@ class Options:
       reshaped, split, transposed, scaled by constants) keeps that norm's residuals and the
       weights instead of ``q, k, v`` and recomputes the projections in its backward pass
       (not where XLA's SPMD partitioner splits the weights: data parallel steps only).
+    logits_chunk: ``None`` or rows per chunk (an int >= 1) of a language-model head: a
+      product ``h W`` with more columns than ``h`` has, reduced within each row to per-token
+      values by a softmax-like loss, computed that many rows at a time
+      (:mod:`~jaxmem.transform.match_logits`).
     """
 
     fewbit: int | None = None
@@ -48,6 +52,7 @@ class Options:
     conv_recompute: bool = True
     biases: bool = True
     projections: bool = True
+    logits_chunk: int | None = 1024
 
     def __post_init__(self):
         fb = self.fewbit
@@ -59,3 +64,7 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")
+        lc = self.logits_chunk
+        if lc is not None and (isinstance(lc, bool) or not isinstance(lc, int) or lc < 1):
+            raise ValueError(f"transform: logits_chunk must be None or an int >= 1 (rows per "
+                             f"chunk), got {lc!r}")

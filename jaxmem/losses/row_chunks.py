@@ -1,0 +1,55 @@
+"""A row-wise function of ``N`` rows, computed ``chunk_size`` rows at a time.
+
+For ``fn`` mapping row-aligned arrays ``(C, ...)`` (and shared arrays, whole) to row-aligned
+outputs ``(C, ...)``, where output row ``i`` depends on input row ``i`` only,
+:func:`map_row_chunks` returns ``fn`` over all ``N`` rows: full chunks inside a ``lax.scan``,
+the remainder after it, each chunk under ``jax.checkpoint``. Whatever ``fn`` forms inside a
+chunk (a ``C x V`` block of logits) exists one chunk at a time, in the forward pass and again
+in the backward pass, which runs ``fn`` a second time chunk by chunk. The values are ``fn``'s
+on every row; gradients w.r.t. the shared arrays are sums over chunks (another summation
+order than one call of ``fn`` on all rows).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["map_row_chunks"]
+
+
+def map_row_chunks(fn: Callable[[tuple, Any], tuple], rows: Sequence[Any], shared: Any,
+                   chunk_size: int) -> tuple:
+    """``fn(rows, shared)`` computed ``chunk_size`` rows at a time (module docstring).
+
+    Args:
+      fn: ``fn(row_chunk, shared) -> tuple of arrays``; ``row_chunk`` is a tuple of arrays
+        with ``C`` leading rows, each output has ``C`` leading rows.
+      rows: arrays with the same leading size ``N >= 1``.
+      shared: a pytree passed whole to every chunk (weights; ``None`` leaves allowed).
+      chunk_size: rows per chunk (``>= 1``; clipped to ``N``).
+
+    Returns:
+      The tuple of ``fn``'s outputs on all ``N`` rows.
+    """
+    rows = tuple(rows)
+    n = rows[0].shape[0]
+    chunk = min(int(chunk_size), n)
+    whole, rest = divmod(n, chunk)
+    # inside the scan without CSE barriers, which a scan body does not need; the remainder
+    # chunk outside it with them, so that XLA cannot merge its recomputation back
+    piece = jax.checkpoint(fn, prevent_cse=False)
+    body = tuple(r[:whole * chunk].reshape(whole, chunk, *r.shape[1:]) for r in rows)
+
+    def step(carry, xs):
+        return carry, tuple(piece(xs, shared))
+
+    _, outs = lax.scan(step, None, body)
+    outs = tuple(o.reshape(whole * chunk, *o.shape[2:]) for o in outs)
+    if rest:
+        last = jax.checkpoint(fn)(tuple(r[whole * chunk:] for r in rows), shared)
+        outs = tuple(jnp.concatenate([o, t]) for o, t in zip(outs, last))
+    return outs
