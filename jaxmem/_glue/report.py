@@ -35,9 +35,10 @@ class Entry:
     """One computation of the traced step, as :func:`jaxmem.transform` decided it.
 
     path: the Flax module path of the computation ('' at the top level); kind: ``'dot'``,
-    ``'conv'``, ``'norm'``, ``'activation'``, ``'attention'``, ``'dropout'``, ``'pool'`` or
-    ``'higher-order'``; target: what was matched (primitives and shapes, prefixed by the
-    enclosing higher-order primitives); technique: 'selective', 'fewbit', 'attention' or ''
+    ``'conv'``, ``'norm'``, ``'activation'``, ``'attention'``, ``'dropout'``, ``'pool'``,
+    ``'logits'`` or ``'higher-order'``; target: what was matched (primitives and shapes,
+    prefixed by the enclosing higher-order primitives); technique: 'selective', 'fewbit',
+    'attention', 'chunked' (a language-model head computed a chunk of rows at a time) or ''
     (none applied); status: one of :data:`STATUSES`; reason: what it became, or why it was
     left; where: the user's source location (``file:line (function)``).
     """
@@ -235,7 +236,8 @@ def entry_of_row(row) -> Entry:
     if row.converted:
         status = "converted"
         technique = ("fewbit" if "bit code" in row.became else
-                     "attention" if row.kind == "attention" else "selective")
+                     "attention" if row.kind == "attention" else
+                     "chunked" if row.kind == "logits" else "selective")
     else:
         technique = ""
         status = ("nothing-to-save" if any(w in row.reason for w in _NOTHING_TO_SAVE) else

@@ -262,3 +262,14 @@ def test_hugging_face_gpt2_next_token_loss():
     got, want = jax.jit(lambda *a: (jax.value_and_grad(g)(*a),
                                     jax.value_and_grad(loss)(*a)))(params, ids)
     close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_jaxmem_report_names_the_chunked_head():
+    """``jaxmem.report`` of the transformed loss: one 'logits' entry, converted, technique
+    'chunked'."""
+    import jaxmem
+
+    x, w, b, y = _data()
+    rep = jaxmem.report(transform(optax_integer, logits_chunk=CHUNK), x, w, b, y)
+    (entry,) = rep.by_kind("logits")
+    assert (entry.status, entry.technique) == ("converted", "chunked"), entry
