@@ -218,7 +218,9 @@ class _Region:
     # ------------------------------------------------------------------ per-row forms
     def _input(self, v, k: int | None, why: str) -> None:
         """Record ``v`` (not produced in the region) as row-aligned with ``k`` row axes, or
-        the same for every row (``k is None``)."""
+        the same for every row (``k is None``); a literal is read as it is."""
+        if is_literal(v):
+            return
         if k is None:
             if v not in self.inputs_free:
                 self.inputs_free.append(v)
@@ -282,7 +284,8 @@ class _Region:
                     self.outputs.append(v)
         _need(bool(self.outputs), "nothing of the head is used")
 
-    def _step(self, eqn, k_out: int, params: dict, modes: list) -> None:
+    def _step(self, eqn, k_out: int, params: dict | None, modes: list) -> None:
+        modes = ["lit" if is_literal(v) else m for v, m in zip(eqn.invars, modes)]
         for v in eqn.outvars:
             if type(v).__name__ != "DropVar":
                 self.rows[v] = k_out
