@@ -73,8 +73,24 @@ def next_token_slice(x, w, b, y):
     return optax.softmax_cross_entropy(logits, one_hot).mean()
 
 
+def label_smoothing(x, w, b, y):
+    smoothed = optax.smooth_labels(jax.nn.one_hot(y, V), 0.1)
+    return optax.softmax_cross_entropy(x @ w + b, smoothed).mean()
+
+
+def masked_vocab_z_loss(x, w, b, y):
+    """Some classes masked out with a large negative constant (a literal in the jaxpr), a
+    z-loss on the log-normaliser, padding tokens weighted out after the head."""
+    z = jnp.where(jnp.arange(V) % 7 != 3, x @ w + b, -1e9)
+    y = jnp.where(y % 7 == 3, y + 1, y)          # no label among the masked classes
+    lse = jax.nn.logsumexp(z, -1)
+    per_token = lse - jnp.take_along_axis(z, y[..., None], -1)[..., 0] + 1e-4 * lse ** 2
+    keep = (jnp.arange(T) < T - 5)[None, :]
+    return jnp.sum(per_token * keep) / jnp.sum(keep * jnp.ones_like(per_token))
+
+
 SPELLINGS = [optax_integer, log_softmax_take, flat_one_hot_sum, optax_one_hot, einsum_one_hot,
-             hand_logsumexp_tied, next_token_slice]
+             hand_logsumexp_tied, next_token_slice, label_smoothing, masked_vocab_z_loss]
 
 
 def _logit_rows(g, *args):
