@@ -9,8 +9,9 @@ a hand-written log-sum-exp, logits reshaped to ``(B*T, V)`` first)::
                               every row (d x V, or V x d for a tied embedding), V > d
     ...                       row-local equations on z: elementwise (other operands aligned
                               with the rows, or the same for every row), reductions, argmax,
-                              top_k and cumulative ops within a row, gathers within a row
-                              (``take_along_axis``, ``[..., 0]``), broadcasts, reshapes,
+                              top_k and cumulative ops within a row, gathers and slices
+                              within a row (``take_along_axis``, ``[..., 0]``),
+                              ``checkpoint_name``, broadcasts, reshapes,
                               squeezes and transposes that keep the rows leading, products
                               batched over the rows (``einsum("nv,nv->n")``)
     l = ...                   the region's outputs: at most one element per row (per-token
@@ -45,7 +46,8 @@ _ELEMENTWISE = frozenset((
     "xor", "not", "neg", "exp", "exp2", "log", "log1p", "expm1", "abs", "sign", "sqrt",
     "rsqrt", "cbrt", "tanh", "logistic", "erf", "erfc", "integer_pow", "square", "is_finite",
     "eq", "ne", "lt", "le", "gt", "ge", "select_n", "convert_element_type", "stop_gradient",
-    "copy", "copy_p", "reduce_precision", "floor", "ceil", "round", "clamp", "sin", "cos"))
+    "copy", "copy_p", "reduce_precision", "floor", "ceil", "round", "clamp", "sin", "cos",
+    "name"))   # checkpoint_name: an identity that names its value for remat policies
 _REDUCTIONS = frozenset(("reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "reduce_and",
                          "reduce_or", "argmax", "argmin"))
 _ALONG_AXIS = frozenset(("top_k", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"))
@@ -262,6 +264,8 @@ class _Region:
                 self._elementwise(eqn)
             elif name in _REDUCTIONS or name in _ALONG_AXIS or name in ("squeeze", "transpose"):
                 self._within_row(eqn)
+            elif name == "slice":
+                self._slice_within_rows(eqn)
             elif name == "broadcast_in_dim":
                 self._broadcast(eqn)
             elif name == "reshape":
@@ -342,6 +346,20 @@ class _Region:
             _need(isinstance(p.get("axis"), int) and p["axis"] >= k, f"{name} along the rows")
             p["axis"] = p["axis"] - k
         self._step(eqn, k, _no_sharding(p), ["row"])
+
+    def _slice_within_rows(self, eqn) -> None:
+        """A slice of the columns (``log_softmax(z)[..., 0]``): every row kept whole."""
+        v, k = self._region_operand(eqn)
+        shape = _shape(v)
+        p = eqn.params
+        strides = tuple(p["strides"] or (1,) * len(shape))
+        _need(tuple(p["start_indices"][:k]) == (0,) * k
+              and tuple(p["limit_indices"][:k]) == shape[:k] and strides[:k] == (1,) * k,
+              "slice of the rows after other equations")
+        new = dict(p, start_indices=tuple(p["start_indices"][k:]),
+                   limit_indices=tuple(p["limit_indices"][k:]),
+                   strides=None if p["strides"] is None else strides[k:])
+        self._step(eqn, k, new, ["row"])
 
     def _broadcast(self, eqn) -> None:
         v = eqn.invars[0]

@@ -89,8 +89,18 @@ def masked_vocab_z_loss(x, w, b, y):
     return jnp.sum(per_token * keep) / jnp.sum(keep * jnp.ones_like(per_token))
 
 
+def named_column(x, w, b, y):
+    """Logits named for a remat policy (``checkpoint_name``), one column of the log-softmax
+    (a slice within each row)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    z = checkpoint_name(x @ w + b, "logits")
+    return -jnp.mean(jax.nn.log_softmax(z)[..., 0])
+
+
 SPELLINGS = [optax_integer, log_softmax_take, flat_one_hot_sum, optax_one_hot, einsum_one_hot,
-             hand_logsumexp_tied, next_token_slice, label_smoothing, masked_vocab_z_loss]
+             hand_logsumexp_tied, next_token_slice, label_smoothing, masked_vocab_z_loss,
+             named_column]
 
 
 def _logit_rows(g, *args):
