@@ -131,9 +131,23 @@ def gpt_wide_chunked_case(quick, batch=None):
             (params, tok))
 
 
+def gpt_wide_transformed_case(quick, batch=None):
+    """``gpt_wide``'s whole-head loss as written, under ``jaxmem.transform`` with only its
+    language-model head matched (``logits_chunk=128``; every other conversion off): the head
+    chunked by what it computes, not by a rewritten loss."""
+    import jaxmem
+
+    name, loss, args = gpt_wide_case(quick, batch)
+    off = dict.fromkeys(("attention", "products", "activations", "norms", "dropout", "pools",
+                         "residual_adds", "conv_recompute", "biases", "projections"), False)
+    return (name.replace(")", ", transform(logits_chunk=128))"),
+            jaxmem.transform(loss, logits_chunk=128, **off), args)
+
+
 CASES = {"gpt": gpt_case, "resnet50": resnet_case, "vit": vit_case, "vgg16": vgg_case}
 #: cases run only when named in ``--models`` (a plan on the H100 plan takes tens of minutes)
-EXTRA_CASES = {"gpt_wide": gpt_wide_case, "gpt_wide_chunked": gpt_wide_chunked_case}
+EXTRA_CASES = {"gpt_wide": gpt_wide_case, "gpt_wide_chunked": gpt_wide_chunked_case,
+               "gpt_wide_transformed": gpt_wide_transformed_case}
 ALL_CASES = {**CASES, **EXTRA_CASES}
 #: models with smooth activations (GELU): also planned with ``allow_approximate=True``
 APPROXIMATE = ("gpt", "vit")
