@@ -33,11 +33,12 @@ import numpy as np
 import optax
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+HERE = pathlib.Path(__file__).resolve()
+sys.path[:0] = [str(HERE.parent), str(HERE.parents[1] / "losses")]
+from bench_chunked_head import head_losses as chunked_head_losses
 from bench_hf import _init, _time_side_by_side, train_step
 
 import jaxmem
-from jaxmem.losses import chunked_softmax_cross_entropy
 from jaxmem.measure import compiled_memory
 
 MIB = 2.0 ** 20
@@ -46,13 +47,10 @@ HF = {"hidden": 256, "layers": 4, "heads": 4, "ff": 1024, "batch": 8, "seq": 512
 
 
 def head_losses():
-    def untouched(h, w, y):
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ w, y))
-
-    def by_hand(h, w, y):
-        return jnp.mean(chunked_softmax_cross_entropy(h, w, y, chunk_size=1024))
-
-    return {"untouched": untouched, "jaxmem.losses (by hand)": by_hand,
+    """The chunked-head benchmark's two losses (whole logits; 1024-token chunks by hand) and
+    ``jaxmem.transform`` of the whole-logits one."""
+    untouched = chunked_head_losses(None)
+    return {"untouched": untouched, "jaxmem.losses (by hand)": chunked_head_losses(1024),
             "jaxmem.transform": jaxmem.transform(untouched)}
 
 
@@ -78,8 +76,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--targets", default="cpu,h100")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1]
-                                         / "results" / "third_party"))
+    ap.add_argument("--out", default=str(HERE.parents[1] / "results" / "third_party"))
     a = ap.parse_args()
     targets = a.targets.split(",")
     t0 = time.time()
@@ -101,8 +98,8 @@ def main():
                 "jaxmem.transform(logits_chunk=None)": jaxmem.transform(loss, logits_chunk=None),
                 "jaxmem.transform (logits_chunk=1024)": jaxmem.transform(loss)}
     report = [{"kind": x.kind, "converted": x.converted, "became": x.became, "reason": x.reason}
-              for x in variants["jaxmem.transform (logits_chunk=1024)"].report(params, ids, r)
-              if x.kind == "logits"]
+              for x in variants["jaxmem.transform (logits_chunk=1024)"].report(
+                  params, ids, r).by_kind("logits")]
     for name, fn in variants.items():
         opt, step = train_step(fn)
         opt_state = jax.eval_shape(opt.init, params)

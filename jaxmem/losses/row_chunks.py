@@ -50,8 +50,6 @@ def map_row_chunks(fn: Callable[[tuple, Any], tuple], rows: Sequence[Any], share
     n = rows[0].shape[0]
     chunk = min(int(chunk_size), n)
     whole, rest = divmod(n, chunk)
-    # inside the scan without CSE barriers, which a scan body does not need; the remainder
-    # chunk outside it with them, so that XLA cannot merge its recomputation back
     narrow = jax.tree_util.tree_map(_narrow_float, shared)
     wide = jax.tree_util.tree_map(
         lambda x, dt: x if dt is None else x.astype(jnp.float32), shared, narrow)
@@ -60,6 +58,8 @@ def map_row_chunks(fn: Callable[[tuple, Any], tuple], rows: Sequence[Any], share
         return fn(row_chunk, jax.tree_util.tree_map(
             lambda x, dt: x if dt is None else x.astype(dt), wide_shared, narrow))
 
+    # inside the scan without CSE barriers, which a scan body does not need; the remainder
+    # chunk outside it with them, so that XLA cannot merge its recomputation back
     piece = jax.checkpoint(fn_wide, prevent_cse=False)
     body = tuple(r[:whole * chunk].reshape(whole, chunk, *r.shape[1:]) for r in rows)
 

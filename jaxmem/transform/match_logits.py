@@ -148,7 +148,7 @@ class _Region:
         g = self.graph
         eqns = g.jaxpr.eqns
         while True:
-            stack = [j for j in self.eqns]
+            stack = list(self.eqns)
             while stack:
                 for v in eqns[stack.pop()].outvars:
                     if type(v).__name__ == "DropVar" or not self.big(v):
@@ -295,8 +295,8 @@ class _Region:
                 self.rows[v] = k_out
         self.steps.append((eqn, params, modes))
 
-    def _region_operand(self, eqn, idx: int = 0) -> tuple:
-        v = eqn.invars[idx]
+    def _region_operand(self, eqn) -> tuple:
+        v = eqn.invars[0]
         _need(self._produced(v), f"{eqn.primitive.name}: unexpected operand")
         return v, self.rows[v]
 
@@ -501,11 +501,9 @@ class _Region:
         return run
 
 
-def match_logits(graph: Graph, taken: set[int], path: str, chunk: int | None) -> list:
+def match_logits(graph: Graph, taken: set[int], path: str, chunk: int) -> list:
     """Matches (and rows for softmax-like heads that could not be chunked) of the LM heads in
-    ``graph`` (module docstring); ``chunk``: rows per chunk (``None``: nothing matched)."""
-    if chunk is None:
-        return []
+    ``graph`` (module docstring); ``chunk``: rows per chunk."""
     found: list = []
     used: set[int] = set(taken)
     for i, eqn in enumerate(graph.jaxpr.eqns):
@@ -527,8 +525,7 @@ def match_logits(graph: Graph, taken: set[int], path: str, chunk: int | None) ->
             _need(not (region.eqns & used), "part of it is matched already")
             region.check()
         except _NoMatch as e:
-            if quick.softmax_like():
-                found.append(Row("logits", what, "", False, str(e), where, ns, path))
+            found.append(Row("logits", what, "", False, str(e), where, ns, path))
             continue
         if not region.softmax_like():   # what joined it made it an attention
             continue

@@ -104,7 +104,7 @@ SPELLINGS = [optax_integer, log_softmax_take, flat_one_hot_sum, optax_one_hot, e
 
 
 def _logit_rows(g, *args):
-    return [r for r in g.report(*args).rows if r.kind == "logits"]
+    return g.report(*args).by_kind("logits")
 
 
 @pytest.mark.parametrize("loss", SPELLINGS, ids=lambda f: f.__name__)
