@@ -12,7 +12,10 @@ automatically, in the user's own loss, on XLA:CPU and XLA:GPU's H100 plan.
    optimizer state donated) untouched, ``jaxmem.transform(loss, logits_chunk=None)`` (every
    other conversion, the head as written) and ``jaxmem.transform(loss)`` (default: chunks of
    1024 rows).
-3. CPU step time of case 2's step at batch 2 (1022 rows, chunks of 256): the head's product
+3. The slope over tokens: compiled temp of case 1's ``value_and_grad`` at 2048 and 4096
+   tokens (d 256, vocab 8192), untouched and ``transform(logits_chunk=512)``: MiB per 1024
+   tokens more (two logits arrays: 64 MiB untouched).
+4. CPU step time of case 2's step at batch 2 (1022 rows, chunks of 256): the head's product
    runs again in the backward pass. Median of interleaved rounds (``bench_hf``).
 
 Run:  .venv/bin/python benchmarks/third_party/bench_lm_head.py [--targets cpu,h100]
@@ -92,6 +95,19 @@ def main():
                          "total_mib": cm.total_bytes / MIB, "temp_mib": cm.temp_bytes / MIB})
             print(rows[-1], flush=True)
 
+    slope = []
+    for name, fn in (("untouched", head_losses()["untouched"]),
+                     ("jaxmem.transform(logits_chunk=512)",
+                      jaxmem.transform(head_losses()["untouched"], logits_chunk=512))):
+        for tg in targets:
+            temps = [compiled_memory(jax.value_and_grad(fn, (0, 1)), sd((n, 256), jnp.float32),
+                                     sd((256, 8192), jnp.float32), sd((n,), jnp.int32),
+                                     target=tg).temp_bytes / MIB for n in (2048, 4096)]
+            slope.append({"variant": name, "target": tg, "temp_mib_2048": temps[0],
+                          "temp_mib_4096": temps[1],
+                          "mib_per_1024_tokens": (temps[1] - temps[0]) / 2})
+            print(slope[-1], flush=True)
+
     loss, params, ids = hf_gpt2(HF["batch"])
     r = jax.random.key(1)
     variants = {"untouched": loss,
@@ -125,7 +141,8 @@ def main():
         opt_state = opt.init(params)
         times = _time_side_by_side(steps, params, opt_state, ids, r, a.repeats)
         print(times, flush=True)
-    res = {"jax": jax.__version__, "targets": targets, "rows": rows, "report": report,
+    res = {"jax": jax.__version__, "targets": targets, "rows": rows, "slope": slope,
+           "report": report,
            "cpu_times_batch2": times, "seconds": round(time.time() - t0, 1)}
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +165,12 @@ def markdown(res) -> str:
         ratio = r["total_mib"] / base[(r["case"], r["target"])]
         lines.append(f"| {r['case']} | {r['variant']} | {r['target']} | {r['total_mib']:.1f} | "
                      f"{ratio:.2f}x | {r['temp_mib']:.1f} |")
+    lines += ["", "Compiled temp over tokens (the head alone, d 256, vocab 8192):", "",
+              "| variant | plan | temp MiB, 2048 tokens | 4096 tokens | MiB per 1024 tokens |",
+              "|---|---|---|---|---|"]
+    for x in res["slope"]:
+        lines.append(f"| {x['variant']} | {x['target']} | {x['temp_mib_2048']:.2f} | "
+                     f"{x['temp_mib_4096']:.2f} | {x['mib_per_1024_tokens']:.2f} |")
     lines += ["", "The report's `logits` row for the Hugging Face loss:", ""]
     for x in res["report"]:
         lines.append(f"- converted={x['converted']}: {x['became'] or x['reason']}")
