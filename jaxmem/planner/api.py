@@ -47,6 +47,7 @@ class _Settings:
     offload_flops: float = 50e12
     order: bool = True
     target: str = "cpu"
+    logits_chunk: int | None = 1024
 
     def checked(self, step, example_args, budget) -> _Settings:
         """These settings with ``target`` normalised; a bad value (``budget`` included)
@@ -65,6 +66,10 @@ class _Settings:
                         ("fence_cost", self.fence_cost)):
             _check_number(name, v)
         budget_spec(budget)
+        lc = self.logits_chunk
+        if lc is not None and (type(lc) is not int or lc < 1):
+            raise ValueError(f"plan: logits_chunk must be None or an int >= 1 (rows per chunk "
+                             f"of a language-model head), got {lc!r}")
         return dataclasses.replace(self, target=check_target(self.target, 1, "plan"))
 
 
@@ -84,7 +89,7 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
          max_iterations: int = 6, fence_cost: float = 0.1,
          approx_cost: float = 0.01, offload_bandwidth: float = 25e9,
          offload_flops: float = 50e12, order: bool = True,
-         target: str = "cpu") -> MemoryPlan:
+         target: str = "cpu", logits_chunk: int | None = 1024) -> MemoryPlan:
     """Fit ``jax.value_and_grad(step)`` (gradient w.r.t. the first argument) into ``budget``.
 
     ``step(params, *batch) -> scalar loss`` may call Flax Linen modules (their outputs become
@@ -131,14 +136,21 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         autotuning). There recomputed units run as plain ``jax.checkpoint`` (unfenced) when
         that fits the budget, fenced only where needed and smaller, and host offload is
         offered.
+      logits_chunk: a language-model head in the loss (a product ``h W`` wider than ``h``
+        feeding a softmax-like loss per row, however it is spelled) may be computed this many
+        rows at a time, as ``jaxmem.transform(step, logits_chunk=...)`` computes it: no
+        ``tokens x vocab`` array is kept; the head's product runs again in the backward pass
+        (counted in ``predicted_time``). Used where the step compiles at least 1 % smaller
+        so; ``None``: never.
 
     Returns:
       A :class:`MemoryPlan`: ``plan.step`` takes ``step``'s positional and keyword arguments
       and returns its values; ``jax.value_and_grad(plan.step)`` and ``jax.grad(plan.step)``
       compile within the budget on ``target`` for arguments of the example's shapes.
 
-    The loss is planned traced plainly or under ``jaxmem.scope()``, whichever untouched
-    step compiles smaller; when no plan of that variant fits, the other is planned too.
+    The loss is planned traced plainly or under ``jaxmem.scope()``, each with its LM head
+    whole or chunked (``logits_chunk``), whichever untouched step compiles smallest; when no
+    plan of that variant fits, the best of the other selectivity is planned too.
 
     Raises:
       BudgetError: no compiled plan fits; ``smallest_bytes`` is a budget this function meets
@@ -163,7 +175,7 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         raise TypeError(f"plan: order must be True or False, got {order!r}")
     return _plan_finer(step, example_args, budget, _Settings(
         allow_approximate, time_limit, max_iterations, fence_cost, approx_cost,
-        offload_bandwidth, offload_flops, order, target))
+        offload_bandwidth, offload_flops, order, target, logits_chunk))
 
 
 def _plan_finer(step, example_args, budget, settings: _Settings) -> MemoryPlan:
@@ -256,23 +268,76 @@ def _order_plan(step, args, budget_bytes, cm0, s: _Settings):
         notes=(f"the OLLA order alone fits: {res.why}",), order=res, target=s.target)
 
 
-def _variant(step, args, s: _Settings, cache):
-    """``(selective, scope factory, compiled bytes)``: the loss traced plainly or under
-    ``jaxmem.scope()``, whichever compiles to fewer bytes (a tie goes to the scope when
-    few-bit codes may be offered: they need it). The other one, where it traces, is kept in
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """How the loss is traced for planning: under ``jaxmem.scope()`` (``selective``, its
+    ``factory``) or not, and as ``step`` -- the loss itself, or (``chunked``) the loss with its
+    LM head computed ``logits_chunk`` rows at a time (:func:`_head_chunked`); ``bytes`` its
+    untouched step's compiled total."""
+
+    selective: bool
+    factory: Callable[[], Any] | None
+    bytes: int
+    step: Callable[..., Any]
+    chunked: bool = False
+
+
+#: ``jaxmem.transform`` with every conversion off but the LM head's chunks
+_HEAD_ONLY = dict.fromkeys(("attention", "products", "activations", "norms", "dropout",
+                            "pools", "residual_adds", "conv_recompute", "biases",
+                            "projections"), False)
+
+
+def _head_chunked(step, args, chunk, factory):
+    """``step`` with its language-model heads computed ``chunk`` rows at a time
+    (``jaxmem.transform(step, logits_chunk=chunk)``, nothing else converted), or ``None``
+    when the transform chunks no head of it (traced under ``factory``'s scope, if any)."""
+    import contextlib
+
+    from jaxmem.transform import transform
+
+    chunked = transform(step, logits_chunk=chunk, **_HEAD_ONLY)
+    try:
+        with factory() if factory else contextlib.nullcontext():
+            rows = chunked.report(*args).by_kind("logits")
+    except Exception:  # noqa: BLE001 - a loss the transform cannot trace is planned as written
+        return None
+    return chunked if any(r.converted for r in rows) else None
+
+
+def _variant(step, args, s: _Settings, cache) -> _Variant | None:
+    """The loss traced plainly or under ``jaxmem.scope()``, its LM head whole or in chunks
+    (``s.logits_chunk``; only where that compiles at least 1 % smaller than the same trace
+    with the head whole): the variant whose untouched step compiles to the fewest bytes (a tie
+    goes to the scope when few-bit codes may be offered: they need it; then to the whole
+    head). The best variant of the other selectivity, where one traces, is kept in
     ``cache['other_variant']`` for :func:`_plan_finer`'s retry."""
     if "variant" not in cache:
-        found = []
+        found: list[_Variant] = []
         for sel, factory in ((False, None), (True, _glue_scope)):
-            s_step = _make_step(step, factory, (), (), {})
-            try:
-                b = compiled_total(jax.value_and_grad(s_step), args, s.target)
-            except Exception:  # noqa: BLE001, S112 - a scope that cannot trace is not used
-                continue
-            found.append((sel, factory, b))
-        found.sort(key=lambda v: (v[2], not (v[0] and s.allow_approximate)))
+            whole = None
+            for chunked in (False, True):
+                if chunked and (whole is None or s.logits_chunk is None):
+                    continue
+                p_step = _head_chunked(step, args, s.logits_chunk, factory) if chunked \
+                    else step
+                if p_step is None:
+                    continue
+                s_step = _make_step(p_step, factory, (), (), {})
+                try:
+                    b = compiled_total(jax.value_and_grad(s_step), args, s.target)
+                except Exception:  # noqa: BLE001, S112 - a scope that cannot trace is not used
+                    continue
+                if not chunked:
+                    whole = b
+                elif b > 0.99 * whole:
+                    continue
+                found.append(_Variant(sel, factory, b, p_step, chunked))
+        found.sort(key=lambda v: (v.bytes, not (v.selective and s.allow_approximate),
+                                  v.chunked))
         cache["variant"] = found[0] if found else None
-        cache["other_variant"] = found[1] if len(found) > 1 else None
+        other = [v for v in found[1:] if found and v.selective != found[0].selective]
+        cache["other_variant"] = other[0] if other else None
     return cache["variant"]
 
 
@@ -314,16 +379,17 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         if done is not None:
             return done
         notes.append(f"OLLA order alone does not fit: {order_res.why}")
-    selective, factory, store_bytes = _variant(step, args, s, cache)
-    tr = _trace.trace(step, args, factory() if factory else None)
+    v = _variant(step, args, s, cache)
+    selective, factory, p_step = v.selective, v.factory, v.step
+    tr = _trace.trace(p_step, args, factory() if factory else None)
     prof = _cand.profile_units(tr, finer)
     fence_flops = s.fence_cost * 3.0 * max(prof.total_flops, 1.0)
     # on a GPU target a unit runs as plain jax.checkpoint unless its plan needs the fence
     # (StepCompiler decides per plan and adds the fence's cost to the plans it fences)
     fence = fence_flops if s.target == "cpu" else 0.0
-    cands, more = _candidates(step, args, factory, prof, selective, fence, s)
-    model = ByteModel(cands, prof.stored, store_bytes)
-    compiler = StepCompiler(step, factory, prof.cut_labels, prof.labels, cands, args, s.target,
+    cands, more = _candidates(p_step, args, factory, prof, selective, fence, s)
+    model = ByteModel(cands, prof.stored, v.bytes)
+    compiler = StepCompiler(p_step, factory, prof.cut_labels, prof.labels, cands, args, s.target,
                             budget=budget_bytes, fence_flops=fence_flops)
     search = Search(model, compiler, s.time_limit)
     res = search.run(budget_bytes, floor, s.max_iterations)
@@ -345,11 +411,27 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         notes.append("predicted time counts the plan's recomputed units only, not the "
                      "recomputation jaxmem's conversion runs by itself (attention weights, "
                      "ResNet block outputs, bottleneck expansions: up to ~1.1x on CPU)")
+    head_flops = _head_recompute(step, tr, args, factory) if v.chunked else 0.0
+    if v.chunked:
+        notes.append(f"the loss's language-model head runs {s.logits_chunk} rows at a time "
+                     "(jaxmem.transform's logits_chunk): no tokens x vocab array is kept, "
+                     "its product runs again in the backward pass (in predicted time: "
+                     f"+{head_flops / max(3.0 * prof.total_flops, 1.0):.3f})")
     return MemoryPlan(
         step=compiler.build(res.choice), choices=choices, budget_bytes=budget_bytes,
         default_bytes=cm0.total_bytes, predicted_bytes=search.predicted[res.choice],
         compiled_bytes=search.tried[res.choice],
-        predicted_time=1.0 + search.cost(res.choice) / max(3.0 * prof.total_flops, 1.0),
+        predicted_time=1.0 + (search.cost(res.choice) + head_flops)
+        / max(3.0 * prof.total_flops, 1.0),
         selective=selective, solver_status=res.status, solver_gap=res.gap,
         iterations=res.iterations, approximate=any(c.bits is not None for c in choices),
-        notes=tuple(notes), order=order_res, target=s.target)
+        notes=tuple(notes), order=order_res, target=s.target,
+        logits_chunk=s.logits_chunk if v.chunked else None)
+
+
+def _head_recompute(step, tr, args, factory) -> float:
+    """FLOPs the chunked LM head of ``tr`` (the traced chunked step) runs again in the
+    backward pass: its ``jax.checkpoint`` bodies' FLOPs beyond the loss's own."""
+    base = _trace.trace(step, args, factory() if factory else None)
+    return max(0.0, _trace.recomputed_flops(tr.closed.jaxpr)
+               - _trace.recomputed_flops(base.closed.jaxpr))

@@ -76,6 +76,19 @@ def _png(p, path: pathlib.Path) -> bool:
     return True
 
 
+def _logits_chunk(text: str) -> int | None:
+    """``--logits-chunk``: an int >= 1, or ``none``."""
+    if text.lower() == "none":
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'none', got {text!r}")
+    return v
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jaxmem plan", description=__doc__.splitlines()[0])
     ap.add_argument("step", metavar="module:function",
@@ -92,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-order", action="store_true",
                     help="do not try the untouched step in an OLLA order first")
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--logits-chunk", type=_logits_chunk, default=1024, metavar="ROWS",
+                    help="rows per chunk of a language-model head the plan may compute in "
+                         "chunks (default 1024; 'none': keep it whole)")
     ap.add_argument("--out", default="jaxmem-plan", help="folder for plan.json / plan.png")
     a = ap.parse_args(list(argv) if argv is not None else None)
     from rich.console import Console
@@ -112,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with console.status("measuring and solving"):
         try:
             p = plan(loss, *args, budget=a.budget, allow_approximate=a.approximate,
-                     time_limit=a.time_limit, order=not a.no_order, target=a.target)
+                     time_limit=a.time_limit, order=not a.no_order, target=a.target,
+                     logits_chunk=a.logits_chunk)
         except BudgetError as e:
             console.print(f"[red]{e}")
             (out / "plan.json").write_text(json.dumps(

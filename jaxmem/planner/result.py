@@ -90,6 +90,9 @@ class MemoryPlan:
     notes: tuple[str, ...] = ()
     order: Any = None
     target: str = "cpu"
+    #: rows per chunk of the loss's language-model head when the plan computes it in chunks
+    #: (``plan(..., logits_chunk=...)``), else ``None``
+    logits_chunk: int | None = None
 
     def value_and_grad(self) -> Callable[..., Any]:
         """``jax.value_and_grad(self.step)``, or, when an OLLA order was applied
@@ -111,7 +114,7 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         keys = ("budget_bytes", "default_bytes", "predicted_bytes", "compiled_bytes",
                 "predicted_time", "selective", "solver_status", "solver_gap", "iterations",
-                "approximate", "target")
+                "approximate", "target", "logits_chunk")
         d = {k: getattr(self, k) for k in keys}
         d["order"] = None if self.order is None else {
             "applied": self.order.applied, "why": self.order.why,

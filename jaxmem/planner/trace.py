@@ -24,7 +24,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem._compat import core
 
 __all__ = ["PREFIX", "Conversion", "RowSplit", "Traced", "Unit", "child_units", "nested_fn",
-           "row_split", "row_twin", "run_chunks", "tag", "trace", "units_at"]
+           "recomputed_flops", "row_split", "row_twin", "run_chunks", "tag", "trace",
+           "units_at"]
 
 PREFIX = "jaxmem/"
 
@@ -618,16 +619,18 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
 
 def flops_of(jaxpr: Any) -> tuple[float, float]:
     """(all, dot/conv) FLOPs of a jaxpr: ``2 * out_size * contraction`` for ``dot_general`` and
-    convolutions, one per output element for other equations; sub-jaxprs counted once."""
+    convolutions, one per output element for other equations; a ``scan`` body counted
+    ``length`` times, other sub-jaxprs once."""
     total = dots = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         subs = list(core.jaxprs_in_params(eqn.params))
         if subs:
+            times = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
             for s in subs:
                 t, d = flops_of(s)
-                total += t
-                dots += d
+                total += times * t
+                dots += times * d
             continue
         out = sum(float(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
         if name == "dot_general":
@@ -647,3 +650,18 @@ def flops_of(jaxpr: Any) -> tuple[float, float]:
         else:
             total += out
     return total, dots
+
+
+def recomputed_flops(jaxpr: Any) -> float:
+    """FLOPs a jaxpr's own ``jax.checkpoint`` calls run again in its backward pass: the
+    :func:`flops_of` of every checkpointed body (inside a ``scan``: ``length`` times)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("remat2", "checkpoint", "remat"):
+            body = eqn.params["jaxpr"]
+            total += flops_of(getattr(body, "jaxpr", body))[0]
+            continue
+        times = float(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1.0
+        for s in core.jaxprs_in_params(eqn.params):
+            total += times * recomputed_flops(s)
+    return total

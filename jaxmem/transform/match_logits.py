@@ -78,6 +78,38 @@ def _rows_prefix(shape: tuple, n: int) -> int | None:
     return None
 
 
+#: backward rules of jaxmem's own selective products (:func:`jaxmem.selective.bilinear`): their
+#: gradients are the product's own transposes, whatever they keep for them
+_SELECTIVE_PRODUCTS = ("jaxmem.selective.linear", ("_bilinear_bwd", "_bilinear_rec_bwd"))
+
+
+def _product(eqn):
+    """The head's product as a ``dot_general`` equation: ``eqn`` itself, or -- ``eqn`` a
+    ``custom_vjp_call`` of jaxmem's own selective product whose primal body is one
+    ``dot_general`` of two of its operands (a head converted by ``jaxmem.scope()`` /
+    ``jaxmem.linen.convert``) -- that body's equation read on ``eqn``'s operands and output.
+    ``None`` otherwise: another ``custom_vjp`` keeps its own derivative rule."""
+    if eqn.primitive.name == "dot_general":
+        return eqn
+    if eqn.primitive.name != "custom_vjp_call" or len(eqn.outvars) != 1:
+        return None
+    bwd = getattr(eqn.params.get("bwd"), "f", None)
+    module, names = _SELECTIVE_PRODUCTS
+    if getattr(bwd, "__module__", None) != module or getattr(bwd, "__name__", None) not in names:
+        return None
+    body = eqn.params["call_jaxpr"].jaxpr
+    if eqn.params.get("num_consts", 0) or len(body.eqns) != 1:
+        return None
+    inner = body.eqns[0]
+    if inner.primitive.name != "dot_general" or list(inner.outvars) != list(body.outvars):
+        return None
+    pos = {v: k for k, v in enumerate(body.invars)}
+    if any(is_literal(v) or v not in pos for v in inner.invars):
+        return None
+    return inner.replace(invars=[eqn.invars[pos[v]] for v in inner.invars],
+                         outvars=list(eqn.outvars))
+
+
 def _no_sharding(params: dict) -> dict:
     out = dict(params)
     for key in ("sharding", "out_sharding"):
@@ -92,7 +124,7 @@ class _Region:
     def __init__(self, graph: Graph, i: int):
         self.graph = graph
         self.dot = i
-        eqn = graph.jaxpr.eqns[i]
+        self.product = eqn = _product(graph.jaxpr.eqns[i])
         x, w = eqn.invars
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         k = len(_shape(x)) - len(lc)
@@ -137,8 +169,7 @@ class _Region:
     # ------------------------------------------------------------------ the region
     def big(self, v) -> bool:
         """More elements than the head's features (``d`` per row of the unsliced rows)."""
-        x = self.graph.jaxpr.eqns[self.dot].invars[0]
-        return math.prod(_shape(v)) > math.prod(_shape(x))
+        return math.prod(_shape(v)) > math.prod(_shape(self.product.invars[0]))
 
     def grow(self, strict: bool = True, between: bool = True) -> None:
         """Every consumer of a value with more than ``d`` elements per row, and every
@@ -246,6 +277,7 @@ class _Region:
             eqn = eqns[j]
             name = eqn.primitive.name
             if j == self.dot:
+                eqn = self.product
                 x = eqn.invars[0]
                 if self.pre_slice is None:
                     self._input(x, self.k_head, "features")
@@ -484,7 +516,7 @@ class _Region:
         def chunk_fn(row_vals, free_vals):
             return jax.vmap(one_row, in_axes=(0, None))(row_vals, free_vals)
 
-        pre, head_x = self.pre_slice, self.graph.jaxpr.eqns[self.dot].invars[0]
+        pre, head_x = self.pre_slice, self.product.invars[0]
 
         def run(*vals):
             vals = list(vals)
@@ -507,12 +539,12 @@ def match_logits(graph: Graph, taken: set[int], path: str, chunk: int) -> list:
     found: list = []
     used: set[int] = set(taken)
     for i, eqn in enumerate(graph.jaxpr.eqns):
-        if eqn.primitive.name != "dot_general" or i in used:
+        if i in used or _product(eqn) is None:
             continue
         region = _Region(graph, i)
         if not region.ok_head or region.vocab <= region.d or region.n < 2:
             continue
-        x, w = eqn.invars
+        x, w = region.product.invars
         what = (f"dot_general {aval_str(x)} x {aval_str(w)} -> {aval_str(eqn.outvars[0])} "
                 "and the row-local equations after it")
         where, ns = location(eqn), name_stack(eqn)

@@ -28,3 +28,16 @@ def test_plan_cli_unreachable_budget_writes_json(tmp_path, monkeypatch):
     assert rc == 2
     d = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert "cannot be met" in d["error"] and d["smallest_bytes"] > 1024
+
+
+def test_plan_cli_refuses_a_bad_logits_chunk(tmp_path, monkeypatch, capsys):
+    (tmp_path / "plan_cli_user.py").write_text(USER)
+    monkeypatch.chdir(tmp_path)
+    for bad in ("0", "-2", "x"):
+        try:
+            main(["plan_cli_user:make", "--budget", "0.5", "--logits-chunk", bad])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"--logits-chunk {bad} was accepted")
+        assert "--logits-chunk" in capsys.readouterr().err

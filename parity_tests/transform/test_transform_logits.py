@@ -299,3 +299,59 @@ def test_jaxmem_report_names_the_chunked_head():
     rep = jaxmem.report(transform(optax_integer, logits_chunk=CHUNK), x, w, b, y)
     (entry,) = rep.by_kind("logits")
     assert (entry.status, entry.technique) == ("converted", "chunked"), entry
+
+
+def test_head_of_a_converted_linen_model_is_chunked():
+    """A Linen model converted with ``jaxmem.linen.convert``: its tied head is jaxmem's own
+    selective product (a ``custom_vjp`` whose gradient is the product's transpose), which the
+    transform reads as the product it computes and chunks -- the untouched model's loss and
+    gradients, and a compiled step keeping at least one ``tokens x vocab`` array less than the
+    converted model's alone."""
+    import jaxmem
+    from jaxmem import models
+
+    m = models.gpt(n_layer=1, d_model=16, n_head=2, ctx=32, vocab=1024)
+    tok = jnp.asarray(np.random.default_rng().integers(0, 1024, (3, 32)), jnp.int32)
+    params = m.init(jax.random.key(0), tok)["params"]
+    converted = jaxmem.linen.convert(m)
+
+    def loss_of(model):
+        def loss(p, t):
+            z = model.apply({"params": p}, t)
+            return optax.softmax_cross_entropy_with_integer_labels(z, t).mean()
+        return loss
+
+    g = transform(loss_of(converted), logits_chunk=CHUNK)
+    rows = _logit_rows(g, params, tok)
+    assert len(rows) == 1 and rows[0].converted and "96 rows" in rows[0].became, rows
+    got, want = jax.jit(lambda *a: (jax.value_and_grad(g)(*a),
+                                    jax.value_and_grad(loss_of(m))(*a)))(params, tok)
+    close(got, want, rtol=1e-5, atol=1e-6)
+
+    def temp(fn):
+        return compiled_memory(jax.value_and_grad(fn), params, tok).temp_bytes
+
+    logits = 3 * 32 * 1024 * 4
+    assert temp(g) + logits <= temp(transform(loss_of(converted), logits_chunk=None))
+
+
+def test_a_custom_vjp_product_keeps_its_own_rule():
+    """A head whose product is the user's own ``custom_vjp`` (a gradient scaled by 2) is not
+    read through: no chunked row, and the gradient is the custom rule's."""
+    x, w, b, y = _data()
+
+    @jax.custom_vjp
+    def scaled_dot(x, w):
+        return x @ w
+
+    scaled_dot.defvjp(lambda x, w: (x @ w, (x, w)),
+                      lambda r, g: (2 * g @ r[1].T, 2 * jnp.einsum("btd,btv->dv", r[0], g)))
+
+    def loss(x, w, b, y):
+        return optax.softmax_cross_entropy_with_integer_labels(scaled_dot(x, w) + b, y).mean()
+
+    g = transform(loss, logits_chunk=CHUNK)
+    assert not any(r.converted for r in _logit_rows(g, x, w, b, y))
+    got, want = jax.jit(lambda *a: (jax.grad(g, (0, 1))(*a), jax.grad(loss, (0, 1))(*a)))(
+        x, w, b, y)
+    close(got, want, rtol=1e-5, atol=1e-6)
