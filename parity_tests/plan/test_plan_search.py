@@ -274,6 +274,48 @@ def test_search_budget_between_floor_and_unit_options_met_by_segments():
     assert any(m.candidates[i].option.kind == "segment" for i in res.choice)
 
 
+class JoinRewardingCompiler(FakeCompiler):
+    """:class:`FakeCompiler`, except that a plan with a two-unit segment compiles
+    ``bonus`` below the linear bytes (as when the joined segment's backward runs after the
+    other units' kept bytes are freed): something the byte model cannot predict."""
+
+    def __init__(self, model, bonus, **kw):
+        super().__init__(model, **kw)
+        self.bonus = bonus
+
+    def true_bytes(self, choice):
+        m = self.model
+        two = any(m.candidates[i].option.kind == "segment" and len(m.candidates[i].cover) == 2
+                  for i in choice)
+        return super().true_bytes(choice) - (self.bonus if two else 0)
+
+
+def test_refused_search_joins_recomputed_neighbours():
+    """``Search.joined``: from the over-budget plan of fewest compiled bytes (every unit
+    recomputed), two neighbouring recomputed units joined into one segment are compiled
+    (which the compiler rewards beyond the byte model's view) until one fits: at most
+    ``_JOIN_TRIES`` compiles; nothing when no compiled plan is over the budget."""
+    stored, rec = [40 * KIB] * 4, [10 * KIB] * 4
+    m = _model(stored, [35 * KIB] * 4, rec, seg_keep=20 * KIB)
+    fake = JoinRewardingCompiler(m, 30 * KIB, b=0.25)
+    s = Search(m, fake)
+    budget = 135 * KIB
+    assert s.compile(m.uniform("recompute")) > budget
+    s.joined(budget)
+    new = fake.calls[1:]
+    assert 1 <= len(new) <= 3
+    segs = [m.candidates[i] for i in new[0] if m.candidates[i].option.kind == "segment"]
+    assert len(segs) == 1 and len(segs[0].cover) == 2
+    rest = [m.candidates[i] for i in new[0] if m.candidates[i].option.kind != "segment"]
+    assert [c.option.kind for c in rest] == ["recompute", "recompute"]
+    assert s.fits(new[-1], budget)
+    calls = len(fake.calls)
+    s.joined(budget)                      # a plan fits: nothing more to join
+    s2 = Search(m, fake)
+    s2.joined(10**9)                      # nothing compiled over this budget
+    assert len(fake.calls) == calls
+
+
 def test_search_measures_rows_candidates_alone():
     rows = Candidate((1, 2), Option("rows", 4), 40 * KIB, 48 * KIB, 100.0)
     m = _model(STORED, DOTS, RECOMPUTE, extra=[rows])
