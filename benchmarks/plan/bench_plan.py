@@ -138,8 +138,9 @@ def gpt_wide_transformed_case(quick, batch=None):
     import jaxmem
 
     name, loss, args = gpt_wide_case(quick, batch)
-    off = dict.fromkeys(("attention", "products", "activations", "norms", "dropout", "pools",
-                         "residual_adds", "conv_recompute", "biases", "projections"), False)
+    from jaxmem.transform.options import SWITCHES
+
+    off = dict.fromkeys(SWITCHES, False)
     return (name.replace(")", ", transform(logits_chunk=128))"),
             jaxmem.transform(loss, logits_chunk=128, **off), args)
 

@@ -282,12 +282,6 @@ class _Variant:
     chunked: bool = False
 
 
-#: ``jaxmem.transform`` with every conversion off but the LM head's chunks
-_HEAD_ONLY = dict.fromkeys(("attention", "products", "activations", "norms", "dropout",
-                            "pools", "residual_adds", "conv_recompute", "biases",
-                            "projections"), False)
-
-
 def _head_chunked(step, args, chunk, factory):
     """``step`` with its language-model heads computed ``chunk`` rows at a time
     (``jaxmem.transform(step, logits_chunk=chunk)``, nothing else converted), or ``None``
@@ -295,8 +289,9 @@ def _head_chunked(step, args, chunk, factory):
     import contextlib
 
     from jaxmem.transform import transform
+    from jaxmem.transform.options import SWITCHES
 
-    chunked = transform(step, logits_chunk=chunk, **_HEAD_ONLY)
+    chunked = transform(step, logits_chunk=chunk, **dict.fromkeys(SWITCHES, False))
     try:
         with factory() if factory else contextlib.nullcontext():
             rows = chunked.report(*args).by_kind("logits")
@@ -336,7 +331,7 @@ def _variant(step, args, s: _Settings, cache) -> _Variant | None:
         found.sort(key=lambda v: (v.bytes, not (v.selective and s.allow_approximate),
                                   v.chunked))
         cache["variant"] = found[0] if found else None
-        other = [v for v in found[1:] if found and v.selective != found[0].selective]
+        other = [v for v in found[1:] if v.selective != found[0].selective]
         cache["other_variant"] = other[0] if other else None
     return cache["variant"]
 

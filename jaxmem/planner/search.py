@@ -23,6 +23,8 @@ _DEBUG = bool(os.environ.get("JAXMEM_PLAN_DEBUG"))
 _CLOSE = 0.1
 #: most plans a refused search compiles joining recomputed neighbours (:meth:`Search.joined`)
 _JOIN_TRIES = 3
+#: options of items :meth:`Search.joined` joins (a plain segment's text is ``"segment"``)
+_JOINABLE = frozenset(("recompute", "segment"))
 
 
 class Compiler(Protocol):
@@ -141,11 +143,12 @@ class Search:
             joins = []
             for a, b in itertools.pairwise(items):
                 ca, cb = m.candidates[a], m.candidates[b]
-                if {str(ca.option), str(cb.option)} <= {"recompute", "segment"}:
-                    j = m.index.get((ca.cover + cb.cover, "segment"))
-                    choice = None if j is None else tuple(sorted(set(items) - {a, b} | {j}))
-                    if choice is not None and choice not in self.tried:
-                        joins.append((m.predict(choice, theta), choice))
+                j = m.index.get((ca.cover + cb.cover, "segment"))
+                if j is None or not {str(ca.option), str(cb.option)} <= _JOINABLE:
+                    continue
+                choice = tuple(sorted(set(items) - {a, b} | {j}))
+                if choice not in self.tried:
+                    joins.append((m.predict(choice, theta), choice))
             if not joins:
                 return
             self.compile(min(joins)[1])

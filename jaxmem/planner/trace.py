@@ -626,7 +626,7 @@ def flops_of(jaxpr: Any) -> tuple[float, float]:
         name = eqn.primitive.name
         subs = list(core.jaxprs_in_params(eqn.params))
         if subs:
-            times = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
+            times = _runs(eqn)
             for s in subs:
                 t, d = flops_of(s)
                 total += times * t
@@ -661,7 +661,11 @@ def recomputed_flops(jaxpr: Any) -> float:
             body = eqn.params["jaxpr"]
             total += flops_of(getattr(body, "jaxpr", body))[0]
             continue
-        times = float(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1.0
         for s in core.jaxprs_in_params(eqn.params):
-            total += times * recomputed_flops(s)
+            total += _runs(eqn) * recomputed_flops(s)
     return total
+
+
+def _runs(eqn: Any) -> float:
+    """How many times ``eqn``'s sub-jaxprs run: a ``scan``'s ``length``, else once."""
+    return float(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1.0

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Options"]
+__all__ = ["SWITCHES", "Options"]
+
+#: the conversions :class:`Options` turns on or off (``True`` / ``False`` fields)
+SWITCHES = ("attention", "products", "activations", "norms", "dropout", "pools",
+            "residual_adds", "conv_recompute", "biases", "projections")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +63,7 @@ class Options:
         if fb is not None and (isinstance(fb, bool) or not isinstance(fb, int)
                                or not 1 <= fb <= 4):
             raise ValueError(f"transform: fewbit must be None or an int in 1..4, got {fb!r}")
-        for name in ("attention", "products", "activations", "norms", "dropout", "pools",
-                     "residual_adds", "conv_recompute", "biases", "projections"):
+        for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")
