@@ -73,9 +73,10 @@ GLOBAL_BATCH = 16
 LOCAL = {m: GLOBAL_BATCH // shape["data"] for m, shape in MODES.items()}
 VARIANTS = {"default": None, "jaxmem": {"fewbit": None}, "jaxmem+fewbit3": {"fewbit": 3},
             "jaxmem-conv-kept": {"fewbit": None, "conv_recompute": False},
-            "jaxmem-late": {"fewbit": None, "reduce_early": False}}
-#: ``reduce_early`` (a ``train_step`` option, not a conversion option) of a variant
-STEP_OPTIONS = ("reduce_early",)
+            "jaxmem-late": {"fewbit": None, "reduce_early": False},
+            "jaxmem-repeat": {"fewbit": None, "repeat_collectives": True}}
+#: ``train_step`` options (not conversion options) of a variant
+STEP_OPTIONS = ("reduce_early", "repeat_collectives")
 
 
 def _sds(tree):
@@ -493,7 +494,10 @@ def main():
            "(`shard_update=False`), for comparison. On GPU meshes jaxmem's layers reduce "
            "their parameter gradients where their backward forms them under every layout "
            "(`train_step(..., reduce_early=None)`: on for GPU, off on CPU); "
-           "`jaxmem-late` is the same model with `reduce_early=False`."), "",
+           "`jaxmem-late` is the same model with `reduce_early=False`; `jaxmem-repeat` with "
+           "`train_step(..., repeat_collectives=True)` (under TP the GPT's fused `c_attn` "
+           "projection, split three ways, is recomputed in the attention's backward, its "
+           "split's collective-permutes run again; other layouts: the `jaxmem` step)."), "",
           PLAN_LIMITS.format(jax=meta["jax"]), ""]
     for t in shown:
         missing = sorted({f"{r['model']} {r['variant']}" for r in rows
@@ -512,9 +516,9 @@ def main():
     if shown and out == OUT:
         md += ["## Reading the tables", "", READING, ""]
     elif shown:  # the reading quotes the live-range figures of the default results' run
-        md += ["## Reading the tables", "", "Not written for this run: the reading of "
+        md += ["## Reading the tables", "", ("Not written for this run: the reading of "
                "`benchmarks/results/distributed/distributed.md` quotes the live-range figures "
-               "of its own run.", ""]
+               "of its own run."), ""]
     (out / "distributed.md").write_text("\n".join(md))
     print("\n".join(md))
 

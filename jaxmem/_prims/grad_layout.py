@@ -28,12 +28,15 @@ from jaxmem._prims.bitpack import shard_axes_in_context
 from jaxmem._prims.ties import after, tie, together
 
 __all__ = ["active", "bilinear_gradients", "gathered", "gradient_layout", "input_after",
-           "placed", "reduced_here", "stored", "unplaced", "used", "weights_whole"]
+           "placed", "reduced_here", "repeated_collectives", "reslice_recomputable",
+           "stored", "unplaced", "used", "weights_local", "weights_whole"]
 
 _LAYOUT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "jaxmem_gradient_layout", default=None)
 _STORE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "jaxmem_weight_store", default=None)
+_REPEAT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxmem_repeat_collectives", default=False)
 
 
 @contextlib.contextmanager
@@ -93,6 +96,43 @@ def weights_whole() -> bool:
     if not split_by_spmd():
         return True
     return shard_axes_in_context() == () and _STORE.get() is None
+
+
+def weights_local() -> bool:
+    """Whether a product of a weight with an input that every device holds whole runs on
+    each device without a collective: :func:`weights_whole`, or a tensor parallel step in
+    context (:func:`jaxmem._prims.bitpack.shard_axes` names feature axes, no store layout),
+    whose rules split the query, key and value projections along their output features:
+    each device forms its own slice of the output (a column-parallel ``q = LN(x) W_q``).
+    Re-slicing such an output along those features (a fused ``q, k, v`` projection split in
+    three) moves it between devices: :func:`weights_whole` alone says where that is free."""
+    if weights_whole():
+        return True
+    return bool(shard_axes_in_context()) and _STORE.get() is None
+
+
+@contextlib.contextmanager
+def repeated_collectives(allow: bool) -> Iterator[None]:
+    """Within the block (``allow=True``) backward rules may recompute a value whose forward
+    moved data between devices, repeating those collectives for fewer bytes kept
+    (:func:`reslice_recomputable`; ``jaxmem.distributed.train_step(...,
+    repeat_collectives=True)``)."""
+    if not isinstance(allow, bool):
+        raise TypeError(f"repeated_collectives: allow must be True or False, got {allow!r}")
+    token = _REPEAT.set(allow)
+    try:
+        yield
+    finally:
+        _REPEAT.reset(token)
+
+
+def reslice_recomputable() -> bool:
+    """Whether a recorded projection may still be recomputed after a ``slice`` / ``split``
+    of its features (a fused ``q, k, v`` projection split three ways): where weights are
+    whole (:func:`weights_whole`), or where each device forms its own slice
+    (:func:`weights_local`) and the step in context lets the split's collectives run again
+    in the backward pass (:func:`repeated_collectives`)."""
+    return weights_whole() or (_REPEAT.get() and weights_local())
 
 
 def reduced_here(dw):

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._prims.bitpack import shard_axes
-from jaxmem._prims.grad_layout import gradient_layout, placed
+from jaxmem._prims.grad_layout import gradient_layout, placed, repeated_collectives
 from jaxmem.distributed.sharding import (
     MODES,
     _check_mesh,
@@ -125,7 +125,8 @@ class TrainStep:
 
     def __init__(self, loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
                  rules: Sequence | None = None, batch_axis: str = "data", donate: bool = True,
-                 shard_update: bool = True, reduce_early: bool | None = None):
+                 shard_update: bool = True, reduce_early: bool | None = None,
+                 repeat_collectives: bool = False):
         if not callable(loss_fn):
             raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -145,6 +146,10 @@ class TrainStep:
         if reduce_early is None:
             reduce_early = mesh.devices.flat[0].platform == "gpu"
         self.reduce_early = reduce_early
+        if not isinstance(repeat_collectives, bool):
+            raise TypeError(f"train_step: repeat_collectives must be True or False, got "
+                            f"{repeat_collectives!r}")
+        self.repeat_collectives = repeat_collectives
         self._cache: dict = {}
 
     # -- layouts -------------------------------------------------------------------------
@@ -182,10 +187,10 @@ class TrainStep:
     @contextlib.contextmanager
     def _tracing(self, layouts) -> Iterator[None]:
         """The context the step is traced in: the step's mesh, the mesh axes that may split
-        a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``), and
-        ``layouts`` (:meth:`_gradient_layouts`)."""
+        a feature axis (none for ``"dp"``/``"fsdp"``, ``"model"`` for ``"tp"``),
+        ``layouts`` (:meth:`_gradient_layouts`) and ``repeat_collectives``."""
         with jax.set_mesh(self.mesh), shard_axes(*_FEATURE_AXES[self.mode]), \
-                gradient_layout(*layouts):
+                gradient_layout(*layouts), repeated_collectives(self.repeat_collectives):
             yield
 
     def _gradient_layouts(self, params, psh, ush):
@@ -217,7 +222,8 @@ class TrainStep:
     def _compiled_fns(self, params):
         # the packed layout depends on (mesh, mode): both are part of the key, so one
         # TrainStep never reuses a program traced for another layout
-        key = (self.mesh, self.mode, self.shard_update, self.reduce_early, _key(params))
+        key = (self.mesh, self.mode, self.shard_update, self.reduce_early,
+               self.repeat_collectives, _key(params))
         if key not in self._cache:
             import optax
 
@@ -270,7 +276,8 @@ class TrainStep:
 def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
                rules: Sequence | None = None, batch_axis: str = "data",
                donate: bool = True, shard_update: bool = True,
-               reduce_early: bool | None = None) -> TrainStep:
+               reduce_early: bool | None = None,
+               repeat_collectives: bool = False) -> TrainStep:
     """A sharded training step: ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
     ``mode``: ``"dp"``, ``"fsdp"`` or ``"tp"`` (see :mod:`jaxmem.distributed.sharding`);
@@ -302,6 +309,13 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         are then one per parameter instead of a few combined ones, and each waits for its
         layer. ``None`` (default): on for GPU meshes; off on CPU (XLA:CPU already orders
         them; there it adds all-gathers) and TPU (not measured).
+      repeat_collectives: backward rules may also recompute a value whose forward moved
+        data between devices, running those collectives again, to keep fewer bytes: under
+        ``"tp"`` a fused ``q, k, v`` projection split three ways (GPT-2's ``c_attn``, whose
+        column split does not follow the heads) is recomputed in the attention's backward
+        pass instead of kept (``jaxmem.transform(..., projections=True)``). ``False``
+        (default): only recomputations that need no collective (``q, k, v`` projections
+        split by heads: Flax's ``MultiHeadDotProductAttention``, BERT-style layers).
 
     Returns:
       A :class:`TrainStep`: ``step.init(params) -> (params, opt_state)`` places both with
@@ -330,4 +344,5 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         params, opt_state, loss = step(params, opt_state, batch)
     """
     return TrainStep(loss_fn, optimizer, mesh, mode, rules=rules, batch_axis=batch_axis,
-                     donate=donate, shard_update=shard_update, reduce_early=reduce_early)
+                     donate=donate, shard_update=shard_update, reduce_early=reduce_early,
+                     repeat_collectives=repeat_collectives)

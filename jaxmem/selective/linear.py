@@ -45,7 +45,7 @@ from jaxmem._prims.grad_layout import (
     stored,
     unplaced,
     used,
-    weights_whole,
+    weights_local,
 )
 from jaxmem._prims.recipes import PROJECTED, depth, extend, project
 from jaxmem._prims.ties import tie, typed_struct, vary_like
@@ -205,9 +205,10 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     ``_project`` (a dense product, ``jaxmem.transform(..., projections=True)``): when ``x``
     is such a normalisation or activation output, the output is recorded as recomputable
     from its producer's residuals and ``w`` (:func:`jaxmem._prims.recipes.project`), for the
-    attention core only (queries, keys and values recomputed in its backward pass); not
-    where XLA's SPMD partitioner splits the weight (``grad_layout.weights_whole``: a mesh
-    in context other than a data parallel step's). A bilinear layer fed
+    attention core only (queries, keys and values recomputed in its backward pass); only
+    where each device can recompute its part without a collective
+    (``grad_layout.weights_local``: no SPMD mesh, a data parallel step, or a tensor
+    parallel step splitting output features). A bilinear layer fed
     a value recorded so ignores the recipe and keeps its input.
     """
     x_in = x
@@ -223,11 +224,11 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
         y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
         if _pointwise:
             extend(y, fn, x_in, (w,))
-        elif _project and weights_whole():
-            # not where the weight is split (TP, FSDP's stored shard): a recomputed
-            # projection would repeat the forward's collectives (measured: the GPT of
-            # parity_tests/distributed under TP, 2 -> 4 collective-permutes); data
-            # parallelism holds every weight whole
+        elif _project and weights_local():
+            # not where recomputing the product needs a collective (FSDP's stored shard, a
+            # layout this step did not set); a tensor parallel step splits the weight's
+            # output features, each device recomputes its own slice (a later split of that
+            # slice is not recorded there: ``jaxmem.transform``'s relayouts)
             project(y, fn, x_in, (w,))
         return y
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)

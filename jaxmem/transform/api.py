@@ -103,10 +103,13 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         that norm's residuals and the weights instead of ``q, k, v`` (three arrays of the
         layer's width less per layer) and recomputes the projections in its backward pass
         (exact: the same products of bit-identical values; one more projection per
-        attention in the backward). Not where XLA's SPMD partitioner splits the weights (a
-        mesh with an axis of size > 1 in context, outside a :mod:`jaxmem.distributed` data
-        parallel step or a fully sharded one without ``reduce_early``), where the
-        recomputation would repeat the forward's collectives. ``False`` keeps ``q, k, v``.
+        attention in the backward). Only where the recomputation needs no collective:
+        every device holds the whole weight (no mesh with an axis of size > 1 in context, a
+        :mod:`jaxmem.distributed` data parallel step, a fully sharded one without
+        ``reduce_early``), or a tensor parallel step holds each device's heads' columns
+        (a fused projection split three ways is kept there unless the step is made with
+        ``repeat_collectives=True``: its split moves columns between devices). ``False``
+        keeps ``q, k, v``.
       logits_chunk: rows (tokens) per chunk of a language-model head: a product ``h W``
         whose rows are wider than ``h``'s (``V > d``), reduced within each row to per-token
         values by a softmax-like loss (optax's cross-entropies, ``log_softmax`` +

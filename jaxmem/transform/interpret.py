@@ -371,6 +371,8 @@ def _identity(x):
 #: projection recorded for the attention core stays recorded through them
 _RELAYOUTS = {"reshape", "transpose", "squeeze", "expand_dims", "slice", "split",
               "convert_element_type", "copy", "mul", "div"}
+#: relayouts that cut a projection's features apart (recorded only where weights are whole)
+_RESLICES = frozenset(("slice", "split"))
 
 
 def _record_relayout(eqn, outs: list, invals: list) -> None:
@@ -379,8 +381,15 @@ def _record_relayout(eqn, outs: list, invals: list) -> None:
     every other operand a constant or a traced scalar: each output recorded as that equation
     of the recomputed projection, the traced scalars added to the recipe's arguments
     (:func:`jaxmem._prims.recipes.extend`), so the core keeps the norm's residuals and ``W``
-    instead of ``q``. Anything else records nothing."""
+    instead of ``q``. Anything else records nothing, nor a ``slice`` / ``split`` where the
+    weights are split over devices (a tensor parallel step: re-slicing a fused ``q, k, v``
+    projection moves it between devices, so recomputing it would repeat the forward's
+    collectives) unless the step allows that
+    (:func:`jaxmem._prims.grad_layout.reslice_recomputable`)."""
+    from jaxmem._prims.grad_layout import reslice_recomputable
     from jaxmem._prims.recipes import PROJECTED, depth, extend
+    if eqn.primitive.name in _RESLICES and not reslice_recomputable():
+        return
     traced = [i for i, x in enumerate(invals) if isinstance(x, core.Tracer)]
     projected = [i for i in traced if depth(invals[i]) == PROJECTED]
     if len(projected) != 1:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxmem import distributed as jd
@@ -87,3 +88,49 @@ def test_weights_whole_only_where_no_layout_splits_a_weight():
                 assert not weights_whole()                           # "fsdp", reduce_early
         with shard_axes("data"):
             assert not weights_whole()                               # "tp"-like
+
+
+def test_weights_local_adds_tensor_parallel_steps_only():
+    """A product of a weight split along its output features (a tensor parallel step: a
+    feature axis named, no weight kept as its shard) recomputes on each device without a
+    collective, beside everywhere :func:`weights_whole` holds; a fully sharded step with
+    ``reduce_early`` (weights kept as shards) and a bare mesh are not. A split of such a
+    product's features is recomputed only where weights are whole or the step allows its
+    collectives to run again (``repeat_collectives``, checked)."""
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    from jaxmem._prims.bitpack import shard_axes
+    from jaxmem._prims.grad_layout import (
+        gradient_layout,
+        repeated_collectives,
+        reslice_recomputable,
+        weights_local,
+        weights_whole,
+    )
+
+    mesh = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    assert weights_local()
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert not weights_local()                                   # layout unknown
+        with shard_axes():
+            assert weights_local()                                   # "dp"
+        with shard_axes("model"):
+            assert weights_local() and not weights_whole()           # "tp"
+            with gradient_layout(lambda s: None):
+                assert weights_local()                               # "tp", reduce_early
+        with shard_axes(), gradient_layout(lambda s: None, lambda s: None,
+                                           NamedSharding(mesh, PartitionSpec())):
+            assert not weights_local()                               # "fsdp", reduce_early
+            with repeated_collectives(True):
+                assert not reslice_recomputable()                    # weights kept as shards
+        with shard_axes("model"):
+            assert not reslice_recomputable()                        # a fused split: kept
+            with repeated_collectives(True):
+                assert reslice_recomputable()                        # unless allowed
+        with shard_axes():
+            assert reslice_recomputable()                            # "dp": whole weights
+    with pytest.raises(TypeError, match="allow"), repeated_collectives("yes"):
+        pass
+    with pytest.raises(TypeError, match="repeat_collectives"):
+        jd.train_step(lambda p, b: 0.0, optax.sgd(0.1), jd.mesh(data=1), "tp",
+                      repeat_collectives=1)

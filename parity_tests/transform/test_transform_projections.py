@@ -160,3 +160,38 @@ def test_report_of_cross_attention_keeps_what_has_no_projection():
     rows = [r for r in transform(loss).report(p, x, enc) if r.kind == "attention"]
     assert len(rows) == 1 and rows[0].reason.startswith("keeps k, v and row statistics; q: ")
     close(jax.jit(jax.grad(transform(loss)))(p, x, enc), jax.jit(jax.grad(loss))(p, x, enc))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
+def test_under_tensor_parallelism_only_unsplit_projections_recomputed(fused):
+    """In a tensor parallel step's context (a ``'model'`` feature axis) a device holds its
+    heads' columns of each projection: three projections are still recomputed there; a fused
+    projection split three ways is kept (the split moves columns between devices, so the
+    recomputation would repeat the forward's collectives), unless the step allows those
+    collectives to run again. With no step's layout known (a bare mesh) none is
+    recomputed."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from jaxmem._prims.bitpack import shard_axes
+    from jaxmem._prims.grad_layout import repeated_collectives
+
+    loss, params, x = _loss(fused), _params(), normal((B, T, D))
+    mesh = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def reasons(*axes):
+        with jax.sharding.use_abstract_mesh(mesh), shard_axes(*axes):
+            return [r.reason for r in transform(loss).report(params, x)
+                    if r.kind == "attention"]
+
+    tp = reasons("model")
+    assert len(tp) == LAYERS
+    for r in tp:
+        assert r.startswith("keeps q, k, v" if fused else "keeps row statistics; q, k, v: "
+                            "recomputed"), r
+    # a step made with ``repeat_collectives=True`` recomputes the split one too
+    with repeated_collectives(True):
+        for r in reasons("model"):
+            assert r.startswith("keeps row statistics; q, k, v: recomputed"), r
+    with jax.sharding.use_abstract_mesh(mesh):
+        bare = [r.reason for r in transform(loss).report(params, x) if r.kind == "attention"]
+    assert all(r.startswith("keeps q, k, v") for r in bare), bare

@@ -252,3 +252,80 @@ def test_bottleneck_tp_expansion_option_adds_no_collectives():
     _close(out["recompute"][0], out["plain"][0])
     _close(out["kept"][0], out["plain"][0])
     assert out["kept"][1] <= out["plain"][1], (out["kept"][1].counts, out["plain"][1].counts)
+
+
+@functools.cache
+def _mha_case():
+    """Flax's own multi-head attention (separate ``query`` / ``key`` / ``value`` projections:
+    the TP rules split each by heads) after a LayerNorm, and the same with one fused
+    projection split three ways (GPT-2's ``c_attn``)."""
+    import flax.linen as nn
+
+    class Three(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            # no biases: the key bias has a zero gradient (softmax is shift-invariant per row)
+            return x + nn.MultiHeadDotProductAttention(num_heads=4, use_bias=False,
+                                                       name="attn")(h, h)
+
+    x = jax.random.normal(jax.random.PRNGKey(4), (8, 64, 128))
+    y = jax.random.normal(jax.random.PRNGKey(5), (8, 64, 128))
+    model = Three()
+    params = jax.jit(model.init)(jax.random.PRNGKey(6), x)["params"]
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+    return params, (x, y), loss
+
+
+def test_tp_step_recomputes_head_split_projections_without_collectives():
+    """Under TP each device holds its heads' columns of the query, key and value kernels, so
+    ``jaxmem.transform``'s attention recomputes ``q, k, v`` there from the norm's residuals
+    (``projections=True``) with no collective: gradients are the one-device ones, the step
+    has, kind by kind, no more collectives than with the projections kept, and keeps fewer
+    bytes per device."""
+    import jaxmem
+
+    params, batch, loss = _mha_case()
+    mesh = jd.mesh(**MODES["tp"])
+    assert jd.param_shardings(params, mesh, "tp")["attn"]["query"]["kernel"].spec == \
+        jax.sharding.PartitionSpec(None, "model")
+    out = {}
+    for projections in (True, False):
+        step = jd.train_step(jaxmem.transform(loss, projections=projections),
+                             _recording_sgd(), mesh, "tp", donate=False)
+        p, s = step.init(params)
+        with jax.set_mesh(mesh):
+            compiled = step.lower(p, s, batch).compile()
+        out[projections] = (compiled(p, s, batch)[1], jd.collectives(compiled.as_text()),
+                            compiled.memory_analysis().temp_size_in_bytes)
+    _close(out[True][0], jax.jit(jax.grad(loss))(params, batch))
+    assert out[True][1] <= out[False][1], (out[True][1].counts, out[False][1].counts)
+    assert out[True][2] < out[False][2], (out[True][2], out[False][2])
+
+
+def test_tp_step_repeat_collectives_recomputes_the_fused_projection():
+    """The zoo GPT's fused ``c_attn`` split three ways: under TP its ``q, k, v`` are kept
+    (the split moves columns between devices) unless the step is made with
+    ``repeat_collectives=True``; then they are recomputed, the split's collective-permutes
+    run again in the backward pass, and the gradients are still the one-device ones."""
+    import jaxmem
+
+    model, params, batch, loss = _gpt_case()
+    fn = jaxmem.transform(functools.partial(loss, model))
+    mesh = jd.mesh(**MODES["tp"])
+    out = {}
+    for repeat in (False, True):
+        step = jd.train_step(fn, _recording_sgd(), mesh, "tp", donate=False,
+                             repeat_collectives=repeat)
+        p, s = step.init(params)
+        with jax.set_mesh(mesh):
+            compiled = step.lower(p, s, batch).compile()
+        out[repeat] = (compiled(p, s, batch)[1], jd.collectives(compiled.as_text()))
+    want = jax.jit(jax.grad(functools.partial(loss, model)))(params, batch)
+    _close(out[True][0], want)
+    _close(out[False][0], want)
+    permutes = {r: c.counts["collective-permute"] for r, (_, c) in out.items()}
+    assert permutes[True] > permutes[False], permutes
