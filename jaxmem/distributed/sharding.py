@@ -9,9 +9,13 @@ Three layouts of a parameter tree over a mesh with axes ``('data', 'model')``:
 * ``"fsdp"`` (fully sharded data parallel, ZeRO-3): each parameter is split over ``'data'``
   along its largest axis divisible by the ``'data'`` size (replicated when none is); XLA
   all-gathers a parameter where it is used and reduce-scatters its gradient.
-* ``"tp"`` (tensor parallel, Megatron-LM): by parameter path, the first Dense of a pair is
-  column-parallel (kernel ``P(None, 'model')``, bias ``P('model')``), the second row-parallel
-  (kernel ``P('model', None)``), so ``y = (x W1) W2`` needs one all-reduce per pair; conv
+* ``"tp"`` (tensor parallel, Megatron-LM): by parameter path (the names of the zoo, GPT-2,
+  BERT / RoBERTa / ViT, LLaMA-style, BART / OPT / CLIP, T5, DistilBERT, GPT-J and BLOOM
+  layers), the first Dense of a pair is column-parallel (kernel ``P(None, 'model')``, bias
+  ``P('model')``), the second row-parallel (kernel ``P('model', None)``), so
+  ``y = (x W1) W2`` needs one all-reduce per pair; a kernel stored ``(out, in)`` (Hugging
+  Face's ``FlaxConv1D`` in GPT-2: told by its bias, or by its module's other kernels) is
+  split on the transposed axis, so the column-parallel layer still splits its outputs; conv
   kernels (any path with ``conv`` in a name, any case: ``Conv_0``, ``conv1``) split their
   output channels; embeddings (``Embed_0``, ``embed``, ``wte``, ...) split the vocabulary.
   Batch over ``'data'``.
@@ -43,13 +47,24 @@ MODES = ("dp", "fsdp", "tp")
 
 #: Megatron-style tensor-parallel rules: (regex on the parameter path, spec). Column-parallel
 #: projections first (split outputs), then row-parallel ones (split inputs).
-_COLUMN = r"(c_attn|c_fc|query|key|value|q_proj|k_proj|v_proj|qkv|fc1|wi|up_proj|gate_proj)"
-_ROW = r"(c_proj|out|o_proj|out_proj|fc2|wo|down_proj)"
+#: Names of GPT-2 / GPT-Neo / GPT-J (``c_attn``, ``c_fc``, ``fc_in``), BERT / RoBERTa / ViT
+#: (``query``, ``intermediate/dense``, ``output/dense``), DistilBERT (``q_lin``, ``lin1``),
+#: LLaMA / Mistral / BART / OPT / CLIP (``q_proj``, ``fc1``, ``gate_proj``), T5 (``wi``,
+#: ``wi_0``, ``wo``, ``SelfAttention/q`` .. ``/o``), BLOOM (``query_key_value``,
+#: ``dense_h_to_4h``, ``self_attention/dense``).
+_T5_ATTENTION = r"(SelfAttention|EncDecAttention)"
+_COLUMN = (r"(c_attn|c_fc|query|key|value|q_proj|k_proj|v_proj|qkv|fc1|wi|wi_0|wi_1|up_proj"
+           r"|gate_proj|intermediate/dense|q_lin|k_lin|v_lin|lin1|fc_in|query_key_value"
+           rf"|dense_h_to_4h|{_T5_ATTENTION}/(q|k|v))")
+_ROW = (r"(c_proj|out|o_proj|out_proj|fc2|wo|down_proj|output/dense|out_lin|lin2|fc_out"
+        rf"|dense_4h_to_h|self_attention/dense|{_T5_ATTENTION}/o)")
 #: Names are matched case-insensitively (``(?i)``), so Flax's auto-names (``Conv_0``,
 #: ``ConvTranspose_1``, ``Embed_0``) match like user names (``conv1``, ``embed``). A conv
 #: kernel (1-, 2- or 3-D convolution: rank 3, 4 or 5) is split on its last axis, the output
 #: channels, by the rule of its own rank only (never on another axis).
 _CONV = r"(?i)(^|/)[^/]*conv[^/]*/kernel$"
+#: a dense kernel of either kind (the split of one stored ``(out, in)`` is transposed)
+_DENSE_KERNEL = re.compile(rf"(?i)(^|/)({_COLUMN}|{_ROW})/kernel$")
 TP_RULES: tuple[tuple[str, P], ...] = (
     (rf"(?i)(^|/){_COLUMN}/kernel$", P(None, "model")),
     (rf"(?i)(^|/){_COLUMN}/bias$", P("model")),
@@ -81,6 +96,40 @@ def mesh(data: int | None = None, model: int = 1, *, devices: Sequence | None = 
         raise ValueError(f"mesh: data*model = {data}*{model} = {data * model} exceeds the "
                          f"{len(devs)} available devices")
     return Mesh(np.array(devs[:data * model]).reshape(data, model), ("data", "model"))
+
+
+def _transposed(spec: P) -> P:
+    """A 2-D spec with its two axes swapped."""
+    return P(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
+
+
+def _stored_out_in(params) -> set[str]:
+    """Paths of 2-D dense kernels (matched by :data:`TP_RULES`) stored as ``(out, in)``
+    instead of Flax's ``(in, out)`` (Hugging Face's ``FlaxConv1D`` in GPT-2): a kernel whose
+    sibling ``bias`` has the length of its first axis and not of its second; a kernel this
+    cannot tell (square, no bias) when the other kernels of its module are so stored and none
+    the other way (GPT-2's square ``attn/c_proj`` beside ``attn/c_attn``). Their tensor
+    parallel split is then taken along the other axis, so that a column-parallel layer still
+    splits its output features."""
+    shapes = {path_str(p): tuple(np.shape(leaf))
+              for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    found: dict[str, bool | None] = {}
+    for name, shape in shapes.items():
+        if len(shape) != 2 or not _DENSE_KERNEL.search(name):
+            continue
+        bias = shapes.get(name[: -len("kernel")] + "bias")
+        a, b = shape
+        if bias is not None and len(bias) == 1 and a != b and bias[0] in (a, b):
+            found[name] = bias[0] == a
+        else:
+            found[name] = None
+    by_module: dict[str, set[bool]] = {}
+    for name, out_in in found.items():
+        if out_in is not None:
+            by_module.setdefault(name.rsplit("/", 2)[0], set()).add(out_in)
+    return {name for name, out_in in found.items()
+            if out_in or (out_in is None
+                          and by_module.get(name.rsplit("/", 2)[0]) == {True})}
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -202,11 +251,13 @@ def param_shardings(params, mesh: Mesh, mode: str = "fsdp", *,
     user = [(re.compile(r), s, False) for r, s in (rules or ())]
     tp = [(re.compile(r), s, r == _CONV) for r, s in TP_RULES] if mode == "tp" else []
     n_data = _axis_size(mesh, "data")
+    out_in = _stored_out_in(params) if mode == "tp" else set()
 
     def one(path, leaf):
         shape = tuple(np.shape(leaf))
         name = path_str(path)
-        for rx, spec, exact in user + tp:
+        for rx, spec, exact in user + [(rx, _transposed(spec) if name in out_in else spec, ex)
+                                       for rx, spec, ex in tp]:
             if rx.search(name) and _fits(spec, shape, mesh, exact):
                 return NamedSharding(mesh, spec)
         if mode == "fsdp":

@@ -134,3 +134,68 @@ def test_weights_local_adds_tensor_parallel_steps_only():
     with pytest.raises(TypeError, match="repeat_collectives"):
         jd.train_step(lambda p, b: 0.0, optax.sgd(0.1), jd.mesh(data=1), "tp",
                       repeat_collectives=1)
+
+
+def _sds_tree(tree):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), tree,
+                        is_leaf=lambda s: isinstance(s, tuple))
+
+
+def test_tp_splits_output_features_of_kernels_stored_out_in():
+    """Hugging Face's GPT-2 stores its ``FlaxConv1D`` kernels ``(out, in)``: the column-
+    parallel ``c_attn`` / ``c_fc`` still split their outputs (the axis of the bias's length),
+    the row-parallel ``c_proj`` their inputs, the square ``attn/c_proj`` like its module's
+    ``c_attn``. The same names stored ``(in, out)`` (Flax's ``Dense``, the zoo) keep the
+    plain rules; user rules are taken as written."""
+    d = 8
+    out_in = {"attn": {"c_attn": {"kernel": (3 * d, d), "bias": (3 * d,)},
+                       "c_proj": {"kernel": (d, d), "bias": (d,)}},
+              "mlp": {"c_fc": {"kernel": (4 * d, d), "bias": (4 * d,)},
+                      "c_proj": {"kernel": (d, 4 * d), "bias": (d,)}}}
+    in_out = {"attn": {"c_attn": {"kernel": (d, 3 * d), "bias": (3 * d,)},
+                       "c_proj": {"kernel": (d, d), "bias": (d,)}},
+              "mlp": {"c_fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
+                      "c_proj": {"kernel": (4 * d, d), "bias": (d,)}}}
+    m = jd.mesh(data=1, model=1)
+    col, row = P(None, "model"), P("model", None)
+    got = _specs(_sds_tree(out_in), m, "tp")
+    assert got["attn/c_attn/kernel"] == row and got["mlp/c_fc/kernel"] == row
+    assert got["attn/c_proj/kernel"] == col and got["mlp/c_proj/kernel"] == col
+    assert got["attn/c_attn/bias"] == P("model") and got["mlp/c_proj/bias"] == P()
+    got = _specs(_sds_tree(in_out), m, "tp")
+    assert got["attn/c_attn/kernel"] == col and got["mlp/c_fc/kernel"] == col
+    assert got["attn/c_proj/kernel"] == row and got["mlp/c_proj/kernel"] == row
+    sh = jd.param_shardings(_sds_tree(out_in), m, "tp", rules=[(r"c_attn/kernel$", col)])
+    assert sh["attn"]["c_attn"]["kernel"].spec == col
+
+
+def test_tp_rules_name_bert_t5_and_llama_layers():
+    """Megatron pairs by the names of common Flax transformer implementations: BERT /
+    RoBERTa / ViT (``intermediate/dense`` then ``output/dense``; ``attention/output/dense``),
+    T5 (``SelfAttention/q``.. then ``/o``; ``wi`` / ``wi_0`` then ``wo``), LLaMA-style
+    (``gate_proj`` / ``up_proj`` then ``down_proj``), DistilBERT and BLOOM."""
+    d = 8
+    k = lambda a, b: {"kernel": (a, b)}
+    params = {"layer": {"attention": {"self": {"query": k(d, d)}, "output": {"dense": k(d, d)}},
+                        "intermediate": {"dense": k(d, 4 * d)},
+                        "output": {"dense": k(4 * d, d)}},
+              "t5": {"SelfAttention": {"q": k(d, d), "o": k(d, d)},
+                     "DenseReluDense": {"wi_0": k(d, 4 * d), "wo": k(4 * d, d)}},
+              "llama": {"mlp": {"gate_proj": k(d, 4 * d), "down_proj": k(4 * d, d)}},
+              "distilbert": {"q_lin": k(d, d), "out_lin": k(d, d), "lin1": k(d, 4 * d),
+                             "lin2": k(4 * d, d)},
+              "bloom": {"self_attention": {"query_key_value": k(d, 3 * d), "dense": k(d, d)},
+                        "mlp": {"dense_h_to_4h": k(d, 4 * d), "dense_4h_to_h": k(4 * d, d)}},
+              "pooler": {"dense": k(d, d)}}
+    got = _specs(_sds_tree(params), jd.mesh(data=1, model=1), "tp")
+    col, row = P(None, "model"), P("model", None)
+    for path in ("layer/attention/self/query", "layer/intermediate/dense", "t5/SelfAttention/q",
+                 "t5/DenseReluDense/wi_0", "llama/mlp/gate_proj", "distilbert/q_lin",
+                 "distilbert/lin1", "bloom/self_attention/query_key_value",
+                 "bloom/mlp/dense_h_to_4h"):
+        assert got[path + "/kernel"] == col, path
+    for path in ("layer/attention/output/dense", "layer/output/dense", "t5/SelfAttention/o",
+                 "t5/DenseReluDense/wo", "llama/mlp/down_proj", "distilbert/out_lin",
+                 "distilbert/lin2", "bloom/self_attention/dense", "bloom/mlp/dense_4h_to_h"):
+        assert got[path + "/kernel"] == row, path
+    assert got["pooler/dense/kernel"] == P()
