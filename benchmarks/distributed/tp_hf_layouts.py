@@ -22,30 +22,16 @@ Targets: ``h100`` = XLA:GPU's plan for 8 x H100 compiled here without a GPU (no 
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-NDEV = 8
-FLAG = f"--xla_force_host_platform_device_count={NDEV}"
-if FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
+import _tp_step  # first: re-executes this script with 8 host CPU devices
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxmem
-from jaxmem import distributed as jd
-from jaxmem.measure import TARGETS, target_mesh
-from jaxmem.measure.target import compile_lowered
 
-OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "distributed"
 BATCH, TOKENS = 16, 128
 COL, ROW = P(None, "model"), P("model", None)
 #: per model: layout name -> user rules (``None``: jaxmem's own)
@@ -78,18 +64,9 @@ def _model(name):
 
 
 def measure(loss, params, target, rules, transformed):
-    fn = jaxmem.transform(loss) if transformed else loss
-    devs = None if target == "cpu" else list(target_mesh(target, (NDEV,), ("data",)).devices.flat)
-    opt = optax.sgd(0.1)
-    step = jd.train_step(fn, opt, jd.mesh(data=NDEV // 2, model=2, devices=devs), "tp",
-                         rules=rules)
     tok = jax.ShapeDtypeStruct((BATCH, TOKENS), jnp.int32)
-    compiled, _ = compile_lowered(step.lower(params, jax.eval_shape(opt.init, params),
-                                             (tok, tok)), target, "auto")
-    m = compiled.memory_analysis()
-    c = jd.collectives(compiled.as_text())
-    return {"temp": int(m.temp_size_in_bytes), "argument": int(m.argument_size_in_bytes),
-            "collectives": c.counts, "collective_bytes": c.bytes}
+    return _tp_step.measure(jaxmem.transform(loss) if transformed else loss, params,
+                            (tok, tok), target, rules=rules)
 
 
 def markdown(rows, meta):
@@ -103,32 +80,22 @@ def markdown(rows, meta):
             "stores `(out, in)`: the column-parallel layers then split their inputs); `MLP "
             "replicated`: BERT with only its `q, k, v` projections split. `jaxmem` = "
             "`jaxmem.transform(loss)`. Collectives: count, MB of results per device."), "",
-           ("H100 plan: XLA:GPU's plan for 8 x H100 compiled without a GPU (no autotuning: "
-            "`temp` is a lower bound). CPU: XLA:CPU on 8 host devices."), ""]
+           _tp_step.LIMITS, ""]
     for target in meta["targets"]:
-        out += [f"## {'8 x H100 plan' if target != 'cpu' else '8 host CPU devices'}", "",
+        out += [_tp_step.heading(target), "",
                 ("| model | layout | step | temp MiB | argument MiB | collectives | "
                  "collective MB |"), "|---|---|---|---|---|---|---|"]
         for r in rows:
             m = r["targets"][target]
             out.append(f"| {r['model']} | {r['layout']} | {r['step']} | "
                        f"{m['temp'] / 2**20:.2f} | {m['argument'] / 2**20:.2f} | "
-                       f"{sum(m['collectives'].values())} | "
-                       f"{sum(m['collective_bytes'].values()) / 1e6:.2f} |")
+                       f"{_tp_step.collective_cells(m)} |")
         out.append("")
     return "\n".join(out)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="h100,cpu",
-                    help=f"comma-separated compile targets ({', '.join(TARGETS)})")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    targets = [t for t in args.target.split(",") if t]
-    for t in targets:
-        if t not in TARGETS:
-            raise SystemExit(f"--target: {t!r} is not one of {TARGETS}")
+    targets, out = _tp_step.arguments(__doc__.split("\n\n")[0])
     import transformers
     t0 = time.time()
     rows = []
@@ -146,14 +113,8 @@ def main():
                 rows.append(row)
     meta = {"jax": jax.__version__, "transformers": transformers.__version__,
             "targets": targets, "seconds": time.time() - t0,
-            "command": ".venv/bin/python benchmarks/distributed/tp_hf_layouts.py"
-                       + (f" --target {args.target}" if targets != ["h100", "cpu"] else "")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tp_hf_layouts.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                            indent=1))
-    md = markdown(rows, meta)
-    (args.out / "tp_hf_layouts.md").write_text(md + "\n")
-    print(md)
+            "command": _tp_step.command("tp_hf_layouts.py", targets)}
+    _tp_step.write(out, "tp_hf_layouts", meta, rows, markdown(rows, meta))
 
 
 if __name__ == "__main__":

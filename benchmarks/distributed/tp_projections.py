@@ -22,31 +22,17 @@ Targets: ``h100`` = XLA:GPU's plan for 8 x H100 compiled here without a GPU (no 
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-NDEV = 8
-FLAG = f"--xla_force_host_platform_device_count={NDEV}"
-if FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
+import _tp_step  # first: re-executes this script with 8 host CPU devices
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 import jaxmem
-from jaxmem import distributed as jd
-from jaxmem.measure import TARGETS, target_mesh
-from jaxmem.measure.target import compile_lowered
 from jaxmem.models import gpt
 
-OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "distributed"
 BATCH = 16
 #: variant -> (transform the loss?, projections, repeat_collectives)
 VARIANTS = {"default": (False, True, False), "projections=False": (True, False, False),
@@ -128,15 +114,7 @@ CASES = {
 def measure(loss, params, batch, target, variant):
     transformed, projections, repeat = VARIANTS[variant]
     fn = jaxmem.transform(loss, projections=projections) if transformed else loss
-    devs = None if target == "cpu" else list(target_mesh(target, (NDEV,), ("data",)).devices.flat)
-    opt = optax.sgd(0.1)
-    step = jd.train_step(fn, opt, jd.mesh(data=NDEV // 2, model=2, devices=devs), "tp",
-                         repeat_collectives=repeat)
-    lowered = step.lower(params, jax.eval_shape(opt.init, params), batch)
-    compiled, _ = compile_lowered(lowered, target, "auto")
-    c = jd.collectives(compiled.as_text())
-    return {"temp": int(compiled.memory_analysis().temp_size_in_bytes),
-            "collectives": c.counts, "collective_bytes": c.bytes}
+    return _tp_step.measure(fn, params, batch, target, repeat_collectives=repeat)
 
 
 def markdown(rows, meta):
@@ -165,23 +143,14 @@ def markdown(rows, meta):
                 m = res[v]
                 sv = "" if v == "default" else f" ({100 * (1 - m['temp'] / base):.1f}%)"
                 out.append(f"| {r['model']} | {v} | {m['temp'] / 2**20:.2f}{sv} | "
-                           f"{sum(m['collectives'].values())} | "
-                           f"{sum(m['collective_bytes'].values()) / 1e6:.2f} | "
+                           f"{_tp_step.collective_cells(m)} | "
                            f"{m['collectives']['collective-permute']} |")
         out.append("")
     return "\n".join(out)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="h100,cpu",
-                    help=f"comma-separated compile targets ({', '.join(TARGETS)})")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    targets = [t for t in args.target.split(",") if t]
-    for t in targets:
-        if t not in TARGETS:
-            raise SystemExit(f"--target: {t!r} is not one of {TARGETS}")
+    targets, out = _tp_step.arguments(__doc__.split("\n\n")[0])
     t0 = time.time()
     rows = []
     for name, case in CASES.items():
@@ -194,14 +163,8 @@ def main():
                                  for v, m in row["targets"][target].items()}, flush=True)
         rows.append(row)
     meta = {"jax": jax.__version__, "targets": targets, "seconds": time.time() - t0,
-            "command": ".venv/bin/python benchmarks/distributed/tp_projections.py"
-                       + (f" --target {args.target}" if targets != ["h100", "cpu"] else "")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tp_projections.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                             indent=1))
-    md = markdown(rows, meta)
-    (args.out / "tp_projections.md").write_text(md + "\n")
-    print(md)
+            "command": _tp_step.command("tp_projections.py", targets)}
+    _tp_step.write(out, "tp_projections", meta, rows, markdown(rows, meta))
 
 
 if __name__ == "__main__":
