@@ -6,7 +6,8 @@
 ``(out, in)`` (the split taken along the transposed axis). Beside it, the layouts a user
 gets from rules that miss either: ``names only`` (GPT-2's kernels split as if stored
 ``(in, out)``: its column-parallel layers split their inputs) and ``MLP replicated`` (BERT
-with only its ``q, k, v`` projections split).
+with only its ``q, k, v`` projections split); and GPT-2 with ``repeat_collectives=True``
+(its fused ``c_attn``, split three ways, recomputed in the attention's backward).
 
 One SGD step of ``FlaxGPT2LMHeadModel`` and ``FlaxBertForMaskedLM`` (hidden 256, 4 layers, 4
 heads, vocab 512, 16 x 128 tokens, cross-entropy) on a 4 x 2 ``('data', 'model')`` mesh,
@@ -34,13 +35,16 @@ import jaxmem
 
 BATCH, TOKENS = 16, 128
 COL, ROW = P(None, "model"), P("model", None)
-#: per model: layout name -> user rules (``None``: jaxmem's own)
+#: per model: layout name -> ``train_step`` options (``rules``: user rules; none: jaxmem's)
 LAYOUTS = {
-    "gpt2": {"TP_RULES": None,
-             "names only": ((r"(c_attn|c_fc)/kernel$", COL), (r"(c_attn|c_fc)/bias$", P("model")),
-                            (r"c_proj/kernel$", ROW))},
-    "bert": {"TP_RULES": None,
-             "MLP replicated": ((r"(intermediate|output)/dense/(kernel|bias)$", P()),)},
+    "gpt2": {"TP_RULES": {},
+             "TP_RULES, repeat_collectives": {"repeat_collectives": True},
+             "names only": {"rules": ((r"(c_attn|c_fc)/kernel$", COL),
+                                      (r"(c_attn|c_fc)/bias$", P("model")),
+                                      (r"c_proj/kernel$", ROW))}},
+    "bert": {"TP_RULES": {},
+             "MLP replicated": {"rules": ((r"(intermediate|output)/dense/(kernel|bias)$",
+                                           P()),)}},
 }
 
 
@@ -63,10 +67,10 @@ def _model(name):
     return loss, params
 
 
-def measure(loss, params, target, rules, transformed):
+def measure(loss, params, target, options, transformed):
     tok = jax.ShapeDtypeStruct((BATCH, TOKENS), jnp.int32)
     return _tp_step.measure(jaxmem.transform(loss) if transformed else loss, params,
-                            (tok, tok), target, rules=rules)
+                            (tok, tok), target, **options)
 
 
 def markdown(rows, meta):
@@ -78,7 +82,9 @@ def markdown(rows, meta):
             "mesh, per device. `TP_RULES`: `jaxmem.distributed.train_step(..., 'tp')` as is; "
             "`names only`: GPT-2's kernels split as if stored `(in, out)` (its `FlaxConv1D` "
             "stores `(out, in)`: the column-parallel layers then split their inputs); `MLP "
-            "replicated`: BERT with only its `q, k, v` projections split. `jaxmem` = "
+            "replicated`: BERT with only its `q, k, v` projections split; `repeat_collectives`: "
+            "`train_step(..., repeat_collectives=True)` (GPT-2's fused `c_attn` projection "
+            "recomputed, its split's collective-permutes run again). `jaxmem` = "
             "`jaxmem.transform(loss)`. Collectives: count, MB of results per device."), "",
            _tp_step.LIMITS, ""]
     for target in meta["targets"]:
@@ -101,12 +107,13 @@ def main():
     rows = []
     for name, layouts in LAYOUTS.items():
         loss, params = _model(name)
-        for layout, rules in layouts.items():
+        for layout, options in layouts.items():
             for transformed in (False, True):
                 row = {"model": name, "layout": layout,
                        "step": "jaxmem" if transformed else "JAX default", "targets": {}}
                 for target in targets:
-                    row["targets"][target] = measure(loss, params, target, rules, transformed)
+                    row["targets"][target] = measure(loss, params, target, options,
+                                                     transformed)
                 print(name, layout, row["step"], {t: round(m["temp"] / 2**20, 2)
                                                   for t, m in row["targets"].items()},
                       flush=True)
