@@ -495,9 +495,11 @@ def main():
            "their parameter gradients where their backward forms them under every layout "
            "(`train_step(..., reduce_early=None)`: on for GPU, off on CPU); "
            "`jaxmem-late` is the same model with `reduce_early=False`; `jaxmem-repeat` with "
-           "`train_step(..., repeat_collectives=True)` (under TP the GPT's fused `c_attn` "
-           "projection, split three ways, is recomputed in the attention's backward, its "
-           "split's collective-permutes run again; other layouts: the `jaxmem` step)."), "",
+           "`train_step(..., repeat_collectives=True)` (the attention's `q, k, v` recomputed "
+           "where that repeats collectives: under TP the GPT's fused `c_attn` projection, "
+           "split three ways, its split's collective-permutes run again; under FSDP each "
+           "layer's kept weight shard gathered once more; DP and DP-AR: the `jaxmem` "
+           "step)."), "",
           PLAN_LIMITS.format(jax=meta["jax"]), ""]
     for t in shown:
         missing = sorted({f"{r['model']} {r['variant']}" for r in rows

@@ -28,8 +28,9 @@ from jaxmem._prims.bitpack import shard_axes_in_context
 from jaxmem._prims.ties import after, tie, together
 
 __all__ = ["active", "bilinear_gradients", "gathered", "gradient_layout", "input_after",
-           "placed", "reduced_here", "repeated_collectives", "reslice_recomputable",
-           "stored", "unplaced", "used", "weights_local", "weights_whole"]
+           "placed", "reduced_here", "regathered_product", "regathering_recomputes",
+           "repeated_collectives", "reslice_recomputable", "stored", "unplaced", "used",
+           "weights_local", "weights_whole"]
 
 _LAYOUT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "jaxmem_gradient_layout", default=None)
@@ -129,10 +130,32 @@ def repeated_collectives(allow: bool) -> Iterator[None]:
 def reslice_recomputable() -> bool:
     """Whether a recorded projection may still be recomputed after a ``slice`` / ``split``
     of its features (a fused ``q, k, v`` projection split three ways): where weights are
-    whole (:func:`weights_whole`), or where each device forms its own slice
-    (:func:`weights_local`) and the step in context lets the split's collectives run again
-    in the backward pass (:func:`repeated_collectives`)."""
-    return weights_whole() or (_REPEAT.get() and weights_local())
+    whole (:func:`weights_whole`), or where the step in context lets collectives run again
+    in the backward pass (:func:`repeated_collectives`) and each device forms its own slice
+    (:func:`weights_local`: the split's collectives repeat) or the whole product from a
+    gathered weight (:func:`regathering_recomputes`: the split is local)."""
+    return weights_whole() or (_REPEAT.get() and (weights_local()
+                                                  or regathering_recomputes()))
+
+
+def regathering_recomputes() -> bool:
+    """Whether a projection of a weight kept as its shard (a fully sharded step with a store
+    layout, :func:`stored`) may be recomputed from that shard gathered once more: the step in
+    context allows repeated collectives (:func:`repeated_collectives`; one more all-gather
+    of the weight per recomputation) and the trace is not inside ``shard_map``."""
+    return _REPEAT.get() and _STORE.get() is not None and not _inside_shard_map()
+
+
+def regathered_product(fn: Callable):
+    """``fn(x, w)`` with ``w`` (a shard kept for the backward pass) laid out as the step in
+    context gathers weights (:func:`gradient_layout`'s ``gather``, read now): the product a
+    recomputation forms from the shard (:func:`regathering_recomputes`)."""
+    gather = _STORE.get()[1]
+
+    def product(x, w, *rest):
+        return fn(x, jax.lax.with_sharding_constraint(w, gather), *rest)
+
+    return product
 
 
 def reduced_here(dw):

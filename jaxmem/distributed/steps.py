@@ -309,13 +309,16 @@ def train_step(loss_fn: Callable, optimizer, mesh: Mesh, mode: str = "fsdp", *,
         are then one per parameter instead of a few combined ones, and each waits for its
         layer. ``None`` (default): on for GPU meshes; off on CPU (XLA:CPU already orders
         them; there it adds all-gathers) and TPU (not measured).
-      repeat_collectives: backward rules may also recompute a value whose forward moved
-        data between devices, running those collectives again, to keep fewer bytes: under
-        ``"tp"`` a fused ``q, k, v`` projection split three ways (GPT-2's ``c_attn``, whose
-        column split does not follow the heads) is recomputed in the attention's backward
-        pass instead of kept (``jaxmem.transform(..., projections=True)``). ``False``
-        (default): only recomputations that need no collective (``q, k, v`` projections
-        split by heads: Flax's ``MultiHeadDotProductAttention``, BERT-style layers).
+      repeat_collectives: backward rules may also recompute a value whose forward needed
+        collectives, running them again, to keep fewer bytes: the attention's ``q, k, v``
+        projections (``jaxmem.transform(..., projections=True)``) are recomputed in its
+        backward pass instead of kept under ``"tp"`` where a fused projection is split
+        three ways (GPT-2's ``c_attn``, whose column split does not follow the heads: its
+        collective-permutes repeat), and under ``"fsdp"`` with ``reduce_early`` (each layer
+        keeps its weight's shard: gathered once more). ``False`` (default): only
+        recomputations that need no collective (``q, k, v`` projections split by heads
+        under ``"tp"``: Flax's ``MultiHeadDotProductAttention``, BERT-style layers; every
+        projection under ``"dp"``).
 
     Returns:
       A :class:`TrainStep`: ``step.init(params) -> (params, opt_state)`` places both with

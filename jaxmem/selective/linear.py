@@ -42,6 +42,8 @@ from jax.typing import ArrayLike
 from jaxmem._prims.grad_layout import (
     bilinear_gradients,
     gathered,
+    regathered_product,
+    regathering_recomputes,
     stored,
     unplaced,
     used,
@@ -230,6 +232,10 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
             # output features, each device recomputes its own slice (a later split of that
             # slice is not recorded there: ``jaxmem.transform``'s relayouts)
             project(y, fn, x_in, (w,))
+        elif _project and regathering_recomputes():
+            # a fully sharded step that allows repeated collectives: the recomputation
+            # gathers the kept shard once more
+            project(y, regathered_product(fn), x_in, (w,))
         return y
     return _bilinear(fn, name, xs, ws, _dx_fn, x, w)
 

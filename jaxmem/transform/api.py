@@ -108,8 +108,9 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         :mod:`jaxmem.distributed` data parallel step, a fully sharded one without
         ``reduce_early``), or a tensor parallel step holds each device's heads' columns
         (a fused projection split three ways is kept there unless the step is made with
-        ``repeat_collectives=True``: its split moves columns between devices). ``False``
-        keeps ``q, k, v``.
+        ``repeat_collectives=True``: its split moves columns between devices; so is a
+        fully sharded step's kept shard, then gathered once more). ``False`` keeps
+        ``q, k, v``.
       logits_chunk: rows (tokens) per chunk of a language-model head: a product ``h W``
         whose rows are wider than ``h``'s (``V > d``), reduced within each row to per-token
         values by a softmax-like loss (optax's cross-entropies, ``log_softmax`` +

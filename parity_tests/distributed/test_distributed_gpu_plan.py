@@ -214,3 +214,34 @@ def test_tp_projections_recomputed_where_no_collective_repeats(fused):
     else:
         assert on[0] < off[0], out
         assert repeated == on, out
+
+
+def test_fsdp_repeat_collectives_recomputes_from_the_gathered_shard():
+    """FSDP on the 8 x H100 plan (``reduce_early``: each layer keeps its weight's shard):
+    ``q, k, v`` are kept -- the same step as ``projections=False`` -- unless the step is made
+    with ``repeat_collectives=True``; then the attention's backward gathers the shard once
+    more and recomputes them: fewer bytes per device, more all-gathers."""
+    import jaxmem
+    from jaxmem.measure import target_mesh
+    from jaxmem.measure.target import compile_lowered
+
+    model = nn.Sequential([_Attention(True) for _ in range(LAYERS)])
+    x = jax.ShapeDtypeStruct((BATCH, TOKENS, D), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+    mesh = jd.mesh(data=NDEV, devices=list(target_mesh("h100", (NDEV,), ("data",)).devices.flat))
+    out = {}
+    for projections, repeat in ((True, False), (False, False), (True, True)):
+        step = jd.train_step(jaxmem.transform(loss, projections=projections), optax.sgd(0.1),
+                             mesh, "fsdp", repeat_collectives=repeat)
+        lowered = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), (x, x))
+        compiled, _ = compile_lowered(lowered, "h100", "auto")
+        out[projections, repeat] = (compiled.memory_analysis().temp_size_in_bytes,
+                                    jd.collectives(compiled.as_text()))
+    on, off, repeated = out[True, False], out[False, False], out[True, True]
+    assert on == off, out
+    assert repeated[0] < off[0], out
+    assert repeated[1].counts["all-gather"] > off[1].counts["all-gather"], out

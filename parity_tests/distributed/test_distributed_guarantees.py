@@ -96,12 +96,14 @@ def test_weights_local_adds_tensor_parallel_steps_only():
     collective, beside everywhere :func:`weights_whole` holds; a fully sharded step with
     ``reduce_early`` (weights kept as shards) and a bare mesh are not. A split of such a
     product's features is recomputed only where weights are whole or the step allows its
-    collectives to run again (``repeat_collectives``, checked)."""
+    collectives to run again (``repeat_collectives``, checked), which also lets a fully
+    sharded step recompute from its kept shard gathered once more."""
     from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
     from jaxmem._prims.bitpack import shard_axes
     from jaxmem._prims.grad_layout import (
         gradient_layout,
+        regathering_recomputes,
         repeated_collectives,
         reslice_recomputable,
         weights_local,
@@ -121,8 +123,9 @@ def test_weights_local_adds_tensor_parallel_steps_only():
         with shard_axes(), gradient_layout(lambda s: None, lambda s: None,
                                            NamedSharding(mesh, PartitionSpec())):
             assert not weights_local()                               # "fsdp", reduce_early
-            with repeated_collectives(True):
-                assert not reslice_recomputable()                    # weights kept as shards
+            assert not reslice_recomputable() and not regathering_recomputes()
+            with repeated_collectives(True):                         # the shard gathered again
+                assert reslice_recomputable() and regathering_recomputes()
         with shard_axes("model"):
             assert not reslice_recomputable()                        # a fused split: kept
             with repeated_collectives(True):

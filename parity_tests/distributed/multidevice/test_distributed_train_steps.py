@@ -306,20 +306,23 @@ def test_tp_step_recomputes_head_split_projections_without_collectives():
     assert out[True][2] < out[False][2], (out[True][2], out[False][2])
 
 
-def test_tp_step_repeat_collectives_recomputes_the_fused_projection():
+@pytest.mark.parametrize("mode,kind", [("tp", "collective-permute"), ("fsdp", "all-gather")])
+def test_repeat_collectives_recomputes_the_fused_projection(mode, kind):
     """The zoo GPT's fused ``c_attn`` split three ways: under TP its ``q, k, v`` are kept
-    (the split moves columns between devices) unless the step is made with
+    (the split moves columns between devices), under FSDP with ``reduce_early`` too (the
+    layer keeps its weight's shard), unless the step is made with
     ``repeat_collectives=True``; then they are recomputed, the split's collective-permutes
-    run again in the backward pass, and the gradients are still the one-device ones."""
+    (TP) or the weight's all-gather (FSDP) run again in the backward pass, and the
+    gradients are still the one-device ones."""
     import jaxmem
 
     model, params, batch, loss = _gpt_case()
     fn = jaxmem.transform(functools.partial(loss, model))
-    mesh = jd.mesh(**MODES["tp"])
+    mesh = jd.mesh(**MODES[mode])
     out = {}
     for repeat in (False, True):
-        step = jd.train_step(fn, _recording_sgd(), mesh, "tp", donate=False,
-                             repeat_collectives=repeat)
+        step = jd.train_step(fn, _recording_sgd(), mesh, mode, donate=False,
+                             reduce_early=True, repeat_collectives=repeat)
         p, s = step.init(params)
         with jax.set_mesh(mesh):
             compiled = step.lower(p, s, batch).compile()
@@ -327,5 +330,5 @@ def test_tp_step_repeat_collectives_recomputes_the_fused_projection():
     want = jax.jit(jax.grad(functools.partial(loss, model)))(params, batch)
     _close(out[True][0], want)
     _close(out[False][0], want)
-    permutes = {r: c.counts["collective-permute"] for r, (_, c) in out.items()}
-    assert permutes[True] > permutes[False], permutes
+    counts = {r: c.counts[kind] for r, (_, c) in out.items()}
+    assert counts[True] > counts[False], counts
