@@ -175,14 +175,11 @@ class _Attention(nn.Module):
 LAYERS, TOKENS = 4, 128
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
-def test_tp_projections_recomputed_where_no_collective_repeats(fused):
-    """TP on the 8 x H100 plan: ``jaxmem.transform``'s attention recomputes ``q, k, v`` from
-    the norm's residuals where each device holds its heads' projection columns -- fewer
-    bytes per device than with ``projections=False``, and no collective more, kind by kind.
-    A fused projection split three ways is kept (its recomputation would repeat the split's
-    collective-permutes): the same step as with ``projections=False``, unless the step is
-    made with ``repeat_collectives=True`` (fewer bytes, more collective-permutes)."""
+def _attention_steps(fused, mode):
+    """``{(projections, repeat_collectives): (temp bytes, collectives)}`` of the attention
+    stack's step under ``mode`` on the 8 x H100 plan (``"tp"``: 4 x 2 mesh, ``"fsdp"``: 8),
+    for ``projections=True`` / ``False`` and ``projections=True`` with
+    ``repeat_collectives=True``."""
     import jaxmem
     from jaxmem.measure import target_mesh
     from jaxmem.measure.target import compile_lowered
@@ -195,15 +192,28 @@ def test_tp_projections_recomputed_where_no_collective_repeats(fused):
         return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
 
     devs = list(target_mesh("h100", (NDEV,), ("data",)).devices.flat)
-    mesh = jd.mesh(data=NDEV // 2, model=2, devices=devs)
+    shape = {"data": NDEV // 2, "model": 2} if mode == "tp" else {"data": NDEV}
+    mesh = jd.mesh(**shape, devices=devs)
     out = {}
     for projections, repeat in ((True, False), (False, False), (True, True)):
         step = jd.train_step(jaxmem.transform(loss, projections=projections), optax.sgd(0.1),
-                             mesh, "tp", repeat_collectives=repeat)
+                             mesh, mode, repeat_collectives=repeat)
         lowered = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), (x, x))
         compiled, _ = compile_lowered(lowered, "h100", "auto")
         out[projections, repeat] = (compiled.memory_analysis().temp_size_in_bytes,
                                     jd.collectives(compiled.as_text()))
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
+def test_tp_projections_recomputed_where_no_collective_repeats(fused):
+    """TP on the 8 x H100 plan: ``jaxmem.transform``'s attention recomputes ``q, k, v`` from
+    the norm's residuals where each device holds its heads' projection columns -- fewer
+    bytes per device than with ``projections=False``, and no collective more, kind by kind.
+    A fused projection split three ways is kept (its recomputation would repeat the split's
+    collective-permutes): the same step as with ``projections=False``, unless the step is
+    made with ``repeat_collectives=True`` (fewer bytes, more collective-permutes)."""
+    out = _attention_steps(fused, "tp")
     on, off, repeated = out[True, False], out[False, False], out[True, True]
     assert on[1] <= off[1], (on[1].counts, off[1].counts)
     if fused:
@@ -221,26 +231,7 @@ def test_fsdp_repeat_collectives_recomputes_from_the_gathered_shard():
     ``q, k, v`` are kept -- the same step as ``projections=False`` -- unless the step is made
     with ``repeat_collectives=True``; then the attention's backward gathers the shard once
     more and recomputes them: fewer bytes per device, more all-gathers."""
-    import jaxmem
-    from jaxmem.measure import target_mesh
-    from jaxmem.measure.target import compile_lowered
-
-    model = nn.Sequential([_Attention(True) for _ in range(LAYERS)])
-    x = jax.ShapeDtypeStruct((BATCH, TOKENS, D), jnp.float32)
-    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
-
-    def loss(p, batch):
-        return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
-
-    mesh = jd.mesh(data=NDEV, devices=list(target_mesh("h100", (NDEV,), ("data",)).devices.flat))
-    out = {}
-    for projections, repeat in ((True, False), (False, False), (True, True)):
-        step = jd.train_step(jaxmem.transform(loss, projections=projections), optax.sgd(0.1),
-                             mesh, "fsdp", repeat_collectives=repeat)
-        lowered = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), (x, x))
-        compiled, _ = compile_lowered(lowered, "h100", "auto")
-        out[projections, repeat] = (compiled.memory_analysis().temp_size_in_bytes,
-                                    jd.collectives(compiled.as_text()))
+    out = _attention_steps(True, "fsdp")
     on, off, repeated = out[True, False], out[False, False], out[True, True]
     assert on == off, out
     assert repeated[0] < off[0], out
