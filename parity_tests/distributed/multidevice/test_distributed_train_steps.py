@@ -332,3 +332,42 @@ def test_repeat_collectives_recomputes_the_fused_projection(mode, kind):
     _close(out[False][0], want)
     counts = {r: c.counts[kind] for r, (_, c) in out.items()}
     assert counts[True] > counts[False], counts
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hugging_face_gpt2_tp_gradients_with_out_in_kernels():
+    """Hugging Face's Flax GPT-2 under TP: its ``FlaxConv1D`` kernels are stored
+    ``(out, in)`` and split on that layout's output axis (``c_attn`` / ``c_fc`` rows,
+    ``c_proj`` columns); with each layer reducing its gradient in place (``reduce_early``)
+    and under ``jaxmem.transform`` the gradients are the one-device ones."""
+    tr = pytest.importorskip("transformers")
+    if not hasattr(tr, "FlaxGPT2LMHeadModel"):
+        pytest.skip(f"transformers {tr.__version__} has no Flax models")
+    import jaxmem
+
+    cfg = tr.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = tr.FlaxGPT2LMHeadModel(cfg, _do_init=False)
+    shapes = jax.eval_shape(lambda k: model.init_weights(k, (1, 8)), jax.random.PRNGKey(0))
+    keys = iter(jax.random.split(jax.random.PRNGKey(7), len(jax.tree.leaves(shapes))))
+    params = jax.tree.map(lambda s: 0.2 * jax.random.normal(next(keys), s.shape, s.dtype),
+                          shapes)
+    tok = jax.random.randint(jax.random.PRNGKey(8), (8, 8), 0, 64)
+    batch = (tok, jnp.roll(tok, -1, 1))
+
+    def loss(p, batch):
+        logits = model(batch[0], params=p, train=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    mesh = jd.mesh(**MODES["tp"])
+    spec = jd.param_shardings(params, mesh, "tp")["transformer"]["h"]["0"]
+    assert spec["attn"]["c_attn"]["kernel"].spec == jax.sharding.PartitionSpec("model", None)
+    assert spec["mlp"]["c_proj"]["kernel"].spec == jax.sharding.PartitionSpec(None, "model")
+    want = jax.jit(jax.grad(loss))(params, batch)
+    for fn in (loss, jaxmem.transform(loss)):
+        step = jd.train_step(fn, _recording_sgd(), mesh, "tp", donate=False,
+                             reduce_early=True)
+        p, s = step.init(params)
+        with jax.set_mesh(mesh):
+            compiled = step.lower(p, s, batch).compile()
+        _close(compiled(p, s, batch)[1], want)
