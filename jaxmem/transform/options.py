@@ -39,7 +39,8 @@ class Options:
       reshaped, split, transposed, scaled by constants) keeps that norm's residuals and the
       weights instead of ``q, k, v`` and recomputes the projections in its backward pass
       (only where that needs no collective: whole weights, or a tensor parallel step's
-      column split, not after a split of a fused projection there).
+      column split, not after a split of a fused projection there -- unless the step is
+      made with ``repeat_collectives=True``).
     logits_chunk: ``None`` or rows per chunk (an int >= 1) of a language-model head: a
       product ``h W`` with more columns than ``h`` has, reduced within each row to per-token
       values by a softmax-like loss, computed that many rows at a time
