@@ -236,3 +236,45 @@ def test_fsdp_repeat_collectives_recomputes_from_the_gathered_shard():
     assert on == off, out
     assert repeated[0] < off[0], out
     assert repeated[1].counts["all-gather"] > off[1].counts["all-gather"], out
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_tp_splits_hugging_face_gpt2_out_in_kernels_by_output():
+    """Hugging Face's Flax GPT-2 stores its ``FlaxConv1D`` kernels ``(out, in)``. Split on
+    that layout's output axis (``TP_RULES``) its TP step on the 8 x H100 plan keeps fewer
+    bytes and moves fewer collective bytes per device than with the kernels split as if
+    stored ``(in, out)`` (the names alone: column-parallel layers splitting their inputs,
+    each layer's partial sums all-reduced): 18.2 against 21.8 MiB, 14.8 against 30.0 MB at
+    hidden 256, 2 layers, 16 x 128 tokens. The collective bytes halve at any size; the temp
+    saving needs activations to outweigh the weights (hidden 128, 64 tokens: 6.77 against
+    6.06 MB)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmem.measure import target_mesh
+    from jaxmem.measure.target import compile_lowered
+
+    tr = pytest.importorskip("transformers")
+    if not hasattr(tr, "FlaxGPT2LMHeadModel"):
+        pytest.skip(f"transformers {tr.__version__} has no Flax models")
+    cfg = tr.GPT2Config(vocab_size=128, n_positions=128, n_embd=256, n_layer=2, n_head=4)
+    model = tr.FlaxGPT2LMHeadModel(cfg, _do_init=False)
+    params = jax.eval_shape(lambda k: model.init_weights(k, (1, 128)), jax.random.key(0))
+    tok = jax.ShapeDtypeStruct((BATCH, 128), jnp.int32)
+
+    def loss(p, batch):
+        logits = model(batch[0], params=p, train=False).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    names_only = ((r"(c_attn|c_fc)/kernel$", P(None, "model")),
+                  (r"(c_attn|c_fc)/bias$", P("model")), (r"c_proj/kernel$", P("model", None)))
+    devs = list(target_mesh("h100", (NDEV,), ("data",)).devices.flat)
+    mesh = jd.mesh(data=NDEV // 2, model=2, devices=devs)
+    out = {}
+    for name, rules in (("out_in", None), ("names_only", names_only)):
+        step = jd.train_step(loss, optax.sgd(0.1), mesh, "tp", rules=rules)
+        lowered = step.lower(params, jax.eval_shape(optax.sgd(0.1).init, params), (tok, tok))
+        compiled, _ = compile_lowered(lowered, "h100", "auto")
+        c = jd.collectives(compiled.as_text())
+        out[name] = (compiled.memory_analysis().temp_size_in_bytes, sum(c.bytes.values()))
+    assert out["out_in"][0] < out["names_only"][0], out
+    assert out["out_in"][1] < out["names_only"][1], out
