@@ -143,7 +143,7 @@ def regathering_recomputes() -> bool:
     layout, :func:`stored`) may be recomputed from that shard gathered once more: the step in
     context allows repeated collectives (:func:`repeated_collectives`; one more all-gather
     of the weight per recomputation) and the trace is not inside ``shard_map``."""
-    return _REPEAT.get() and _STORE.get() is not None and not _inside_shard_map()
+    return _REPEAT.get() and _store_gathers()
 
 
 def regathered_product(fn: Callable):
@@ -274,6 +274,11 @@ def gathered(w, dep):
 
 
 def _gathers(w) -> bool:
-    """Whether :func:`gathered` gathers ``w``: a store layout in context, outside
+    """Whether :func:`gathered` gathers ``w``: a weight, and :func:`_store_gathers`."""
+    return w is not None and _store_gathers()
+
+
+def _store_gathers() -> bool:
+    """A store layout in context (weights kept as shards, gathered where used), outside
     ``shard_map``."""
-    return _STORE.get() is not None and w is not None and not _inside_shard_map()
+    return _STORE.get() is not None and not _inside_shard_map()

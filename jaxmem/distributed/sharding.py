@@ -123,13 +123,13 @@ def _stored_out_in(params) -> set[str]:
             found[name] = bias[0] == a
         else:
             found[name] = None
+    module = lambda name: name.rsplit("/", 2)[0]   # 'attn' of 'attn/c_attn/kernel'
     by_module: dict[str, set[bool]] = {}
     for name, out_in in found.items():
         if out_in is not None:
-            by_module.setdefault(name.rsplit("/", 2)[0], set()).add(out_in)
+            by_module.setdefault(module(name), set()).add(out_in)
     return {name for name, out_in in found.items()
-            if out_in or (out_in is None
-                          and by_module.get(name.rsplit("/", 2)[0]) == {True})}
+            if out_in or (out_in is None and by_module.get(module(name)) == {True})}
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -250,14 +250,15 @@ def param_shardings(params, mesh: Mesh, mode: str = "fsdp", *,
                          f"{mesh.axis_names}")
     user = [(re.compile(r), s, False) for r, s in (rules or ())]
     tp = [(re.compile(r), s, r == _CONV) for r, s in TP_RULES] if mode == "tp" else []
+    # for kernels stored ``(out, in)``: the same rules, their splits transposed
+    tp_out_in = [(rx, _transposed(s), exact) for rx, s, exact in tp]
     n_data = _axis_size(mesh, "data")
     out_in = _stored_out_in(params) if mode == "tp" else set()
 
     def one(path, leaf):
         shape = tuple(np.shape(leaf))
         name = path_str(path)
-        for rx, spec, exact in user + [(rx, _transposed(spec) if name in out_in else spec, ex)
-                                       for rx, spec, ex in tp]:
+        for rx, spec, exact in user + (tp_out_in if name in out_in else tp):
             if rx.search(name) and _fits(spec, shape, mesh, exact):
                 return NamedSharding(mesh, spec)
         if mode == "fsdp":
