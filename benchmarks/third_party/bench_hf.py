@@ -20,8 +20,14 @@ sequence 128 (ViT: 176 x 176 images, patch 16: 122 tokens; T5: 4 encoder + 4 dec
 layers; ResNet: widths 64-128-256-512, one basic block each, 8 x 3 x 128 x 128; CLIP: both
 towers of that size, 122 image tokens).
 
+Models: bert, roberta, gpt2, vit, t5, resnet, clip, distilbert, and the gated-MLP decoders
+llama, mistral (grouped-query attention), gemma (multi-query, GeGLU); ``--gated-off`` adds
+``jaxmem.transform(loss, gated_products=False)`` (their SwiGLU / GeGLU products as written).
+
 Run:  .venv/bin/python benchmarks/third_party/bench_hf.py [--models bert,gpt2,vit]
-      [--targets cpu,h100] [--out benchmarks/results/third_party]
+      [--targets cpu,h100] [--out benchmarks/results/third_party] [--stem hf]
+      .venv/bin/python benchmarks/third_party/bench_hf.py --models llama,mistral,gemma,distilbert
+      --gated-off --out benchmarks/results/third_party --stem hf_decoders
 """
 from __future__ import annotations
 
@@ -96,6 +102,24 @@ def build(name: str, z: dict, rng):
         cfg = tr.GPT2Config(vocab_size=z["vocab"], n_positions=2 * T, n_embd=H,
                             n_layer=z["layers"], n_head=z["heads"], n_inner=z["ff"])
         m, p = _init(tr.FlaxGPT2LMHeadModel, cfg, rng)
+        return text_loss(m), p, (ids, mask)
+    if name == "distilbert":
+        cfg = tr.DistilBertConfig(vocab_size=z["vocab"], dim=H, n_layers=z["layers"],
+                                  n_heads=z["heads"], hidden_dim=z["ff"],
+                                  max_position_embeddings=2 * T)
+        m, p = _init(tr.FlaxDistilBertForMaskedLM, cfg, rng)
+        return text_loss(m), p, (ids, mask)
+    if name in ("llama", "mistral", "gemma"):
+        # SwiGLU / GeGLU MLPs, RMS norms, rotary embeddings; Mistral with grouped-query
+        # attention (2 key / value heads), Gemma with multi-query attention (1)
+        cls, conf, kw = {"llama": (tr.FlaxLlamaForCausalLM, tr.LlamaConfig, {}),
+                         "mistral": (tr.FlaxMistralForCausalLM, tr.MistralConfig,
+                                     {"num_key_value_heads": 2}),
+                         "gemma": (tr.FlaxGemmaForCausalLM, tr.GemmaConfig,
+                                   {"num_key_value_heads": 1,
+                                    "head_dim": H // z["heads"],
+                                    "hidden_activation": "gelu_pytorch_tanh"})}[name]
+        m, p = _init(cls, conf(**text, **kw), rng)
         return text_loss(m), p, (ids, mask)
     if name == "vit":
         cfg = tr.ViTConfig(**enc, image_size=z["image"], patch_size=z["patch"],
@@ -203,7 +227,7 @@ def _time_side_by_side(steps: dict, params, opt_state, batch, r, repeats):
     return out
 
 
-def run(models, targets, size, repeats):
+def run(models, targets, size, repeats, gated_off=False):
     import jaxmem
     from jaxmem.measure import compiled_memory
 
@@ -215,6 +239,9 @@ def run(models, targets, size, repeats):
         r = jax.random.key(1)
         variants = {"default": loss, "transform": jaxmem.transform(loss),
                     "transform(fewbit=3)": jaxmem.transform(loss, fewbit=3)}
+        if gated_off:
+            variants["transform(gated_products=False)"] = jaxmem.transform(
+                loss, gated_products=False)
         rep = variants["transform(fewbit=3)"].report(params, batch, r)
         counts = {}
         for row in rep:
@@ -274,10 +301,13 @@ def main(argv=None):
     ap.add_argument("--size", default="moderate", choices=sorted(SIZES))
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="")
+    ap.add_argument("--stem", default="hf", help="output file names: STEM.json, STEM.md")
+    ap.add_argument("--gated-off", action="store_true",
+                    help="also measure jaxmem.transform(loss, gated_products=False)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    rows = run(a.models.split(","), a.targets.split(","), a.size, a.repeats)
+    rows = run(a.models.split(","), a.targets.split(","), a.size, a.repeats, a.gated_off)
     md = markdown(rows, a.size)
     print(md)
     if a.out:
@@ -286,9 +316,9 @@ def main(argv=None):
                     "machine": platform.machine(), "cpus": os.cpu_count(),
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}
-        with open(os.path.join(a.out, "hf.json"), "w") as fh:
+        with open(os.path.join(a.out, a.stem + ".json"), "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-        with open(os.path.join(a.out, "hf.md"), "w") as fh:
+        with open(os.path.join(a.out, a.stem + ".md"), "w") as fh:
             fh.write(md)
     return 0
 

@@ -13,6 +13,9 @@ saves residuals according to which inputs are perturbed):
 * :func:`relu`, :func:`leaky_relu`, :func:`relu6`, :func:`hard_tanh` -- a 1-bit packed mask;
 * :func:`smooth_activation` -- any elementwise ``f`` keeping only its input (``f'``
   recomputed; a following bilinear layer shares that input and recomputes ``f(x)``);
+* :func:`gated_product` -- ``a * b`` keeping the residuals of ``a``'s producer instead of
+  ``a`` (a gated linear unit's ``act(x W) * (x V)`` keeps ``x W`` and ``x V``; the down
+  projection recomputes the product);
 * :func:`max_pool` -- the packed argmax position inside each window;
 * :func:`dropout` -- only the PRNG key;
 * :func:`bias_add` -- nothing kept; the bias gradient formed where the cotangent arrives
@@ -35,6 +38,7 @@ from jaxmem.selective.attention import attention, attention_core, softmax
 from jaxmem.selective.bias import bias_add
 from jaxmem.selective.bits import pack_bits, unpack_bits
 from jaxmem.selective.dropout import dropout
+from jaxmem.selective.gated import gated_product
 from jaxmem.selective.linear import (
     bilinear,
     conv,
@@ -59,7 +63,7 @@ from jaxmem.selective.subset import (
 
 __all__ = [
     "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bias_add", "bilinear", "combine",
-    "conv", "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "grad",
+    "conv", "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "gated_product", "grad",
     "group_norm", "hard_tanh", "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad",
     "normalize", "pack_bits", "partition", "path_str", "relu", "relu6", "rms_norm",
     "smooth_activation", "softmax", "train_step", "trainable_mask", "unpack_bits",

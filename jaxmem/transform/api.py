@@ -58,7 +58,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               dropout: bool = True, pools: bool = True,
               residual_adds: bool = True, conv_recompute: bool = True,
               biases: bool = True, projections: bool = True,
-              logits_chunk: int | None = 1024) -> Callable:
+              gated_products: bool = True, logits_chunk: int | None = 1024) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -111,6 +111,15 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         ``repeat_collectives=True``: its split moves columns between devices; so is a
         fully sharded step's kept shard, then gathered once more). ``False`` keeps
         ``q, k, v``.
+      gated_products: with ``products``, an elementwise product ``a * b`` (one shape) whose
+        factor is the output of a re-emitted activation or normalisation -- a gated linear
+        unit's ``act(x W) * (x V)`` (SwiGLU, GeGLU: Llama, Mistral, Gemma, T5 v1.1),
+        ``x * sigmoid(x)`` -- keeps that producer's residuals (``x W``, already kept by the
+        activation) instead of the factor, and a product reading ``a * b`` (the down
+        projection) recomputes it from them instead of keeping it
+        (:func:`jaxmem.selective.gated_product`; exact: the same products of bit-identical
+        values; two hidden-width arrays per gated unit instead of four). ``False`` keeps the
+        factors and the product.
       logits_chunk: rows (tokens) per chunk of a language-model head: a product ``h W``
         whose rows are wider than ``h``'s (``V > d``), reduced within each row to per-token
         values by a softmax-like loss (optax's cross-entropies, ``log_softmax`` +
@@ -138,7 +147,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
     options = Options(fewbit=fewbit, attention=attention, products=products,
                       activations=activations, norms=norms, dropout=dropout, pools=pools,
                       residual_adds=residual_adds, conv_recompute=conv_recompute,
-                      biases=biases, projections=projections, logits_chunk=logits_chunk)
+                      biases=biases, projections=projections,
+                      gated_products=gated_products, logits_chunk=logits_chunk)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -45,7 +45,7 @@ from jaxmem.transform.graph import (
     location,
     name_stack,
 )
-from jaxmem.transform.match import Match
+from jaxmem.transform.match import Match, aval_str
 from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Row, amend, record
@@ -164,7 +164,8 @@ class Interpreter:
                         if isinstance(item, Match):
                             products |= item.eqns
         if opts.activations:
-            for item in match_activations(graph, taken, path, opts.fewbit, products):
+            for item in match_activations(graph, taken, path, opts.fewbit, products,
+                                          opts.products and opts.gated_products):
                 add(item)
             if products and FUSE_PRODUCTS and in_recomputed_body():
                 found = fuse_activation_products(graph, found)
@@ -257,6 +258,9 @@ class Interpreter:
                            _WHY_NOT.get(name, "not entered yet: its body is re-emitted "
                                               "unchanged"), call_location(eqn),
                            name_stack(eqn), path))
+            if (name == "mul" and self.options.products and self.options.gated_products
+                    and _gated(eqn, invals)):
+                return [_gated_product(eqn, invals, path)]
             outs = bind_eqn(eqn, invals)
             if name == "add" and self.options.products and self.options.residual_adds:
                 _record_add(outs, invals)
@@ -352,6 +356,31 @@ def _record_add(outs: list, invals: list) -> None:
     from jaxmem._prims.recipes import combine
     if len(outs) == 1 and len(invals) == 2:
         combine(outs[0], lax.add, *invals)
+
+
+def _gated(eqn, invals: list) -> bool:
+    """Whether ``mul(a, b)`` is a product :func:`jaxmem.selective.gated_product` keeps less
+    for: two traced floating-point factors of the equation's own shape (of more than one
+    row: :func:`~jaxmem.transform.match_elementwise.gate_shaped`) and dtype, one of them a
+    value a re-emitted activation or norm can recompute."""
+    from jaxmem.selective.gated import recomputable_factor
+    from jaxmem.transform.match_elementwise import gate_shaped
+    out = eqn.outvars[0].aval
+    return (len(invals) == 2 and gate_shaped(out.shape) and np.issubdtype(out.dtype, np.inexact)
+            and all(isinstance(x, core.Tracer) and np.shape(x) == out.shape
+                    and x.dtype == out.dtype for x in invals)
+            and any(recomputable_factor(x) for x in invals))
+
+
+def _gated_product(eqn, invals: list, path: str):
+    """``mul(a, b)`` re-emitted as :func:`jaxmem.selective.gated_product`, with its row."""
+    from jaxmem.selective.gated import gated_product, recomputable_factor
+    which = " and ".join(n for n, x in zip("ab", invals) if recomputable_factor(x))
+    record(Row("gate", f"mul {aval_str(eqn.outvars[0])}",
+               "jaxmem.selective.gated_product (exact)", True,
+               f"keeps the residuals of {which}'s producer instead of {which}; the product "
+               "recomputable from them", call_location(eqn), name_stack(eqn), path))
+    return gated_product(*invals)
 
 
 def _record_name(outs: list, invals: list) -> None:

@@ -12,7 +12,9 @@ Flax's ``dot_product_attention``, ``jax.nn.dot_product_attention(implementation=
                                      accumulated in f32 directly, equal up to the bf16
                                      rounding it skips)
     s = s * c  |  s / c              optional, c a uniform constant   (scale / divisor)
-    s = s + b                        optional                          (bias)
+    s = s + b  |  s - b              optional                          (bias; ``s - b``, e.g.
+                                     DistilBERT's ``s - 1e30 (1 - mask)``, as ``s + (-b)``:
+                                     the same float result)
     s = select_n(m, fill, s)         optional, fill a finite constant (mask;
                                      ``m`` traced to its source through broadcasts,
                                      transposes and ``and`` with an all-true array)
@@ -540,16 +542,19 @@ def _match_one(graph: Graph, d2_index: int):
         mask, s = (pred, list(c2f)), x
         transposes()
     bias = None
-    h = _prod(graph, s, "add")
+    bias_negated = False
+    h = _prod(graph, s, ("add", "sub"))
     if h is not None:
         i, add = h
         x0, x1 = add.invars
         if _reaches_dot(graph, x0) and graph.uniform(x1) is None:
             s, bias = x0, (x1, list(c2f))
-        elif _reaches_dot(graph, x1) and graph.uniform(x0) is None:
+            bias_negated = add.primitive.name == "sub"
+        elif add.primitive.name == "add" and _reaches_dot(graph, x1) and graph.uniform(x0) is None:
             s, bias = x1, (x0, list(c2f))
         else:
-            raise _NoMatch("scores plus a bias that is not traced to q k^T")
+            raise _NoMatch(f"scores {'plus' if add.primitive.name == 'add' else 'minus'} a bias "
+                           "that is not traced to q k^T")
         used.add(i)
         transposes()
     scale = divisor = None
@@ -632,6 +637,7 @@ def _match_one(graph: Graph, d2_index: int):
               "nq": len(qfree), "nvf": len(vfree), "nb": nb, "r": r,
               "qsizes": qsizes, "vsizes": tuple(v.aval.shape[d] for d in vfree),
               "out_perm": tuple(out_perm), "keep_negated": keep_negated,
+              "bias_negated": bias_negated,
               "factor": factor, "dropout_key": None}
     if dropout is not None:
         key, kp, broadcast, select = dropout
@@ -712,6 +718,8 @@ def _emit_fn(spec_kw: dict, layout: dict, bias_dims, mask_dims):
         if mask is not None and layout["keep_negated"]:
             mask = jnp.logical_not(mask)
         rng = extra.pop() if layout["dropout_key"] is not None else None
+        if bias is not None and layout["bias_negated"]:              # s - b = s + (-b)
+            bias = -bias
         o = attention_core(qh, kh, vh, bias=scores_like(bias, bias_dims),
                            mask=mask, rng=rng, spec=spec)
         if layout["factor"] is not None:                           # (P f) v = (P v) f

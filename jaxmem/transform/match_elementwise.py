@@ -412,6 +412,37 @@ def _product_keeps_output(graph: Graph, o, products) -> bool:
     return found
 
 
+def gate_shaped(shape) -> bool:
+    """Whether a product of this shape can be a gated unit's: more than one row (a
+    per-channel vector, e.g. a frozen batch norm's ``rsqrt(var) * scale`` of shape
+    ``(1, 1, 1, C)``, is left as written)."""
+    return int(np.prod(shape[:-1], dtype=np.int64)) > 1
+
+
+def _gates_product(graph: Graph, o) -> bool:
+    """``f(x)`` is a factor of an elementwise product with another traced value of its
+    shape (a gated linear unit's ``f(x W) * (x V)``), and nothing else reading it keeps it:
+    re-emitted as :func:`jaxmem.selective.gated_product`, that product keeps ``x`` (the
+    exact op's residual) instead of ``f(x)``, which a few-bit code would not spare."""
+    if o in graph.outvars or not gate_shaped(_shape(o)):
+        return False
+    found = False
+    for j in graph.uses(o):
+        eqn = graph.jaxpr.eqns[j]
+        name = eqn.primitive.name
+        if name == "mul" and len(eqn.invars) == 2:
+            other = eqn.invars[1] if eqn.invars[0] is o else eqn.invars[0]
+            if other is o or graph.is_const(other):
+                continue      # a square, a constant scale: keeps nothing more of f(x)
+            if _shape(other) != _shape(o) or _shape(eqn.outvars[0]) != _shape(o):
+                return False
+            found = True
+        elif name not in _KEEP_NOTHING or (
+                name == "div" and (eqn.invars[0] is not o or not graph.is_const(eqn.invars[1]))):
+            return False
+    return found
+
+
 def _label(sub: Subgraph) -> str:
     for e in sub.eqns:
         if e.primitive.name in _WRAPPERS and e.params.get("name"):
@@ -438,10 +469,13 @@ def _const_support(graph: Graph, eqns: list[int], taken: set[int]):
 
 
 def match_activations(graph: Graph, taken: set[int], path: str, fewbit: int | None,
-                      products: set[int] | None = None) -> list[Match | Row]:
+                      products: set[int] | None = None,
+                      gated: bool = False) -> list[Match | Row]:
     """Activation subgraphs of ``graph`` not among the equations ``taken``; ``products``:
     the equations converted to selective bilinear ops (a smooth activation feeding one
-    stays exact under ``fewbit``, see :func:`_product_keeps_output`)."""
+    stays exact under ``fewbit``, see :func:`_product_keeps_output`); ``gated``: gated
+    products are re-emitted (a smooth activation gating one stays exact under ``fewbit``,
+    see :func:`_gates_product`)."""
     eqns = graph.jaxpr.eqns
     root: dict = {}
     members: dict = {}  # root var -> [eqn indices]
@@ -480,7 +514,8 @@ def match_activations(graph: Graph, taken: set[int], path: str, fewbit: int | No
                 continue
             if _is_linear(graph, [eqns[j] for j in anc]):
                 continue
-            item = _convert(graph, r, o, sorted(anc), i, taken, path, fewbit, products)
+            item = _convert(graph, r, o, sorted(anc), i, taken, path, fewbit, products,
+                            gated)
             if isinstance(item, Match):
                 used |= anc
                 out.append(item)
@@ -559,7 +594,8 @@ def _closed(graph: Graph, anc: set[int], o) -> bool:
     return True
 
 
-def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None) -> Match | Row:
+def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None,
+             gated=False) -> Match | Row:
     eqns = graph.jaxpr.eqns
     extra, consts = _const_support(graph, anc, taken)
     order = sorted(set(anc) | extra)
@@ -615,6 +651,16 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None) -> Ma
         row = Row("activation", what, "exact (input kept, f' recomputed)", True,
                   f"fewbit={fewbit} not applied: the following product would keep f(x) "
                   "anyway; keeps x only (f(x) recomputed by the product)", where, ns, path)
+        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
+                     fn=sub)
+    if gated and _gates_product(graph, o):
+        # a gated product keeps f(x) (for the other factor's gradient) beside a few-bit
+        # code; the exact op keeps x, which the gated product keeps instead of f(x)
+        op = exact_activation(sub)
+        row = Row("activation", what, "exact (input kept, f' recomputed)", True,
+                  f"fewbit={fewbit} not applied: the gated product after it would keep f(x) "
+                  "anyway; keeps x only (f(x) recomputed by the gated product)", where, ns,
+                  path)
         return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
                      fn=sub)
     try:

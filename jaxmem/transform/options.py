@@ -7,7 +7,7 @@ __all__ = ["SWITCHES", "Options"]
 
 #: the conversions :class:`Options` turns on or off (``True`` / ``False`` fields)
 SWITCHES = ("attention", "products", "activations", "norms", "dropout", "pools",
-            "residual_adds", "conv_recompute", "biases", "projections")
+            "residual_adds", "conv_recompute", "biases", "projections", "gated_products")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,10 @@ class Options:
       (only where that needs no collective: whole weights, or a tensor parallel step's
       column split, not after a split of a fused projection there -- unless the step is
       made with ``repeat_collectives=True``).
+    gated_products: with ``products``, an elementwise product ``a * b`` whose factor is the
+      output of a re-emitted activation or norm (a gated linear unit's ``act(x W) * (x V)``,
+      ``x * sigmoid(x)``) keeps that producer's residuals instead of the factor, and the
+      product after it recomputes ``a * b`` from them (:func:`jaxmem.selective.gated_product`).
     logits_chunk: ``None`` or rows per chunk (an int >= 1) of a language-model head: a
       product ``h W`` with more columns than ``h`` has, reduced within each row to per-token
       values by a softmax-like loss, computed that many rows at a time
@@ -58,6 +62,7 @@ class Options:
     conv_recompute: bool = True
     biases: bool = True
     projections: bool = True
+    gated_products: bool = True
     logits_chunk: int | None = 1024
 
     def __post_init__(self):

@@ -120,6 +120,24 @@ def gpt2():
     return Case(_text_loss(m), p, (ids(), mask()), cfg)
 
 
+def distilbert():
+    tr = _tr()
+    cfg = tr.DistilBertConfig(vocab_size=VOCAB, dim=H, n_layers=L, n_heads=HEADS, hidden_dim=FF,
+                              max_position_embeddings=4 * T, dropout=0.1,
+                              attention_dropout=0.1)
+    m, p = _init(tr.FlaxDistilBertForMaskedLM, cfg)
+    return Case(_text_loss(m), p, (ids(), mask()), cfg)
+
+
+def llama():
+    tr = _tr()
+    cfg = tr.LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FF,
+                         num_hidden_layers=L, num_attention_heads=HEADS,
+                         max_position_embeddings=4 * T)
+    m, p = _init(tr.FlaxLlamaForCausalLM, cfg)
+    return Case(_text_loss(m), p, (ids(), mask()), cfg, dropout=False)
+
+
 def vit():
     tr = _tr()
     cfg = tr.ViTConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS,
@@ -209,4 +227,4 @@ def clip():
 
 
 CASES = {"bert": bert, "roberta": roberta, "gpt2": gpt2, "vit": vit, "t5": t5,
-         "resnet": resnet, "clip": clip}
+         "resnet": resnet, "clip": clip, "distilbert": distilbert, "llama": llama}

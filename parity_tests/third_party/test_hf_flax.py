@@ -104,6 +104,13 @@ def _expected(name, train):
         # vision pre-LN); quick_gelu per layer and exp(logit_scale); the logits are a product
         # of the two towers' embeddings; L2 normalisations kept (no eps: not a norm)
         "clip": (12 * L + 3, 1, 4 * L + 3, 0, 2 * L + 1, 2 * L, 0, 0),
+        # q k v out_lin, lin1, lin2 per layer; MLM head transform + tied projector; LN:
+        # embeddings, 2 per layer, head; GELU per layer and in the head; dropout:
+        # embeddings, the FFN's; scores minus 1e30 (1 - mask): a subtracted bias
+        "distilbert": (6 * L + 2, 0, 2 * L + 2, 0, L + 1, L, L + 1, L),
+        # q k v o, gate, up, down per layer and the LM head; RMS norms 2 per layer + final;
+        # SiLU gating each MLP (a gated product per layer); no dropout
+        "llama": (7 * L + 1, 0, 2 * L + 1, 0, L, L, 0, 0),
     }[name]
 
 
@@ -111,6 +118,8 @@ def _expected(name, train):
 def test_report_accounts_for_every_layer(case, train):
     rep, n = _counts(case, train)
     dots, convs, norms, act_on, act_off, atts, drops, drop_att = _expected(case.name, train)
+    # gated linear units (Llama's SwiGLU): one gated product per layer
+    assert n["gate", True] == (L if case.name == "llama" else 0)
     assert n["dot", True] == dots and not n["dot", False]
     assert n["conv", True] == convs and not n["conv", False]
     assert n["norm", True] == norms

@@ -68,13 +68,24 @@ def head_mask_einsum(q, k, v):
     return jnp.einsum("...hqk,...khd->...qhd", p, v)
 
 
+def subtracted_mask(q, k, v):
+    """DistilBERT's spelling: heads first, ``q`` scaled before ``q @ k^T``, the padding mask
+    subtracted as ``1e30 (1 - mask)``."""
+    pad = np.ones((B, 1, 1, T), np.float32)
+    pad[0, ..., T // 2:] = 0.0
+    q, k, v = (jnp.transpose(a, (0, 2, 1, 3)) for a in (q, k, v))
+    s = jnp.matmul(q / np.sqrt(D), jnp.transpose(k, (0, 1, 3, 2)))
+    s = s - 1e30 * (1.0 - jnp.asarray(pad))
+    return jnp.matmul(jax.nn.softmax(s, axis=-1), v)
+
+
 def _both_grads(g, f, *args):
     """``grad(g)(*args), grad(f)(*args)``: one compiled program."""
     return jax.jit(lambda *a: (jax.grad(g)(*a), jax.grad(f)(*a)))(*args)
 
 
 CASES = [flax_plain, flax_mask_bias, einsum_scaled, causal_where, manual_softmax,
-         head_factor, head_mask_einsum]
+         head_factor, head_mask_einsum, subtracted_mask]
 
 
 @pytest.mark.parametrize("att", CASES, ids=[c.__name__ for c in CASES])
@@ -100,14 +111,20 @@ def test_attention_is_matched_and_exact(att):
     assert sum(e.nbytes for e in tt) == (extra[1].nbytes if extra else 0), tt
 
 
-def test_bias_gradient_is_exact():
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["plus", "minus"])
+def test_bias_gradient_is_exact(sign):
     q, k, v = _qkv()
     bias = normal((1, H, T, T), scale=0.1)
 
     def f(bias, q, k, v):
-        return jnp.sum(nn.dot_product_attention(q, k, v, bias=bias) ** 2)
+        s = jnp.einsum("bthd,bshd->bhts", q, k)
+        s = s + bias if sign > 0 else s - bias          # ``s - b`` is matched as ``s + (-b)``
+        return jnp.sum(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v) ** 2)
 
-    close(*_both_grads(transform(f), f, bias, q, k, v), rtol=1e-4, atol=1e-5)
+    g = transform(f)
+    row, = g.report(bias, q, k, v).by_kind("attention")
+    assert row.converted and "bias" in row.matched
+    close(*_both_grads(g, f, bias, q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def test_weights_used_elsewhere_are_not_matched():
