@@ -396,10 +396,11 @@ def _identity(x):
     return x
 
 
-#: equations that move, cast or scale one array exactly (bit for bit when re-run): a
-#: projection recorded for the attention core stays recorded through them
+#: equations that move, cast, repeat or scale one array exactly (bit for bit when re-run):
+#: a projection recorded for the attention core stays recorded through them
+#: (``broadcast_in_dim``: ``jnp.repeat`` of grouped-query keys / values)
 _RELAYOUTS = {"reshape", "transpose", "squeeze", "expand_dims", "slice", "split",
-              "convert_element_type", "copy", "mul", "div"}
+              "convert_element_type", "copy", "mul", "div", "broadcast_in_dim"}
 #: relayouts that cut a projection's features apart (recorded only where weights are whole)
 _RESLICES = frozenset(("slice", "split"))
 

@@ -162,6 +162,31 @@ def test_report_of_cross_attention_keeps_what_has_no_projection():
     close(jax.jit(jax.grad(transform(loss)))(p, x, enc), jax.jit(jax.grad(loss))(p, x, enc))
 
 
+def test_grouped_query_keys_and_values_repeated_are_recomputed():
+    """Grouped-query attention as Llama / Mistral write it: two key / value heads repeated
+    (``jnp.repeat``, a broadcast and a reshape) to the four query heads; the repeated keys and
+    values are recomputed from their projection like q, the gradients exact."""
+    def loss(p, x):
+        h = _ln(x, p["g"], p["b"])
+        q = _heads(h @ p["wq"])
+        k, v = (jnp.repeat(_heads2(h @ p["w" + n][:, :D // 2]), 2, axis=2) for n in "kv")
+        return jnp.mean((_attend(q, k, v) @ p["wo"]) ** 2)
+
+    p, x = _params()[0], normal((B, T, D))
+    rows = [r for r in transform(loss).report(p, x) if r.kind == "attention"]
+    assert len(rows) == 1 and rows[0].reason.startswith("keeps row statistics; q, k, v:"), rows
+    got, want = jax.jit(lambda p, x: tuple(jax.grad(fn)(p, x)
+                                           for fn in (transform(loss), loss)))(p, x)
+    close(got, want)
+    kept = residual_bytes(transform(loss), p, x).activation_bytes
+    stored = residual_bytes(transform(loss, projections=False), p, x).activation_bytes
+    assert stored - kept >= 3 * B * T * D * 4, (stored, kept)     # q and the repeated k, v
+
+
+def _heads2(a):
+    return a.reshape(*a.shape[:-1], HEADS // 2, a.shape[-1] // (HEADS // 2))
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
 def test_under_tensor_parallelism_only_unsplit_projections_recomputed(fused):
     """In a tensor parallel step's context (a ``'model'`` feature axis) a device holds its
