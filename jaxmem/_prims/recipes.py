@@ -158,21 +158,24 @@ def extend(y, op, x, extra=(), *, elementwise=False) -> bool:
     whenever ``x`` is differentiated). ``op`` must be deterministic. ``elementwise=False``:
     ``op`` is a convolution (a pointwise one, its weight in ``extra``): recorded with depth 1,
     and only for an ``x`` of depth 0. ``elementwise=True``: ``op`` is elementwise in ``x``
-    (given ``extra``: a norm's output from its input and statistics), the depth is ``x``'s.
+    (given ``extra``: a norm's output from its input and statistics; a rotary embedding's
+    ``sin`` / ``cos`` factors), the depth is ``x``'s, and ``x``'s recipe may have several
+    producers (:func:`combine`: the halves of a projection concatenated).
     Returns whether ``y`` was recorded."""
     if elementwise:
-        return _extend(y, op, x, extra, depth(x))
+        return _extend(y, op, x, extra, depth(x), any_producers=True)
     return depth(x) == 0 and _extend(y, op, x, extra, 1)
 
 
-def _extend(y, op, x, extra, new_depth: int) -> bool:
+def _extend(y, op, x, extra, new_depth: int, any_producers: bool = False) -> bool:
     """``y == op(recomputed x, *extra)`` at ``new_depth`` when ``x`` has a one-producer
-    recipe (:func:`extend`, :func:`project`)."""
+    recipe (:func:`extend`, :func:`project`), or any recipe with ``any_producers`` (an
+    elementwise ``op``: the same producers keep the same ``args``)."""
     r = recipe(x)
     if r is None:
         return False
     fn, args, groups = r
-    if len(groups) != 1 or len(args) + len(extra) > MAX_ARGS:
+    if (len(groups) != 1 and not any_producers) or len(args) + len(extra) > MAX_ARGS:
         return False
     remember(y, functools.partial(_extended, op, fn, len(args)), tuple(args) + tuple(extra),
              groups, new_depth)

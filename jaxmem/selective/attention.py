@@ -396,7 +396,8 @@ def projections_seen() -> Iterator[list]:
 
 def _with_recipes(q, k, v):
     """``(rec, recipes)`` for :func:`_core_rec` when one of ``q, k, v`` is a recorded
-    projection (:func:`jaxmem._prims.recipes.project`, one producer), else ``None``:
+    projection (:func:`jaxmem._prims.recipes.project`, then relayouts; several producers
+    after a rotary embedding combined its halves), else ``None``:
     ``rec`` the distinct arguments of their recipes, ``recipes[j]`` ``None`` or
     ``(fn, indices into rec, groups)``."""
     rec: list = []
@@ -404,7 +405,7 @@ def _with_recipes(q, k, v):
     recipes = []
     for x in (q, k, v):
         r = recipe(x) if depth(x) == PROJECTED else None
-        if r is None or len(r[2]) != 1:
+        if r is None:
             recipes.append(None)
             continue
         fn, args, groups = r

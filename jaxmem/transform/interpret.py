@@ -400,39 +400,58 @@ def _identity(x):
 #: a projection recorded for the attention core stays recorded through them
 #: (``broadcast_in_dim``: ``jnp.repeat`` of grouped-query keys / values)
 _RELAYOUTS = {"reshape", "transpose", "squeeze", "expand_dims", "slice", "split",
-              "convert_element_type", "copy", "mul", "div", "broadcast_in_dim"}
+              "convert_element_type", "copy", "mul", "div", "broadcast_in_dim", "neg",
+              "concatenate"}
 #: relayouts that cut a projection's features apart (recorded only where weights are whole)
-_RESLICES = frozenset(("slice", "split"))
+_RESLICES = frozenset(("slice", "split", "concatenate"))
 
 
 def _record_relayout(eqn, outs: list, invals: list) -> None:
     """An equation of :data:`_RELAYOUTS` applied to a projection recorded for the attention
     core (``q = split(LN(x) W + b)[0] / sqrt(d)``, :func:`jaxmem._prims.recipes.project`),
-    every other operand a constant or a traced scalar: each output recorded as that equation
-    of the recomputed projection, the traced scalars added to the recipe's arguments
+    every other operand a constant or a traced scalar -- or, for a ``mul``, any traced
+    factor (a rotary embedding's per-position ``cos`` / ``sin``, which the product keeps for
+    its own backward anyway): each output recorded as that equation of the recomputed
+    projection, the traced operands added to the recipe's arguments
     (:func:`jaxmem._prims.recipes.extend`), so the core keeps the norm's residuals and ``W``
-    instead of ``q``. Anything else records nothing, nor a ``slice`` / ``split`` where the
+    instead of ``q``. An equation of several recorded parts of projections and nothing else
+    traced (rotary's ``concatenate(-x2, x1)``; their sum is recorded by :func:`_record_add`)
+    is recorded over all their arguments (:func:`jaxmem._prims.recipes.combine`). Anything
+    else records nothing, nor a ``slice`` / ``split`` / ``concatenate`` where the
     weights are split over devices (a tensor parallel step: re-slicing a fused ``q, k, v``
     projection moves it between devices, so recomputing it would repeat the forward's
     collectives) unless the step allows that
     (:func:`jaxmem._prims.grad_layout.reslice_recomputable`)."""
     from jaxmem._prims.grad_layout import reslice_recomputable
-    from jaxmem._prims.recipes import PROJECTED, depth, extend
+    from jaxmem._prims.recipes import PROJECTED, combine, depth, extend
     if eqn.primitive.name in _RESLICES and not reslice_recomputable():
         return
     traced = [i for i, x in enumerate(invals) if isinstance(x, core.Tracer)]
     projected = [i for i in traced if depth(invals[i]) == PROJECTED]
+    if len(projected) > 1 and len(projected) == len(traced) and len(outs) == 1:
+        # rotary embeddings' ``concatenate(-x2, x1)``: parts of one projection
+        combine(outs[0], functools.partial(_rebound_all, eqn, tuple(invals), tuple(projected)),
+                *[invals[i] for i in projected])
+        return
     if len(projected) != 1:
         return
     k = projected[0]
     others = tuple(i for i in traced if i != k)
-    if any(np.size(invals[i]) != 1 for i in others):
+    if any(np.size(invals[i]) != 1 for i in others) and eqn.primitive.name != "mul":
         return
     fixed = tuple(None if i in others else a for i, a in enumerate(invals))
     extra = tuple(invals[i] for i in others)
     for j, out in enumerate(outs):
         extend(out, functools.partial(_rebound, eqn, fixed, k, others, j), invals[k], extra,
                elementwise=True)
+
+
+def _rebound_all(eqn, vals: tuple, which: tuple, *xs):
+    """``eqn``'s output re-bound with operands ``which`` replaced by ``xs``."""
+    vals = list(vals)
+    for i, x in zip(which, xs):
+        vals[i] = x
+    return bind_eqn(eqn, vals)[0]
 
 
 def _rebound(eqn, fixed: tuple, k: int, others: tuple, j: int, x, *extra):

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -181,6 +182,38 @@ def test_grouped_query_keys_and_values_repeated_are_recomputed():
     kept = residual_bytes(transform(loss), p, x).activation_bytes
     stored = residual_bytes(transform(loss, projections=False), p, x).activation_bytes
     assert stored - kept >= 3 * B * T * D * 4, (stored, kept)     # q and the repeated k, v
+
+
+def _rotary(t, sin, cos):
+    """Llama's rotary embedding: ``t cos + rotate_half(t) sin``."""
+    half = t.shape[-1] // 2
+    return t * cos + jnp.concatenate((-t[..., half:], t[..., :half]), axis=-1) * sin
+
+
+def test_rotary_queries_and_keys_are_recomputed():
+    """Queries and keys rotated as Llama / GPT-NeoX do (``concatenate`` of the negated and
+    plain halves, products with per-position ``sin`` / ``cos`` gathered from a table): the
+    rotation stays recorded, so the core keeps the norm's residuals, the weights and the
+    (B, T, 1, D) tables instead of q and k; gradients exact."""
+    d = D // HEADS
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((T, 1, 2 * d)), jnp.float32)
+
+    def loss(p, x, pos):
+        h = _ln(x, p["g"], p["b"])
+        sin, cos = jnp.split(table[pos], 2, axis=-1)
+        q, k = (_rotary(_heads(h @ p["w" + n]), sin, cos) for n in "qk")
+        return jnp.mean((_attend(q, k, _heads(h @ p["wv"])) @ p["wo"]) ** 2)
+
+    p, x = _params()[0], normal((B, T, D))
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    rows = [r for r in transform(loss).report(p, x, pos) if r.kind == "attention"]
+    assert len(rows) == 1 and rows[0].reason.startswith("keeps row statistics; q, k, v:"), rows
+    got, want = jax.jit(lambda p, x: tuple(jax.grad(fn)(p, x, pos)
+                                           for fn in (transform(loss), loss)))(p, x)
+    close(got, want)
+    kept = residual_bytes(transform(loss), p, x, pos).activation_bytes
+    stored = residual_bytes(transform(loss, projections=False), p, x, pos).activation_bytes
+    assert stored - kept >= 3 * B * T * D * 4 - 2 * B * T * d * 4, (stored, kept)
 
 
 def _heads2(a):
