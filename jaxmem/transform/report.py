@@ -32,8 +32,8 @@ class Row:
     """One decision of the transformation.
 
     kind: ``"dot"``, ``"conv"``, ``"bias"``, ``"activation"``, ``"attention"``, ``"norm"``,
-    ``"dropout"``, ``"pool"``, ``"logits"`` (a language-model head and its loss),
-    ``"higher-order"``, ``"gradient"`` (the function
+    ``"dropout"``, ``"pool"``, ``"logits"`` (a language-model head and its loss), ``"gate"``
+    (a gated linear unit's product), ``"higher-order"``, ``"gradient"`` (the function
     differentiates inside: see :class:`GradientInsideWarning`).
     matched: what was found (primitives, shapes).  became: the op it was re-emitted with
     (``""`` when not converted).  converted: whether it was replaced.  reason: why not, or
