@@ -430,7 +430,8 @@ def _record_relayout(eqn, outs: list, invals: list) -> None:
     projected = [i for i in traced if depth(invals[i]) == PROJECTED]
     if len(projected) > 1 and len(projected) == len(traced) and len(outs) == 1:
         # rotary embeddings' ``concatenate(-x2, x1)``: parts of one projection
-        combine(outs[0], functools.partial(_rebound_all, eqn, tuple(invals), tuple(projected)),
+        fixed = tuple(None if i in projected else a for i, a in enumerate(invals))
+        combine(outs[0], functools.partial(_rebound_all, eqn, fixed, tuple(projected)),
                 *[invals[i] for i in projected])
         return
     if len(projected) != 1:
@@ -446,9 +447,10 @@ def _record_relayout(eqn, outs: list, invals: list) -> None:
                elementwise=True)
 
 
-def _rebound_all(eqn, vals: tuple, which: tuple, *xs):
-    """``eqn``'s output re-bound with operands ``which`` replaced by ``xs``."""
-    vals = list(vals)
+def _rebound_all(eqn, fixed: tuple, which: tuple, *xs):
+    """``eqn``'s output re-bound with operands ``which`` set to ``xs`` (the others ``fixed``:
+    constants)."""
+    vals = list(fixed)
     for i, x in zip(which, xs):
         vals[i] = x
     return bind_eqn(eqn, vals)[0]
