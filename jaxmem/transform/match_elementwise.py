@@ -432,8 +432,10 @@ def _gates_product(graph: Graph, o) -> bool:
         name = eqn.primitive.name
         if name == "mul" and len(eqn.invars) == 2:
             other = eqn.invars[1] if eqn.invars[0] is o else eqn.invars[0]
-            if other is o or graph.is_const(other):
-                continue      # a square, a constant scale: keeps nothing more of f(x)
+            if other is o:
+                return False  # a square keeps f(x) for its own backward
+            if graph.is_const(other):
+                continue      # a constant scale keeps nothing of f(x)
             if _shape(other) != _shape(o) or _shape(eqn.outvars[0]) != _shape(o):
                 return False
             found = True
