@@ -431,7 +431,7 @@ def _record_relayout(eqn, outs: list, invals: list) -> None:
     if len(projected) > 1 and len(projected) == len(traced) and len(outs) == 1:
         # rotary embeddings' ``concatenate(-x2, x1)``: parts of one projection
         fixed = tuple(None if i in projected else a for i, a in enumerate(invals))
-        combine(outs[0], functools.partial(_rebound_all, eqn, fixed, tuple(projected)),
+        combine(outs[0], functools.partial(_rebound, eqn, fixed, tuple(projected), 0),
                 *[invals[i] for i in projected])
         return
     if len(projected) != 1:
@@ -440,29 +440,19 @@ def _record_relayout(eqn, outs: list, invals: list) -> None:
     others = tuple(i for i in traced if i != k)
     if any(np.size(invals[i]) != 1 for i in others) and eqn.primitive.name != "mul":
         return
-    fixed = tuple(None if i in others else a for i, a in enumerate(invals))
+    fixed = tuple(None if i in traced else a for i, a in enumerate(invals))
     extra = tuple(invals[i] for i in others)
     for j, out in enumerate(outs):
-        extend(out, functools.partial(_rebound, eqn, fixed, k, others, j), invals[k], extra,
+        extend(out, functools.partial(_rebound, eqn, fixed, (k, *others), j), invals[k], extra,
                elementwise=True)
 
 
-def _rebound_all(eqn, fixed: tuple, which: tuple, *xs):
-    """``eqn``'s output re-bound with operands ``which`` set to ``xs`` (the others ``fixed``:
-    constants)."""
+def _rebound(eqn, fixed: tuple, which: tuple, j: int, *xs):
+    """Output ``j`` of ``eqn`` re-bound with operands ``which`` set to ``xs`` (the others
+    ``fixed``: constants)."""
     vals = list(fixed)
     for i, x in zip(which, xs):
         vals[i] = x
-    return bind_eqn(eqn, vals)[0]
-
-
-def _rebound(eqn, fixed: tuple, k: int, others: tuple, j: int, x, *extra):
-    """Output ``j`` of ``eqn`` re-bound with operand ``k`` replaced by ``x`` and operands
-    ``others`` by ``extra``."""
-    vals = list(fixed)
-    vals[k] = x
-    for i, e in zip(others, extra):
-        vals[i] = e
     return bind_eqn(eqn, vals)[j]
 
 
