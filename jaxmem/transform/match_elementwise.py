@@ -390,26 +390,41 @@ def _feeds_product(graph: Graph, o) -> bool:
 _KEEP_NOTHING = {"add", "sub", "neg", "reduce_sum", "mul", "div"}
 
 
+def _keeps_nothing(graph: Graph, eqn, o) -> bool:
+    """``eqn``, reading ``f(x) = o``, keeps nothing of it for its backward: an add, a sum, a
+    negation, a product with or a division by a constant."""
+    name = eqn.primitive.name
+    if name == "mul":
+        return any(graph.is_const(v) for v in eqn.invars)
+    if name == "div":
+        return eqn.invars[0] is o and graph.is_const(eqn.invars[1])
+    return name in _KEEP_NOTHING
+
+
+def _kept_only_by(graph: Graph, o, keeper) -> bool:
+    """Some reader of ``o`` is a ``keeper(index, eqn)`` and every other one keeps nothing of
+    it (:func:`_keeps_nothing`); ``o`` is not an output."""
+    if o in graph.outvars:
+        return False
+    found = False
+    for j in graph.uses(o):
+        eqn = graph.jaxpr.eqns[j]
+        if keeper(j, eqn):
+            found = True
+        elif not _keeps_nothing(graph, eqn, o):
+            return False
+    return found
+
+
 def _product_keeps_output(graph: Graph, o, products) -> bool:
     """``f(x)`` is the input (``lhs``) of a product converted to a selective bilinear op
     (equation indices ``products``), which would keep ``f(x)`` itself, and nothing else
     reading it keeps it (a residual add, a constant scale): then the exact op, which keeps
     ``x`` and lets that product recompute ``f(x)``, keeps no more than a few-bit code
     (which cannot reproduce ``f(x)``, so the product keeps it in full beside the code)."""
-    if o in graph.outvars or not products:
-        return False
-    found = False
-    for j in graph.uses(o):
-        eqn = graph.jaxpr.eqns[j]
-        name = eqn.primitive.name
-        if name in _PRODUCTS and j in products and eqn.invars[0] is o \
-                and eqn.invars[1] is not o:
-            found = True
-        elif name not in _KEEP_NOTHING or (
-                name == "mul" and not any(graph.is_const(v) for v in eqn.invars)) or (
-                name == "div" and (eqn.invars[0] is not o or not graph.is_const(eqn.invars[1]))):
-            return False
-    return found
+    return bool(products) and _kept_only_by(graph, o, lambda j, eqn: (
+        eqn.primitive.name in _PRODUCTS and j in products and eqn.invars[0] is o
+        and eqn.invars[1] is not o))
 
 
 def gate_shaped(shape) -> bool:
@@ -421,28 +436,18 @@ def gate_shaped(shape) -> bool:
 
 def _gates_product(graph: Graph, o) -> bool:
     """``f(x)`` is a factor of an elementwise product with another traced value of its
-    shape (a gated linear unit's ``f(x W) * (x V)``), and nothing else reading it keeps it:
-    re-emitted as :func:`jaxmem.selective.gated_product`, that product keeps ``x`` (the
-    exact op's residual) instead of ``f(x)``, which a few-bit code would not spare."""
-    if o in graph.outvars or not gate_shaped(_shape(o)):
-        return False
-    found = False
-    for j in graph.uses(o):
-        eqn = graph.jaxpr.eqns[j]
-        name = eqn.primitive.name
-        if name == "mul" and len(eqn.invars) == 2:
-            other = eqn.invars[1] if eqn.invars[0] is o else eqn.invars[0]
-            if other is o:
-                return False  # a square keeps f(x) for its own backward
-            if graph.is_const(other):
-                continue      # a constant scale keeps nothing of f(x)
-            if _shape(other) != _shape(o) or _shape(eqn.outvars[0]) != _shape(o):
-                return False
-            found = True
-        elif name not in _KEEP_NOTHING or (
-                name == "div" and (eqn.invars[0] is not o or not graph.is_const(eqn.invars[1]))):
+    shape (a gated linear unit's ``f(x W) * (x V)``), and nothing else reading it keeps it
+    (a square does): re-emitted as :func:`jaxmem.selective.gated_product`, that product
+    keeps ``x`` (the exact op's residual) instead of ``f(x)``, which a few-bit code would not
+    spare."""
+    def gate(j, eqn):
+        if eqn.primitive.name != "mul" or len(eqn.invars) != 2:
             return False
-    return found
+        other = eqn.invars[1] if eqn.invars[0] is o else eqn.invars[0]
+        return (other is not o and not graph.is_const(other) and _shape(other) == _shape(o)
+                and _shape(eqn.outvars[0]) == _shape(o))
+
+    return gate_shaped(_shape(o)) and _kept_only_by(graph, o, gate)
 
 
 def _label(sub: Subgraph) -> str:
@@ -617,6 +622,15 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None,
                       f"slopes {slopes[0]:g} / {slopes[1]:g}", where, ns, path)
             return Match(frozenset(anc), anchor, [r], [o],
                          lambda x, _op=op: [_op(x)], row)
+
+    def exact(reason):
+        """The exact op (keeps ``x``, ``f'`` recomputed), its row noting ``reason``."""
+        op = exact_activation(sub)
+        row = Row("activation", what, "exact (input kept, f' recomputed)", True, reason,
+                  where, ns, path)
+        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
+                     fn=sub)
+
     statistic = _statistic_or_reduced(graph, r, o, taken)
     if statistic:
         return Row("activation", what, "", False, statistic, where, ns,
@@ -635,13 +649,8 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None,
                        f"smooth: JAX's autodiff keeps {n} {_shape(r)} array (keeping the "
                        "input saves nothing; fewbit=1..4 stores a few-bit code of it)",
                        where, ns, path)
-        op = exact_activation(sub)
-        row = Row("activation", what, "exact (input kept, f' recomputed)", True,
-                  f"keeps x instead of {n} arrays" + (" (f(x) recomputed by the product)"
-                                                      if product else ""),
-                  where, ns, path)
-        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
-                     fn=sub)
+        return exact(f"keeps x instead of {n} arrays"
+                     + (" (f(x) recomputed by the product)" if product else ""))
     if (_product_keeps_output(graph, o, products) and not in_recomputed_body()
             and not code_after_products()):
         # the product keeps f(x) beside a few-bit code; the exact op keeps x alone and the
@@ -649,22 +658,13 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None,
         # unless the whole program has so few such sites that the exact op's backward
         # working set (one recomputed f(x)) outweighs their codes (fewbit_sites)
         note_site(r)
-        op = exact_activation(sub)
-        row = Row("activation", what, "exact (input kept, f' recomputed)", True,
-                  f"fewbit={fewbit} not applied: the following product would keep f(x) "
-                  "anyway; keeps x only (f(x) recomputed by the product)", where, ns, path)
-        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
-                     fn=sub)
+        return exact(f"fewbit={fewbit} not applied: the following product would keep f(x) "
+                     "anyway; keeps x only (f(x) recomputed by the product)")
     if gated and _gates_product(graph, o):
         # a gated product keeps f(x) (for the other factor's gradient) beside a few-bit
         # code; the exact op keeps x, which the gated product keeps instead of f(x)
-        op = exact_activation(sub)
-        row = Row("activation", what, "exact (input kept, f' recomputed)", True,
-                  f"fewbit={fewbit} not applied: the gated product after it would keep f(x) "
-                  "anyway; keeps x only (f(x) recomputed by the gated product)", where, ns,
-                  path)
-        return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,
-                     fn=sub)
+        return exact(f"fewbit={fewbit} not applied: the gated product after it would keep "
+                     "f(x) anyway; keeps x only (f(x) recomputed by the gated product)")
     try:
         op = fewbit_activation(sub, int(fewbit))
     except _FAILURES as e:
