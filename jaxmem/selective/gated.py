@@ -31,12 +31,18 @@ from jaxmem.selective._core import is_zero, perturbed, recomputed, value
 __all__ = ["gated_product", "recomputable_factor"]
 
 
+def _factor_recipe(x: Any):
+    """``x``'s recipe ``(fn, args, groups)`` when :func:`gated_product` keeps ``x`` by its
+    producer's residuals (see :func:`recomputable_factor`), else ``None``."""
+    r = recipe(x) if depth(x) == 0 else None
+    return r if r is not None and all(isinstance(a, jax.Array) for a in r[1]) else None
+
+
 def recomputable_factor(x: Any) -> bool:
     """Whether ``x`` is a value :func:`gated_product` keeps by its producer's residuals: an
     array output of a normalisation, an exact smooth activation or a mask activation of one
     (a recipe of depth 0 whose arguments are all arrays)."""
-    r = recipe(x) if depth(x) == 0 else None
-    return r is not None and all(isinstance(a, jax.Array) for a in r[1])
+    return _factor_recipe(x) is not None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -104,7 +110,7 @@ def gated_product(a: ArrayLike, b: ArrayLike) -> jax.Array:
                          f"{jnp.result_type(b)}")
     if not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
         raise TypeError(f"gated_product: floating-point factors, got {jnp.result_type(a)}")
-    sides = [recipe(x) if recomputable_factor(x) else None for x in (a, b)]
+    sides = [_factor_recipe(x) for x in (a, b)]
     if sides == [None, None]:
         return a * b
     (fa, ra, ka), (fb, rb, kb) = (s if s is not None else (None, (), ((),)) for s in sides)
