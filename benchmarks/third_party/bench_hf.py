@@ -20,14 +20,29 @@ sequence 128 (ViT: 176 x 176 images, patch 16: 122 tokens; T5: 4 encoder + 4 dec
 layers; ResNet: widths 64-128-256-512, one basic block each, 8 x 3 x 128 x 128; CLIP: both
 towers of that size, 122 image tokens).
 
-Models: bert, roberta, gpt2, vit, t5, resnet, clip, distilbert, and the gated-MLP decoders
-llama, mistral (grouped-query attention), gemma (multi-query, GeGLU); ``--gated-off`` adds
-``jaxmem.transform(loss, gated_products=False)`` (their SwiGLU / GeGLU products as written).
+Models: bert, roberta, gpt2, vit, t5, resnet, clip, distilbert, the gated-MLP decoders
+llama, mistral (grouped-query attention), gemma (multi-query, GeGLU), and the layer-scaled
+vision transformers beit (relative position bias) and dinov2 (images and patches as ViT's;
+both with their configs' dropout rates, 0).
+and the speech encoder wav2vec2 (Wav2Vec2's own 7-layer convolutional feature extractor,
+320 samples per frame, at width 64; ``audio`` samples per clip).
+``--off gated_products,scaled_products`` adds ``jaxmem.transform(loss, OPTION=False)`` for
+each option named (``OPTION=None`` for ``attention_chunk`` / ``logits_chunk``;
+``--gated-off``: ``--off gated_products``); ``--set seq=2048`` (repeatable) overrides one
+field of the size.
 
 Run:  .venv/bin/python benchmarks/third_party/bench_hf.py [--models bert,gpt2,vit]
       [--targets cpu,h100] [--out benchmarks/results/third_party] [--stem hf]
       .venv/bin/python benchmarks/third_party/bench_hf.py --models llama,mistral,gemma,distilbert
       --gated-off --out benchmarks/results/third_party --stem hf_decoders
+      .venv/bin/python benchmarks/third_party/bench_hf.py --models beit,dinov2
+      --off scaled_products --out benchmarks/results/third_party --stem hf_layer_scale
+      .venv/bin/python benchmarks/third_party/bench_hf.py --models beit,dinov2
+      --off scaled_products --set image=64 --set patch=8 --out benchmarks/results/third_party
+      --stem hf_layer_scale_64px
+      .venv/bin/python benchmarks/third_party/bench_hf.py --models llama,wav2vec2
+      --off attention_chunk --set seq=2048 --set batch=2 --set audio=320000 --repeats 3
+      --out benchmarks/results/third_party --stem hf_long_sequences
 """
 from __future__ import annotations
 
@@ -47,9 +62,9 @@ import numpy as np
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 SIZES = {"moderate": {"hidden": 256, "layers": 4, "heads": 4, "ff": 1024, "batch": 8,
-                      "seq": 128, "image": 176, "patch": 16, "vocab": 1024},
+                      "seq": 128, "image": 176, "patch": 16, "vocab": 1024, "audio": 16000},
          "tiny": {"hidden": 32, "layers": 2, "heads": 4, "ff": 64, "batch": 2, "seq": 16,
-                  "image": 32, "patch": 8, "vocab": 64}}
+                  "image": 32, "patch": 8, "vocab": 64, "audio": 4000}}
 
 
 def _leaf(rng):
@@ -129,6 +144,30 @@ def build(name: str, z: dict, rng):
         def loss(p, batch, r):
             return jnp.mean(m(batch[0], params=p, dropout_rng=r, train=True)[0] ** 2)
         return loss, p, (px,)
+    if name in ("beit", "dinov2"):
+        # layer scales ``x + gamma * (h W + b)`` after attention and MLP; the configs'
+        # own dropout rates (0: nothing between the product and its scale)
+        cls, conf, kw = {"beit": (tr.FlaxBeitModel, tr.BeitConfig,
+                                  {"use_relative_position_bias": True,
+                                   "intermediate_size": z["ff"]}),
+                         "dinov2": (tr.FlaxDinov2Model, tr.Dinov2Config,
+                                    {"mlp_ratio": z["ff"] // H})}[name]
+        args = {k: v for k, v in enc.items() if k != "intermediate_size"}
+        cfg = conf(**args, **kw, image_size=z["image"], patch_size=z["patch"])
+        m, p = _init(cls, cfg, rng)
+
+        def loss(p, batch, r):
+            return jnp.mean(m(batch[0], params=p, dropout_rng=r, train=True)[0] ** 2)
+        return loss, p, (px,)
+    if name == "wav2vec2":
+        cfg = tr.Wav2Vec2Config(**enc, conv_dim=(64,) * 7, do_stable_layer_norm=True,
+                                feat_extract_norm="layer")
+        m, p = _init(tr.FlaxWav2Vec2Model, cfg, rng)
+        audio = jnp.asarray(rng.standard_normal((B, z["audio"])).astype(np.float32))
+
+        def loss(p, batch, r):
+            return jnp.mean(m(batch[0], params=p, dropout_rng=r, train=True)[0] ** 2)
+        return loss, p, (audio,)
     if name == "t5":
         from transformers.models.t5 import modeling_flax_t5 as mod
         _patch_t5(mod)
@@ -227,11 +266,10 @@ def _time_side_by_side(steps: dict, params, opt_state, batch, r, repeats):
     return out
 
 
-def run(models, targets, size, repeats, gated_off=False):
+def run(models, targets, z, repeats, off=()):
     import jaxmem
     from jaxmem.measure import compiled_memory
 
-    z = SIZES[size]
     rows = []
     for name in models:
         rng = np.random.default_rng(0)
@@ -239,9 +277,9 @@ def run(models, targets, size, repeats, gated_off=False):
         r = jax.random.key(1)
         variants = {"default": loss, "transform": jaxmem.transform(loss),
                     "transform(fewbit=3)": jaxmem.transform(loss, fewbit=3)}
-        if gated_off:
-            variants["transform(gated_products=False)"] = jaxmem.transform(
-                loss, gated_products=False)
+        for option in off:
+            value = None if option.endswith("_chunk") else False
+            variants[f"transform({option}={value})"] = jaxmem.transform(loss, **{option: value})
         rep = variants["transform(fewbit=3)"].report(params, batch, r)
         counts = {}
         for row in rep:
@@ -271,14 +309,14 @@ def run(models, targets, size, repeats, gated_off=False):
     return rows
 
 
-def markdown(rows, size) -> str:
-    z = SIZES[size]
+def markdown(rows, z) -> str:
     mib = 2 ** 20
     base = {(r["model"], r["target"]): r for r in rows if r["variant"] == "default"}
     out = [(f"Train step (adamw, value_and_grad, update; params and optimizer state donated), "
            f"random weights, train mode with dropout. Size: hidden {z['hidden']}, "
            f"{z['layers']} layers, {z['heads']} heads, MLP {z['ff']}, batch {z['batch']}, "
-           f"sequence {z['seq']} (ViT / CLIP: {z['image']}^2 images, patch {z['patch']})."),
+           f"sequence {z['seq']} (ViT / CLIP / BEiT / DINOv2: {z['image']}^2 images, patch "
+           f"{z['patch']}; wav2vec2: {z['audio']} audio samples)."),
            "", ("| model | variant | plan | temp MiB | ratio | total MiB | ratio | CPU step s "
            "| ratio | CPU-s of work | ratio |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -302,17 +340,28 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="")
     ap.add_argument("--stem", default="hf", help="output file names: STEM.json, STEM.md")
-    ap.add_argument("--gated-off", action="store_true",
-                    help="also measure jaxmem.transform(loss, gated_products=False)")
+    ap.add_argument("--off", default="",
+                    help="comma-separated jaxmem.transform options: also measure "
+                         "jaxmem.transform(loss, OPTION=False) for each")
+    ap.add_argument("--gated-off", action="store_true", help="the same as --off gated_products")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                    help="override one field of the size (repeatable)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    rows = run(a.models.split(","), a.targets.split(","), a.size, a.repeats, a.gated_off)
-    md = markdown(rows, a.size)
+    off = [o for o in a.off.split(",") if o] + (["gated_products"] if a.gated_off else [])
+    size = dict(SIZES[a.size])
+    for item in a.set:
+        field, _, value = item.partition("=")
+        if field not in size:
+            ap.error(f"--set: unknown size field {field!r} (one of {', '.join(size)})")
+        size[field] = int(value)
+    rows = run(a.models.split(","), a.targets.split(","), size, a.repeats, off)
+    md = markdown(rows, size)
     print(md)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        meta = {"size": SIZES[a.size], "size_name": a.size, "jax": jax.__version__,
+        meta = {"size": size, "size_name": a.size, "overrides": a.set, "jax": jax.__version__,
                     "machine": platform.machine(), "cpus": os.cpu_count(),
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}

@@ -47,6 +47,7 @@ from jax.typing import ArrayLike
 from jaxmem._prims.recipes import PROJECTED, depth, kept, recipe
 from jaxmem._prims.ties import tie
 from jaxmem.selective._core import perturbed, value
+from jaxmem.selective.attention_chunks import chunked, forward_in_chunks, grads_in_chunks
 
 __all__ = ["AttentionSpec", "attention", "attention_core", "softmax"]
 
@@ -164,7 +165,10 @@ class AttentionSpec:
     dropout_rate)`` of the weights' shape, or of ``(1, ..., 1, T, S)`` with
     ``broadcast_dropout``; a batch of keys (``rng`` of shape ``K``) draws one mask per key
     over the weights' leading ``K`` axes.  ``causal``: ``"bottom_right"`` keeps key
-    ``j <= i + S - T``, ``"top_left"`` keeps ``j <= i``.
+    ``j <= i + S - T``, ``"top_left"`` keeps ``j <= i``.  ``query_chunk``: ``None`` or
+    query rows per chunk: both passes run that many rows at a time
+    (:mod:`jaxmem.selective.attention_chunks`; the working set ``(..., H, c, S)`` instead of
+    ``(..., H, T, S)``; ``dk``, ``dv`` summed over the chunks).
     """
     scale: float | None = None
     divisor: float | None = None
@@ -178,6 +182,7 @@ class AttentionSpec:
     dropout_select: bool = False
     qk_precision: object = None
     pv_precision: object = None
+    query_chunk: int | None = None
 
 
 def _fill_value(spec: AttentionSpec, q_dtype, s_dtype):
@@ -262,13 +267,19 @@ def _unbroadcast(g, shape, dtype):
     return jnp.reshape(g, shape).astype(dtype)
 
 
-def _forward(q, k, v, bias, mask, rng, spec: AttentionSpec):
+def _forward(q, k, v, bias, mask, rng, spec: AttentionSpec, drop=None):
+    """``(o, (m, l))``: the output and the softmax's row statistics; ``drop`` the dropout
+    mask when given (a chunk's rows of the whole draw), else drawn from ``rng``."""
+    if chunked(spec, q):
+        return forward_in_chunks(q, k, v, bias, mask, rng, spec)
     s, _, _ = _scores(q, k, bias, mask, spec)
     w = _ORIG_SOFTMAX(s, axis=-1)
     if spec.weights_dtype is not None:
         w = w.astype(jnp.dtype(spec.weights_dtype))
     if spec.dropout_rate > 0.0:
-        w = _drop(w, _dropout_keep(rng, spec, k.ndim, w.shape), spec, q.dtype)
+        if drop is None:
+            drop = _dropout_keep(rng, spec, k.ndim, w.shape)
+        w = _drop(w, drop, spec, q.dtype)
     o = jnp.einsum("...hqk,...khd->...qhd", w, v, precision=spec.pv_precision)
     # row statistics of the softmax, float32 (float64 for float64 scores)
     sf = s.astype(_stat_dtype(s.dtype))
@@ -298,6 +309,18 @@ def _core_bwd(spec, res, do):
 
 
 def _core_grads(spec, q, k, v, bias, mask, rng, m, den, do):
+    """``(dq, dk, dv, dbias, None, None)`` (whole, or query chunk by query chunk)."""
+    if chunked(spec, q):
+        return grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do)
+    dq, dk, dv, ds = _raw_grads(spec, q, k, v, bias, mask, rng, m, den, do)
+    dbias = None if ds is None else _unbroadcast(ds, bias.shape, bias.dtype)
+    return (_unbroadcast(dq, q.shape, q.dtype), _unbroadcast(dk, k.shape, k.dtype),
+            _unbroadcast(dv, v.shape, v.dtype), dbias, None, None)
+
+
+def _raw_grads(spec, q, k, v, bias, mask, rng, m, den, do, drop=None):
+    """``dq, dk, dv`` in the scores' broadcast shape and the bias's cotangent ``ds`` (before
+    the scale; ``None`` without a float bias); ``drop`` the dropout mask when given."""
     # ``P = exp(s - m) / den`` from the stored row max and row sum: a fully masked row (all
     # scores equal to the fill value) gets ``1 / S`` like the forward's softmax.
     s, keep, pre = _scores(q, k, bias, mask, spec)
@@ -306,7 +329,7 @@ def _core_grads(spec, q, k, v, bias, mask, rng, m, den, do):
     w = p.astype(wd)
     keep_d = None
     if spec.dropout_rate > 0.0:
-        keep_d = _dropout_keep(rng, spec, k.ndim, s.shape)
+        keep_d = drop if drop is not None else _dropout_keep(rng, spec, k.ndim, s.shape)
         w = _drop(w, keep_d, spec, q.dtype)
     prec = _bwd_precision(spec.pv_precision)
     dv = jnp.einsum("...hqk,...qhd->...khd", w, do.astype(jnp.result_type(w, v)),
@@ -319,10 +342,7 @@ def _core_grads(spec, q, k, v, bias, mask, rng, m, den, do):
     if keep is not None:
         dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))          # masked: no gradient
     ds = dx.astype(pre)          # the scores' dtype (transpose of the softmax_dtype cast)
-    dbias = None
-    if bias is not None:
-        dbias = (_unbroadcast(ds, bias.shape, bias.dtype)
-                 if jnp.issubdtype(bias.dtype, jnp.inexact) else None)
+    dbias = ds if bias is not None and jnp.issubdtype(bias.dtype, jnp.inexact) else None
     if spec.scale is not None:
         ds = ds * jnp.asarray(spec.scale, ds.dtype)
     if spec.divisor is not None:
@@ -330,8 +350,7 @@ def _core_grads(spec, q, k, v, bias, mask, rng, m, den, do):
     prec = _bwd_precision(spec.qk_precision)
     dq = jnp.einsum("...hqk,...khd->...qhd", ds, k.astype(ds.dtype), precision=prec)
     dk = jnp.einsum("...hqk,...qhd->...khd", ds, q.astype(ds.dtype), precision=prec)
-    return (_unbroadcast(dq, q.shape, q.dtype), _unbroadcast(dk, k.shape, k.dtype),
-            _unbroadcast(dv, v.shape, v.dtype), dbias, None, None)
+    return dq, dk, dv, dbias
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -456,7 +475,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: jax.Array 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               scale: float | None = None, bias: ArrayLike | None = None,
-              mask: ArrayLike | None = None) -> jax.Array:
+              mask: ArrayLike | None = None, query_chunk: int | None = None) -> jax.Array:
     """Exact dot-product attention ``softmax(q k^T * scale + bias [masked]) v``.
 
     Shapes ``q: (..., T, H, D)``, ``k, v: (..., S, H, D)`` (the ``"bthd"`` layout of
@@ -473,7 +492,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
     statistics per row (float64 for float64 inputs); recomputes ``P = exp(s - m) / l`` and
     returns ``dv = P^T do``, ``dP = do v^T``, ``ds = P * (dP - rowsum(P * dP))``,
     ``dq = scale ds k``, ``dk = scale ds^T q``.  Nothing of size ``T x S`` is kept between
-    forward and backward.
+    forward and backward; with ``query_chunk`` nothing of that size is formed either (both
+    passes run ``query_chunk`` query rows at a time: :mod:`jaxmem.selective.attention_chunks`).
 
     Args:
       q: queries, ``(..., T, H, D)``, floating point.
@@ -483,6 +503,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
       scale: multiplies the scores (default ``1 / sqrt(D)``).
       bias: optional float array added to the scores, broadcast to ``(..., H, T, S)``.
       mask: optional bool array (``False`` = masked), broadcast to ``(..., H, T, S)``.
+      query_chunk: ``None`` (whole) or query rows per chunk, an int >= 1.
 
     Returns:
       The attention output, ``(..., T, H, D)``, in the dtype of ``q``.
@@ -526,7 +547,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
         if mask.dtype != jnp.bool_:
             raise TypeError(f"{who}: mask must be a boolean array, got dtype {mask.dtype}")
         _check_broadcast(mask, sshape, who, "mask")
-    spec = AttentionSpec(scale=float(scale), causal="bottom_right" if causal else None)
+    if query_chunk is not None and (isinstance(query_chunk, bool)
+                                    or not isinstance(query_chunk, int) or query_chunk < 1):
+        raise ValueError(f"{who}: query_chunk must be None or an int >= 1, got {query_chunk!r}")
+    spec = AttentionSpec(scale=float(scale), causal="bottom_right" if causal else None,
+                         query_chunk=query_chunk)
     return _core(q, k, v, bias, mask, None, spec)
 
 

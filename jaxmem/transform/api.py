@@ -58,7 +58,9 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               dropout: bool = True, pools: bool = True,
               residual_adds: bool = True, conv_recompute: bool = True,
               biases: bool = True, projections: bool = True,
-              gated_products: bool = True, logits_chunk: int | None = 1024) -> Callable:
+              gated_products: bool = True, scaled_products: bool = True,
+              attention_chunk: int | None = 512,
+              logits_chunk: int | None = 1024) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -120,6 +122,19 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         (:func:`jaxmem.selective.gated_product`; exact: the same products of bit-identical
         values; two hidden-width arrays per gated unit instead of four). ``False`` keeps the
         factors and the product.
+      scaled_products: with ``products``, a product's output multiplied by another traced
+        value -- a layer scale ``gamma * (x W + b)`` (BEiT, DINOv2, CaiT, ConvNeXt) -- is
+        materialised once before the product (``lax.optimization_barrier`` off CPU,
+        :mod:`jaxmem.transform.scaled`): on XLA:GPU the factor's gradient then reads the
+        kept output instead of re-reducing the partial sums of a split-K GEMM, which XLA:GPU
+        would otherwise keep alive until the backward pass (several times the output's
+        bytes). Exact; nothing changes on XLA:CPU. ``False`` binds the product as written.
+      attention_chunk: query rows per chunk of a re-emitted attention core: one with more
+        query rows runs both passes that many rows at a time
+        (:mod:`jaxmem.selective.attention_chunks`): its scores, weights and their cotangents
+        are formed ``(..., H, attention_chunk, S)`` at a time instead of ``(..., H, T, S)``
+        (exact; ``dk``, ``dv`` summed over the chunks, float rounding apart). ``None`` never
+        chunks.
       logits_chunk: rows (tokens) per chunk of a language-model head: a product ``h W``
         whose rows are wider than ``h``'s (``V > d``), reduced within each row to per-token
         values by a softmax-like loss (optax's cross-entropies, ``log_softmax`` +
@@ -148,7 +163,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
                       activations=activations, norms=norms, dropout=dropout, pools=pools,
                       residual_adds=residual_adds, conv_recompute=conv_recompute,
                       biases=biases, projections=projections,
-                      gated_products=gated_products, logits_chunk=logits_chunk)
+                      gated_products=gated_products, scaled_products=scaled_products,
+                      attention_chunk=attention_chunk, logits_chunk=logits_chunk)
     interp = Interpreter(options)
 
     @functools.wraps(f)

@@ -17,7 +17,8 @@ level it
    own runs under ``jax.checkpoint(policy=scan_policy)``,
    :mod:`~jaxmem.transform.scan_policy`); every other equation is bound unchanged
    (``primitive.bind(*invals, **params)``) under its own source location (an ``add`` of two
-   values a selective op can recompute is recorded as recomputable too).
+   values a selective op can recompute is recorded as recomputable too; a product's output
+   scaled by a traced factor is materialised first: :mod:`~jaxmem.transform.scaled`).
 
 Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
 ``custom_vjp_call`` bodies (their derivative rules must stay theirs; a ``custom_jvp`` with
@@ -49,6 +50,7 @@ from jaxmem.transform.match import Match, aval_str
 from jaxmem.transform.match_fused import recomputed_body
 from jaxmem.transform.options import Options
 from jaxmem.transform.report import Row, amend, record
+from jaxmem.transform.scaled import materialised, scaled_products
 from jaxmem.transform.scan_policy import has_remat, scan_policy
 
 __all__ = ["Interpreter"]
@@ -139,7 +141,7 @@ class Interpreter:
             for item in match_logits(graph, taken, path, opts.logits_chunk):
                 add(item)
         if opts.attention:
-            for item in match_attention(graph, path):
+            for item in match_attention(graph, path, opts.attention_chunk):
                 add(item)
         if opts.norms:
             for item in match_norms(graph, taken, path):
@@ -188,6 +190,8 @@ class Interpreter:
 
         graph = Graph.build(jaxpr, consts)
         plan = self.plan(graph, path)
+        scaled = (scaled_products(graph, plan)
+                  if self.options.products and self.options.scaled_products else {})
         skip = set()
         for m in plan.values():
             skip |= m.eqns - {m.anchor}
@@ -218,7 +222,8 @@ class Interpreter:
                     amend(m.row, projected_row(m.row, seen))
                 write(m.outputs, outs)
             else:
-                write(eqn.outvars, self.eqn(eqn, [read(v) for v in eqn.invars], path))
+                write(eqn.outvars, self.eqn(eqn, [read(v) for v in eqn.invars], path,
+                                            scaled.get(i, ())))
 
         def inputs(i):
             m = plan.get(i)
@@ -249,7 +254,10 @@ class Interpreter:
         return [read(v) for v in jaxpr.outvars]
 
     # --------------------------------------------------------- higher-order primitives
-    def eqn(self, eqn, invals: list, path: str) -> list:
+    def eqn(self, eqn, invals: list, path: str, materialise: tuple = ()) -> list:
+        """``eqn`` re-emitted on ``invals`` (entered, re-built as a gated product, or bound
+        unchanged with the operands at ``materialise`` materialised first:
+        :func:`~jaxmem.transform.scaled.materialised`)."""
         name = eqn.primitive.name
         method = getattr(self, "_" + name, None) if _enterable(eqn) else None
         if method is None:
@@ -261,7 +269,8 @@ class Interpreter:
             if (name == "mul" and self.options.products and self.options.gated_products
                     and _gated(eqn, invals)):
                 return [_gated_product(eqn, invals, path)]
-            outs = bind_eqn(eqn, invals)
+            outs = bind_eqn(eqn, materialised(eqn, invals, materialise, path)
+                            if materialise else invals)
             if name == "add" and self.options.products and self.options.residual_adds:
                 _record_add(outs, invals)
             elif name == "name" and len(outs) == 1 and len(invals) == 1:

@@ -749,9 +749,11 @@ def projected_row(row: Row, seen: list) -> Row:
         f"weights where the normalisation before it keeps them (else stored); no T x S array"))
 
 
-def match_attention(graph: Graph, path: str) -> list[Match | Row]:
+def match_attention(graph: Graph, path: str,
+                    query_chunk: int | None = None) -> list[Match | Row]:
     """Attention subgraphs of ``graph`` (matches, and rows for softmax-weighted products
-    that did not match, with the reason)."""
+    that did not match, with the reason); cores of more than ``query_chunk`` query rows run
+    that many at a time (:mod:`jaxmem.selective.attention_chunks`)."""
     out: list[Match | Row] = []
     for i, eqn in enumerate(graph.jaxpr.eqns):
         if eqn.primitive.name != "dot_general":
@@ -776,7 +778,7 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
             inputs.append(layout["factor"][0])
         if layout["dropout_key"] is not None:
             inputs.append(layout["dropout_key"])
-        emit = _emit_fn(spec, layout, bias_dims, mask_dims)
+        emit = _emit_fn(dict(spec, query_chunk=query_chunk), layout, bias_dims, mask_dims)
         scaled = spec["scale"] if spec["divisor"] is None else spec["divisor"]
         parts = [k for k, x in (("scale", scaled), ("bias", bias), ("mask", mask),
                                 ("head factor", layout["factor"]),
@@ -785,7 +787,10 @@ def match_attention(graph: Graph, path: str) -> list[Match | Row]:
             parts.append(f"{layout['nq']} query axes")
         what = (f"attention q {aval_str(q)} k {aval_str(k)} v {aval_str(v)}"
                 + (f" [{', '.join(parts)}]" if parts else ""))
-        row = Row("attention", what, "jaxmem.selective.attention_core (exact)", True,
-                  KEEPS, location(eqn), name_stack(eqn), path)
+        rows = math.prod(layout["qsizes"])
+        became = ("jaxmem.selective.attention_core (exact)" if query_chunk is None
+                  or rows <= query_chunk else "jaxmem.selective.attention_core (exact, "
+                  f"{query_chunk} of {rows} query rows at a time)")
+        row = Row("attention", what, became, True, KEEPS, location(eqn), name_stack(eqn), path)
         out.append(Match(frozenset(used), i, inputs, list(eqn.outvars), emit, row))
     return out

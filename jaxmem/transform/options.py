@@ -7,7 +7,8 @@ __all__ = ["SWITCHES", "Options"]
 
 #: the conversions :class:`Options` turns on or off (``True`` / ``False`` fields)
 SWITCHES = ("attention", "products", "activations", "norms", "dropout", "pools",
-            "residual_adds", "conv_recompute", "biases", "projections", "gated_products")
+            "residual_adds", "conv_recompute", "biases", "projections", "gated_products",
+            "scaled_products")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,13 @@ class Options:
       output of a re-emitted activation or norm (a gated linear unit's ``act(x W) * (x V)``,
       ``x * sigmoid(x)``) keeps that producer's residuals instead of the factor, and the
       product after it recomputes ``a * b`` from them (:func:`jaxmem.selective.gated_product`).
+    scaled_products: with ``products``, a product's output scaled by a traced factor (a
+      layer scale ``gamma * (x W + b)``) is materialised once before the ``mul``
+      (``optimization_barrier`` off CPU): XLA:GPU then keeps that output for the factor's
+      gradient instead of the partial sums of a split-K GEMM (:mod:`~jaxmem.transform.scaled`).
+    attention_chunk: ``None`` or query rows per chunk (an int >= 1) of a re-emitted attention
+      core with more query rows than that: both passes run that many rows at a time
+      (:mod:`jaxmem.selective.attention_chunks`).
     logits_chunk: ``None`` or rows per chunk (an int >= 1) of a language-model head: a
       product ``h W`` with more columns than ``h`` has, reduced within each row to per-token
       values by a softmax-like loss, computed that many rows at a time
@@ -63,6 +71,8 @@ class Options:
     biases: bool = True
     projections: bool = True
     gated_products: bool = True
+    scaled_products: bool = True
+    attention_chunk: int | None = 512
     logits_chunk: int | None = 1024
 
     def __post_init__(self):
@@ -74,7 +84,8 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")
-        lc = self.logits_chunk
-        if lc is not None and (isinstance(lc, bool) or not isinstance(lc, int) or lc < 1):
-            raise ValueError(f"transform: logits_chunk must be None or an int >= 1 (rows per "
-                             f"chunk), got {lc!r}")
+        for name in ("attention_chunk", "logits_chunk"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"transform: {name} must be None or an int >= 1 (rows per "
+                                 f"chunk), got {n!r}")

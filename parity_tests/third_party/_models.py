@@ -152,6 +152,23 @@ def vit():
     return Case(loss, p, (pixels((B, 3, 16, 16)),), cfg)
 
 
+def beit():
+    """BEiT: layer scales ``x + gamma * (h W + b)`` after attention and MLP, a relative
+    position bias added to the scores, mean pooling with a LayerNorm."""
+    tr = _tr()
+    cfg = tr.BeitConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS,
+                        intermediate_size=FF, image_size=16, patch_size=8, num_channels=3,
+                        use_relative_position_bias=True, hidden_dropout_prob=0.1,
+                        attention_probs_dropout_prob=0.1)
+    m, p = _init(tr.FlaxBeitModel, cfg)
+
+    def loss(params, inputs, rng, train):
+        out = m(inputs[0], params=params, dropout_rng=rng, train=train)
+        return jnp.mean(out[0] ** 2) + jnp.mean(out[1])
+
+    return Case(loss, p, (pixels((B, 3, 16, 16)),), cfg)
+
+
 @contextlib.contextmanager
 def t5_clip_patch():
     """Hugging Face's Flax T5 calls ``jnp.clip(x, a_max=...)``, a keyword jax 0.10 no longer
@@ -227,4 +244,5 @@ def clip():
 
 
 CASES = {"bert": bert, "roberta": roberta, "gpt2": gpt2, "vit": vit, "t5": t5,
-         "resnet": resnet, "clip": clip, "distilbert": distilbert, "llama": llama}
+         "resnet": resnet, "clip": clip, "distilbert": distilbert, "llama": llama,
+         "beit": beit}

@@ -111,6 +111,8 @@ def _expected(name, train):
         # q k v o, gate, up, down per layer and the LM head; RMS norms 2 per layer + final;
         # SiLU gating each MLP (a gated product per layer); no dropout
         "llama": (7 * L + 1, 0, 2 * L + 1, 0, L, L, 0, 0),
+        # as ViT without the pooler's Dense (mean pooling + LN instead of a final LN)
+        "beit": (6 * L, 1, 2 * L + 1, 0, L, L, 2 * L + 1, L),
     }[name]
 
 
@@ -120,6 +122,10 @@ def test_report_accounts_for_every_layer(case, train):
     dots, convs, norms, act_on, act_off, atts, drops, drop_att = _expected(case.name, train)
     # gated linear units (Llama's SwiGLU): one gated product per layer
     assert n["gate", True] == (L if case.name == "llama" else 0)
+    # BEiT's layer scales gamma * (h W + b), two per layer: materialised where they read the
+    # product directly (evaluation mode; in train mode the dropout between them is re-emitted,
+    # and the selective dropout's output is what the scale reads)
+    assert n["scale", True] == (2 * L if case.name == "beit" and not train else 0)
     assert n["dot", True] == dots and not n["dot", False]
     assert n["conv", True] == convs and not n["conv", False]
     assert n["norm", True] == norms

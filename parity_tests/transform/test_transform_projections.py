@@ -83,6 +83,21 @@ def test_gradients_exact_and_q_k_v_not_stored(fused):
     assert stored - kept >= LAYERS * 3 * B * T * D * 4, (stored, kept)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["three", "split"])
+def test_recomputed_projections_in_query_chunks(fused):
+    """``attention_chunk=6`` of ``T = 16`` rows: the core recomputes ``q, k, v`` once and
+    runs its chunks over them; the same gradients, ``q, k, v`` still not stored."""
+    loss, params, x = _loss(fused), _params(), normal((B, T, D))
+    g = transform(loss, attention_chunk=6)
+    rows = g.report(params, x).by_kind("attention")
+    assert all("6 of 16 query rows" in r.became and "recomputed" in r.reason for r in rows)
+    got, want = jax.jit(lambda p, x: tuple(jax.grad(fn, argnums=(0, 1))(p, x)
+                                           for fn in (g, loss)))(params, x)
+    close(got, want)
+    kept = residual_bytes(g, params, x).activation_bytes
+    assert kept == residual_bytes(transform(loss), params, x).activation_bytes
+
+
 def test_under_vmap_scan_checkpoint_and_bf16():
     """Under ``vmap`` and in bf16 one layer (the rule is per layer); ``scan`` over the
     stacked layers of :func:`_params` under ``jax.checkpoint``."""

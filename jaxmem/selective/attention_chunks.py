@@ -1,0 +1,160 @@
+"""The exact attention core computed ``query_chunk`` query rows at a time.
+
+:func:`jaxmem.selective.attention_core` keeps no ``T x S`` array between the passes, but each
+pass still forms its scores, weights and their cotangents whole: several ``(..., H, T, S)``
+arrays at once (at ``T = S = 2000``, 8 x 4 heads, 0.5 GB each). With
+``AttentionSpec(query_chunk=c)`` both passes run over ``c`` query rows at a time (a
+``lax.scan`` over the whole chunks, then the remainder), so the working set is
+``(..., H, c, S)``:
+
+* forward: each row's softmax needs only that row's scores, so a chunk's output rows and row
+  statistics ``m, l`` are the whole pass's rows (the same arithmetic per row);
+* backward: ``dq`` of a chunk's rows needs only those rows; ``dk = sum_c ds_c^T q_c`` and
+  ``dv = sum_c (P_c M_c)^T do_c`` are accumulated over the chunks (in float32 at least: the
+  sums' order differs from one ``T``-long contraction, at float rounding level), as is the
+  gradient of a bias without a query axis; a bias with one gets its rows per chunk.
+
+Masks and biases are sliced to the chunk's rows where they have a query axis (a causal band is
+formed per chunk from its row offset); the dropout multiplier of a chunk is the same rows of
+the whole pass's ``bernoulli`` draw (the same bits as unchunked). Nothing is chunked where
+``T <= c``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["chunked", "forward_in_chunks", "grads_in_chunks"]
+
+
+def chunked(spec, q) -> bool:
+    """Whether ``spec`` asks for query chunks smaller than ``q``'s ``T`` rows."""
+    return spec.query_chunk is not None and q.shape[-3] > spec.query_chunk
+
+
+def _rows(a, lo, size: int, t: int):
+    """Rows ``lo : lo + size`` of a scores-like array (``(..., T', S)``, ``T'`` its query
+    axis) when it has ``T`` of them; otherwise (one row, broadcast) ``a`` itself."""
+    if a is None or a.ndim < 2 or a.shape[-2] != t:
+        return a
+    return lax.dynamic_slice_in_dim(a, lo, size, a.ndim - 2)
+
+
+def _keep_rows(mask, causal, lo, size: int, t: int, s_len: int):
+    """The chunk's boolean ``keep`` (mask rows and causal band), or ``None``."""
+    keep = _rows(mask, lo, size, t)
+    if causal is not None:
+        rows = lo + jnp.arange(size)[:, None]
+        band = jnp.arange(s_len)[None, :] <= rows + (s_len - t if causal == "bottom_right"
+                                                      else 0)
+        keep = band if keep is None else jnp.logical_and(keep, band)
+    return keep
+
+
+def _merge(stacked, axis: int):
+    """``(n, ..., c, ...)`` chunk results (rows at ``axis`` < 0 of one chunk) as one array
+    of ``n * c`` rows."""
+    x = jnp.moveaxis(stacked, 0, stacked.ndim + axis - 1)
+    i = x.ndim + axis - 1
+    return x.reshape(x.shape[:i] + (x.shape[i] * x.shape[i + 1],) + x.shape[i + 2:])
+
+
+def _over_chunks(one, t: int, c: int, carry=None):
+    """``one(lo, size, carry) -> (carry, rows)`` over the whole chunks (a scan) and the
+    remainder; returns the final carry and the per-chunk row results, each a list of arrays
+    (whole chunks stacked, remainder) to :func:`_merge`."""
+    n, rem = divmod(t, c)
+
+    def step(carry, i):
+        return one(i * c, c, carry)
+
+    carry, stacked = lax.scan(step, carry, jnp.arange(n))
+    tail = None
+    if rem:
+        carry, tail = one(n * c, rem, carry)
+    return carry, stacked, tail
+
+
+def _joined(stacked, tail, axis: int):
+    whole = _merge(stacked, axis)
+    return whole if tail is None else jnp.concatenate([whole, tail], axis=axis)
+
+
+def forward_in_chunks(q, k, v, bias, mask, rng, spec):
+    """``(o, (m, l))`` of :func:`jaxmem.selective.attention._forward`, ``spec.query_chunk``
+    rows at a time."""
+    from jaxmem.selective.attention import _dropout_keep, _forward
+
+    t, s_len, c = q.shape[-3], k.shape[-3], spec.query_chunk
+    sub = dataclasses.replace(spec, causal=None, query_chunk=None)
+    wshape = jnp.broadcast_shapes(q.shape[:-3] + (q.shape[-2], t, s_len),
+                                  *(() if a is None else a.shape for a in (bias, mask)))
+
+    def one(lo, size, carry):
+        qc = lax.dynamic_slice_in_dim(q, lo, size, q.ndim - 3)
+        drop = (_rows(_dropout_keep(rng, spec, k.ndim, wshape), lo, size, t)
+                if spec.dropout_rate > 0.0 else None)
+        o, (m, den) = _forward(qc, k, v, _rows(bias, lo, size, t),
+                               _keep_rows(mask, spec.causal, lo, size, t, s_len), None, sub,
+                               drop=drop)
+        return carry, (o, m, den)
+
+    _, stacked, tail = _over_chunks(one, t, c)
+    tail = tail or (None, None, None)
+    o = _joined(stacked[0], tail[0], -3)
+    m, den = (_joined(s, r, -2) for s, r in zip(stacked[1:], tail[1:]))
+    return o, (m, den)
+
+
+def _acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do):
+    """``(dq, dk, dv, dbias, None, None)`` of :func:`jaxmem.selective.attention._core_grads`,
+    ``spec.query_chunk`` rows at a time (``dk``, ``dv`` and a row-free bias's gradient
+    accumulated over the chunks)."""
+    from jaxmem.selective.attention import _dropout_keep, _raw_grads, _unbroadcast
+
+    t, s_len, c = q.shape[-3], k.shape[-3], spec.query_chunk
+    sub = dataclasses.replace(spec, causal=None, query_chunk=None)
+    wshape = jnp.broadcast_shapes(q.shape[:-3] + (q.shape[-2], t, s_len),
+                                  *(() if a is None else a.shape for a in (bias, mask)))
+    dbias_rows = bias is not None and bias.ndim >= 2 and bias.shape[-2] == t
+    float_bias = bias is not None and jnp.issubdtype(bias.dtype, jnp.inexact)
+    zeros = lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype))
+    init = (zeros(k), zeros(v),
+            zeros(bias) if float_bias and not dbias_rows else None)
+
+    def one(lo, size, carry):
+        acc_k, acc_v, acc_b = carry
+        qc = lax.dynamic_slice_in_dim(q, lo, size, q.ndim - 3)
+        doc = lax.dynamic_slice_in_dim(do, lo, size, do.ndim - 3)
+        bc = _rows(bias, lo, size, t)
+        drop = (_rows(_dropout_keep(rng, spec, k.ndim, wshape), lo, size, t)
+                if spec.dropout_rate > 0.0 else None)
+        dq, dk, dv, ds = _raw_grads(sub, qc, k, v, bc,
+                                    _keep_rows(mask, spec.causal, lo, size, t, s_len), None,
+                                    _rows(m, lo, size, t), _rows(den, lo, size, t), doc,
+                                    drop=drop)
+        acc_k = acc_k + _unbroadcast(dk, k.shape, acc_k.dtype)
+        acc_v = acc_v + _unbroadcast(dv, v.shape, acc_v.dtype)
+        db_rows = None
+        if float_bias:
+            if dbias_rows:
+                db_rows = _unbroadcast(ds, bc.shape, bias.dtype)
+            else:
+                acc_b = acc_b + _unbroadcast(ds, bias.shape, acc_b.dtype)
+        return (acc_k, acc_v, acc_b), (_unbroadcast(dq, qc.shape, q.dtype), db_rows)
+
+    (acc_k, acc_v, acc_b), stacked, tail = _over_chunks(one, t, c, init)
+    tail = tail or (None, None)
+    dq = _joined(stacked[0], tail[0], -3)
+    dbias = None
+    if float_bias:
+        dbias = (_joined(stacked[1], tail[1], -2) if dbias_rows
+                 else acc_b.astype(bias.dtype))
+    return (dq, acc_k.astype(k.dtype), acc_v.astype(v.dtype), dbias, None, None)
+
