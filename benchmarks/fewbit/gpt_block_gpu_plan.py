@@ -23,7 +23,9 @@ down-projection, gets the exact op or a 3-bit code by the whole program's count
 (``jaxmem.transform.fewbit_sites``: codes below 8 such f32 layers, 4 bf16 ones), which would
 differ between the two depths of the slope; the exact op is measured here (the choice from
 8 / 4 layers on). Per-layer bytes = slope of the compiled total (temp + output +
-argument - alias) of ``jax.grad(loss)`` w.r.t. all parameters between depth 2 and 4; ratio =
+argument - alias) of ``jax.grad(loss)`` w.r.t. all parameters between depth 4 and 8 (between
+2 and 4 the whole attention core's working set set the shallower program's peak, which
+made the slope smaller than the bytes each layer keeps); ratio =
 variant / (einsum, untouched) on the same plan and dtype. Writes
 benchmarks/results/gpu_plan/gpt_block.{json,md}.
 """
@@ -38,7 +40,7 @@ import sys
 OUT = os.path.join(os.path.dirname(__file__), "..", "results", "gpu_plan")
 MiB = 2.0 ** 20
 SPELLINGS = ("einsum", "jax_xla", "jax_cudnn")
-CONVERSIONS = ("none", "exact", "fewbit3")
+CONVERSIONS = ("none", "exact", "exact_whole_attention", "fewbit3")
 
 
 def _as_on_an_h100():
@@ -107,6 +109,8 @@ def _converted(loss, conversion):
     import jaxmem
     if conversion == "none":
         return loss
+    if conversion == "exact_whole_attention":          # the attention core not in chunks
+        return jaxmem.transform(loss, attention_chunk=None)
     return jaxmem.transform(loss, fewbit=3 if conversion == "fewbit3" else None)
 
 
@@ -116,24 +120,24 @@ def _exact_after_products():
     fewbit_sites.WORKING_SET = 0.0
 
 
-def measure(spelling, conversion, target, batch, ctx, d, heads, dtype):
-    """Per-layer compiled bytes (slope between depth 2 and 4), or the error text."""
+def measure(spelling, conversion, target, batch, ctx, d, heads, dtype, depths=(4, 8)):
+    """Per-layer compiled bytes (slope between the two ``depths``), or the error text."""
     import jax
 
     from jaxmem.measure import compiled_memory
     x = jax.random.normal(jax.random.key(1), (batch, ctx, d)).astype(dtype)
     totals = []
-    for depth in (2, 4):
+    for depth in depths:
         step = jax.grad(_converted(_loss_fn(heads, spelling), conversion))
         try:
             totals.append(compiled_memory(step, _params(depth, d, dtype), x,
                                           target=target).total_bytes)
         except Exception as e:  # noqa: BLE001 -- a spelling a plan cannot compile is a row
             return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    return (totals[1] - totals[0]) / 2, None
+    return (totals[1] - totals[0]) / (depths[1] - depths[0]), None
 
 
-def rows(batch, ctx, d, heads, dtypes, targets=("h100", "cpu")):
+def rows(batch, ctx, d, heads, dtypes, targets=("h100", "cpu"), depths=(4, 8)):
     out = []
     for dtype in dtypes:
         for target in targets:
@@ -142,7 +146,7 @@ def rows(batch, ctx, d, heads, dtypes, targets=("h100", "cpu")):
                     continue     # cuDNN attention: GPU only, bf16/f16 only
                 for conversion in CONVERSIONS:
                     per_layer, err = measure(spelling, conversion, target, batch, ctx, d,
-                                             heads, dtype)
+                                             heads, dtype, depths)
                     r = {"dtype": dtype, "target": target, "attention": spelling,
                          "conversion": conversion, "per_layer_bytes": per_layer, "error": err}
                     print(json.dumps(r), flush=True)
@@ -155,12 +159,14 @@ def rows(batch, ctx, d, heads, dtypes, targets=("h100", "cpu")):
     return out
 
 
-def markdown(rs, cmd, shape):
+def markdown(rs, cmd, shape, depths=(4, 8)):
     lines = ["# GPT block per layer: 3-bit GELU + exact attention vs cuDNN attention "
              "(H100 plan beside CPU)", "",
              f"Command: `{cmd}` (jax 0.10.2; {shape}).", "",
              ("Per-layer bytes: slope of the compiled total of `jax.grad(loss)` (all parameters "
-              "trained) between depth 2 and 4. Ratio: vs the einsum spelling untouched, same "
+              f"trained) between depth {depths[0]} and {depths[1]}. `exact_whole_attention`: "
+              "`transform(loss, attention_chunk=None)` (the default runs the 1024-row "
+              "attention cores 512 query rows at a time). Ratio: vs the einsum spelling untouched, same "
               "plan and dtype. H100 plan: XLA:GPU compiled without a GPU (no autotuning: "
               "cuBLAS/cuDNN workspaces not counted; no timing). `fewbit3`: the MLP's GELU, "
               "read by the down-projection, keeps the exact op (what `jaxmem.transform` "
@@ -187,17 +193,20 @@ def main():
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--targets", default="h100,cpu")
+    ap.add_argument("--depths", default="4,8", help="the two depths of the per-layer slope")
     a = ap.parse_args()
+    depths = tuple(int(n) for n in a.depths.split(","))
     cmd = "python benchmarks/fewbit/gpt_block_gpu_plan.py " + " ".join(sys.argv[1:])
     shape = f"batch {a.batch}, ctx {a.ctx}, d_model {a.d_model}, {a.heads} heads"
     _as_on_an_h100()
     _exact_after_products()
-    rs = rows(a.batch, a.ctx, a.d_model, a.heads, a.dtypes.split(","), a.targets.split(","))
+    rs = rows(a.batch, a.ctx, a.d_model, a.heads, a.dtypes.split(","), a.targets.split(","),
+              depths)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "gpt_block.json"), "w") as fh:
-        json.dump({"command": cmd, "shape": shape, "rows": rs}, fh, indent=2)
+        json.dump({"command": cmd, "shape": shape, "depths": depths, "rows": rs}, fh, indent=2)
     with open(os.path.join(OUT, "gpt_block.md"), "w") as fh:
-        fh.write(markdown(rs, cmd, shape))
+        fh.write(markdown(rs, cmd, shape, depths))
 
 
 if __name__ == "__main__":

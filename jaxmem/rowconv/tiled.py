@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from jaxmem._prims.ties import barrier_off_cpu, tie, varying_axes
+from jaxmem._prims.ties import barrier_off_cpu, varying_axes
+from jaxmem._prims.ties import zeros_created_after as zeros_after
 
 from . import halo as H
 from .layers import (
@@ -169,21 +170,6 @@ def _grow(x, L):
 
 def _is_zero(g):
     return isinstance(g, SymbolicZero)
-
-
-def zeros_after(shape, dtype, after):
-    """``zeros(shape, dtype)`` whose buffer XLA can create only once ``after`` exists.
-
-    A scalar ``+0`` is tied to ``after`` (:func:`jaxmem._prims.ties.tie`: exact, no
-    communication) and then broadcast, so the full-size buffer is made by an op with an
-    operand that exists only after ``after``. Tying the full-size zeros instead (``ties.
-    zeros_after``) is enough on XLA:CPU, but on XLA:GPU the tie is an
-    ``optimization_barrier`` that only orders its *output*: the operand-free zeros
-    broadcast in front of it is still scheduled at program start there, so every
-    segment's backward accumulator (and forward output buffer) lived through the whole
-    forward pass (VGG-16 at 1024², OverL-H N=16: 15 MiB of the 32.5 MiB temp of the H100
-    plan; ``benchmarks/results/gpu_plan/rowconv_vgg16.md``)."""
-    return jnp.broadcast_to(tie(jnp.zeros((), dtype), after), shape)
 
 
 def _zeros_tree_after(tree, after):

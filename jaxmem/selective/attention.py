@@ -237,13 +237,18 @@ def _dropout_keep(rng, spec: AttentionSpec, key_ndim: int, w_shape):
     (T, S)`` when ``broadcast_dropout``, else the weights'); a batch of keys draws one mask
     per key over the leading axes (``jax.vmap``, as a vmapped model draws them)."""
     keep_prob = 1.0 - spec.dropout_rate
-    shape = ((1,) * (key_ndim - 2) + tuple(w_shape[-2:]) if spec.broadcast_dropout
-             else tuple(w_shape))
+    shape = _dropout_shape(spec, key_ndim, w_shape)
     nk = rng.ndim if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng.ndim - 1
     draw = lambda k: jax.random.bernoulli(k, keep_prob, shape[nk:])
     for _ in range(nk):
         draw = jax.vmap(draw)
     return draw(rng)
+
+
+def _dropout_shape(spec: AttentionSpec, key_ndim: int, w_shape) -> tuple:
+    """The shape of the dropout mask of weights of shape ``w_shape``."""
+    return ((1,) * (key_ndim - 2) + tuple(w_shape[-2:]) if spec.broadcast_dropout
+            else tuple(w_shape))
 
 
 def _drop(w, keep, spec: AttentionSpec, dtype):

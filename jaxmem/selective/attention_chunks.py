@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxmem._prims.ties import zeros_created_after
 
 __all__ = ["chunked", "forward_in_chunks", "grads_in_chunks"]
 
@@ -53,39 +56,35 @@ def _keep_rows(mask, causal, lo, size: int, t: int, s_len: int):
     return keep
 
 
-def _merge(stacked, axis: int):
-    """``(n, ..., c, ...)`` chunk results (rows at ``axis`` < 0 of one chunk) as one array
-    of ``n * c`` rows."""
-    x = jnp.moveaxis(stacked, 0, stacked.ndim + axis - 1)
-    i = x.ndim + axis - 1
-    return x.reshape(x.shape[:i] + (x.shape[i] * x.shape[i + 1],) + x.shape[i + 2:])
-
-
-def _over_chunks(one, t: int, c: int, carry=None):
-    """``one(lo, size, carry) -> (carry, rows)`` over the whole chunks (a scan) and the
-    remainder; returns the final carry and the per-chunk row results, each a list of arrays
-    (whole chunks stacked, remainder) to :func:`_merge`."""
+def _over_chunks(one, t: int, c: int, carry, rows, axes):
+    """Run ``one(lo, size, carry) -> (carry, row_parts)`` over the whole chunks (a scan)
+    and the remainder, writing each ``row_parts[i]`` into ``rows[i]`` at ``lo`` along
+    ``axes[i]``; returns the final ``carry`` and ``rows``. ``rows`` are buffers made with
+    :func:`jaxmem._prims.ties.zeros_created_after` (a plain zeros buffer, or a scan's stacked
+    outputs, has no operand: XLA:GPU creates it at the start of the program and keeps every
+    layer's until its backward -- measured, 3.5 activation-sized arrays per layer)."""
     n, rem = divmod(t, c)
 
-    def step(carry, i):
-        return one(i * c, c, carry)
+    def put(rows, parts, lo):
+        return tuple(r if p is None else lax.dynamic_update_slice_in_dim(r, p, lo, ax)
+                     for r, p, ax in zip(rows, parts, axes))
 
-    carry, stacked = lax.scan(step, carry, jnp.arange(n))
-    tail = None
+    def step(state, i):
+        carry, rows = state
+        carry, parts = one(i * c, c, carry)
+        return (carry, put(rows, parts, i * c)), None
+
+    (carry, rows), _ = lax.scan(step, (carry, tuple(rows)), jnp.arange(n))
     if rem:
-        carry, tail = one(n * c, rem, carry)
-    return carry, stacked, tail
-
-
-def _joined(stacked, tail, axis: int):
-    whole = _merge(stacked, axis)
-    return whole if tail is None else jnp.concatenate([whole, tail], axis=axis)
+        carry, parts = one(n * c, rem, carry)
+        rows = put(rows, parts, n * c)
+    return carry, rows
 
 
 def forward_in_chunks(q, k, v, bias, mask, rng, spec):
     """``(o, (m, l))`` of :func:`jaxmem.selective.attention._forward`, ``spec.query_chunk``
     rows at a time."""
-    from jaxmem.selective.attention import _dropout_keep, _forward
+    from jaxmem.selective.attention import _dropout_keep, _dropout_shape, _forward
 
     t, s_len, c = q.shape[-3], k.shape[-3], spec.query_chunk
     sub = dataclasses.replace(spec, causal=None, query_chunk=None)
@@ -101,10 +100,18 @@ def forward_in_chunks(q, k, v, bias, mask, rng, spec):
                                drop=drop)
         return carry, (o, m, den)
 
-    _, stacked, tail = _over_chunks(one, t, c)
-    tail = tail or (None, None, None)
-    o = _joined(stacked[0], tail[0], -3)
-    m, den = (_joined(s, r, -2) for s, r in zip(stacked[1:], tail[1:]))
+    # the outputs' shapes and dtypes: the whole pass traced abstractly
+    struct = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+    drop_s = (jax.ShapeDtypeStruct(_dropout_shape(spec, k.ndim, wshape), jnp.bool_)
+              if spec.dropout_rate > 0.0 else None)
+    o_s, (m_s, _) = jax.eval_shape(
+        lambda q, k, v, b, keep, drop: _forward(q, k, v, b, keep, None, sub, drop=drop),
+        struct(q), struct(k), struct(v), struct(bias),
+        struct(_keep_rows(mask, spec.causal, 0, t, t, s_len)), drop_s)
+    rows = (zeros_created_after(o_s.shape, o_s.dtype, q), zeros_created_after(m_s.shape, m_s.dtype, q),
+            zeros_created_after(m_s.shape, m_s.dtype, q))
+    _, (o, m, den) = _over_chunks(one, t, c, None, rows, (o_s.ndim - 3, m_s.ndim - 2,
+                                                          m_s.ndim - 2))
     return o, (m, den)
 
 
@@ -122,11 +129,12 @@ def grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do):
     sub = dataclasses.replace(spec, causal=None, query_chunk=None)
     wshape = jnp.broadcast_shapes(q.shape[:-3] + (q.shape[-2], t, s_len),
                                   *(() if a is None else a.shape for a in (bias, mask)))
-    dbias_rows = bias is not None and bias.ndim >= 2 and bias.shape[-2] == t
     float_bias = bias is not None and jnp.issubdtype(bias.dtype, jnp.inexact)
-    zeros = lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype))
-    init = (zeros(k), zeros(v),
-            zeros(bias) if float_bias and not dbias_rows else None)
+    bias_rows = float_bias and bias.ndim >= 2 and bias.shape[-2] == t
+    zeros = lambda a, dtype: zeros_created_after(a.shape, dtype, do)
+    carry = (zeros(k, _acc_dtype(k.dtype)), zeros(v, _acc_dtype(v.dtype)),
+             zeros(bias, _acc_dtype(bias.dtype)) if float_bias and not bias_rows else None)
+    rows = (zeros(q, q.dtype), zeros(bias, bias.dtype) if bias_rows else None)
 
     def one(lo, size, carry):
         acc_k, acc_v, acc_b = carry
@@ -142,19 +150,15 @@ def grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do):
         acc_k = acc_k + _unbroadcast(dk, k.shape, acc_k.dtype)
         acc_v = acc_v + _unbroadcast(dv, v.shape, acc_v.dtype)
         db_rows = None
-        if float_bias:
-            if dbias_rows:
-                db_rows = _unbroadcast(ds, bc.shape, bias.dtype)
-            else:
-                acc_b = acc_b + _unbroadcast(ds, bias.shape, acc_b.dtype)
+        if bias_rows:
+            db_rows = _unbroadcast(ds, bc.shape, bias.dtype)
+        elif float_bias:
+            acc_b = acc_b + _unbroadcast(ds, bias.shape, acc_b.dtype)
         return (acc_k, acc_v, acc_b), (_unbroadcast(dq, qc.shape, q.dtype), db_rows)
 
-    (acc_k, acc_v, acc_b), stacked, tail = _over_chunks(one, t, c, init)
-    tail = tail or (None, None)
-    dq = _joined(stacked[0], tail[0], -3)
+    axes = (q.ndim - 3, None if bias is None else bias.ndim - 2)
+    (acc_k, acc_v, acc_b), (dq, db) = _over_chunks(one, t, c, carry, rows, axes)
     dbias = None
     if float_bias:
-        dbias = (_joined(stacked[1], tail[1], -2) if dbias_rows
-                 else acc_b.astype(bias.dtype))
+        dbias = db if bias_rows else acc_b.astype(bias.dtype)
     return (dq, acc_k.astype(k.dtype), acc_v.astype(v.dtype), dbias, None, None)
-

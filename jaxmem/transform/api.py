@@ -122,8 +122,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         (:func:`jaxmem.selective.gated_product`; exact: the same products of bit-identical
         values; two hidden-width arrays per gated unit instead of four). ``False`` keeps the
         factors and the product.
-      scaled_products: with ``products``, a product's output multiplied by another traced
-        value -- a layer scale ``gamma * (x W + b)`` (BEiT, DINOv2, CaiT, ConvNeXt) -- is
+      scaled_products: with ``products``, a product's output multiplied by an input of the
+        function (a parameter, possibly broadcast or scaled by constants) -- a layer scale ``gamma * (x W + b)`` (BEiT, DINOv2, CaiT, ConvNeXt) -- is
         materialised once before the product (``lax.optimization_barrier`` off CPU,
         :mod:`jaxmem.transform.scaled`): on XLA:GPU the factor's gradient then reads the
         kept output instead of re-reducing the partial sums of a split-K GEMM, which XLA:GPU

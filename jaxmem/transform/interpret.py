@@ -18,7 +18,7 @@ level it
    :mod:`~jaxmem.transform.scan_policy`); every other equation is bound unchanged
    (``primitive.bind(*invals, **params)``) under its own source location (an ``add`` of two
    values a selective op can recompute is recorded as recomputable too; a product's output
-   scaled by a traced factor is materialised first: :mod:`~jaxmem.transform.scaled`).
+   scaled by a parameter is materialised first: :mod:`~jaxmem.transform.scaled`).
 
 Not entered (re-emitted unchanged, reported with the reason): ``custom_jvp_call`` /
 ``custom_vjp_call`` bodies (their derivative rules must stay theirs; a ``custom_jvp`` with

@@ -46,8 +46,8 @@ class Options:
       output of a re-emitted activation or norm (a gated linear unit's ``act(x W) * (x V)``,
       ``x * sigmoid(x)``) keeps that producer's residuals instead of the factor, and the
       product after it recomputes ``a * b`` from them (:func:`jaxmem.selective.gated_product`).
-    scaled_products: with ``products``, a product's output scaled by a traced factor (a
-      layer scale ``gamma * (x W + b)``) is materialised once before the ``mul``
+    scaled_products: with ``products``, a product's output scaled by a parameter (a layer
+      scale ``gamma * (x W + b)``) is materialised once before the ``mul``
       (``optimization_barrier`` off CPU): XLA:GPU then keeps that output for the factor's
       gradient instead of the partial sums of a split-K GEMM (:mod:`~jaxmem.transform.scaled`).
     attention_chunk: ``None`` or query rows per chunk (an int >= 1) of a re-emitted attention

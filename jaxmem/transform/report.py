@@ -33,8 +33,8 @@ class Row:
 
     kind: ``"dot"``, ``"conv"``, ``"bias"``, ``"activation"``, ``"attention"``, ``"norm"``,
     ``"dropout"``, ``"pool"``, ``"logits"`` (a language-model head and its loss), ``"gate"``
-    (a gated linear unit's product), ``"scale"`` (a product's output scaled by a traced
-    factor, materialised once), ``"higher-order"``, ``"gradient"`` (the function
+    (a gated linear unit's product), ``"scale"`` (a product's output scaled by a
+    parameter, materialised once), ``"higher-order"``, ``"gradient"`` (the function
     differentiates inside: see :class:`GradientInsideWarning`).
     matched: what was found (primitives, shapes).  became: the op it was re-emitted with
     (``""`` when not converted).  converted: whether it was replaced.  reason: why not, or

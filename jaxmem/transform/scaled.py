@@ -1,7 +1,7 @@
-"""Products scaled by a traced factor: the product's output materialised once.
+"""Products scaled by a parameter: the product's output materialised once.
 
 A layer scale ``gamma * (x W + b)`` (BEiT, DINOv2, CaiT, ConvNeXt), or any ``mul`` of a
-matrix product's output by another traced value, makes autodiff keep that output ``h`` for
+matrix product's output by an input of the function, makes autodiff keep that output ``h`` for
 the factor's gradient ``d gamma = sum(g * h)``. XLA:GPU computes a GEMM with a small output
 and a long contraction as a split-K GEMM: ``S`` partial products ``(S, M, N)`` and a reduction
 over them. It fuses that reduction (and the bias add) into every consumer of ``h`` -- the
@@ -66,7 +66,7 @@ def _input_factor(graph: Graph, v) -> bool:
     ``gamma``), possibly broadcast, reshaped, cast or multiplied by constants -- not a value
     computed from other traced values (a rotary embedding's ``cos``, which has no gradient
     to read the product for)."""
-    if is_literal(v) or not np.issubdtype(v.aval.dtype, np.inexact):
+    if not np.issubdtype(v.aval.dtype, np.inexact):
         return False
     for _ in range(_MAX_STEPS + 1):
         if is_literal(v):
@@ -111,8 +111,8 @@ def materialised(eqn, invals: list, which: tuple, path: str) -> list:
     """``invals`` of the ``mul`` ``eqn`` with the operands at ``which`` passed through one
     ``lax.optimization_barrier`` off CPU (unchanged on CPU); its ``"scale"`` report row."""
     from jaxmem._prims.ties import barrier_off_cpu
-    record(Row("scale", f"mul {aval_str(eqn.outvars[0])} of a product's output by a traced "
-               "factor", "the product's output materialised once (optimization_barrier off "
+    record(Row("scale", f"mul {aval_str(eqn.outvars[0])} of a product's output by a "
+               "parameter", "the product's output materialised once (optimization_barrier off "
                "CPU; exact)", True, "the factor's gradient reads the product's output, not "
                "the partial sums of a split-K GEMM (XLA:GPU)", call_location(eqn),
                name_stack(eqn), path))
