@@ -81,23 +81,37 @@ def _over_chunks(one, t: int, c: int, carry, rows, axes):
     return carry, rows
 
 
-def forward_in_chunks(q, k, v, bias, mask, rng, spec):
-    """``(o, (m, l))`` of :func:`jaxmem.selective.attention._forward`, ``spec.query_chunk``
-    rows at a time."""
-    from jaxmem.selective.attention import _dropout_keep, _dropout_shape, _forward
+def _chunk_inputs(spec, q, k, bias, mask, rng):
+    """``(sub, wshape, inputs)``: the spec of one chunk (no causal band, no chunking), the
+    whole pass's weights shape, and ``inputs(lo, size) -> (q rows, bias rows, keep, dropout
+    mask)`` of the chunk of rows ``lo : lo + size`` (the dropout mask the same rows of the
+    whole pass's draw; ``None`` without dropout)."""
+    from jaxmem.selective.attention import _dropout_keep
 
-    t, s_len, c = q.shape[-3], k.shape[-3], spec.query_chunk
-    sub = dataclasses.replace(spec, causal=None, query_chunk=None)
+    t, s_len = q.shape[-3], k.shape[-3]
     wshape = jnp.broadcast_shapes(q.shape[:-3] + (q.shape[-2], t, s_len),
                                   *(() if a is None else a.shape for a in (bias, mask)))
 
-    def one(lo, size, carry):
-        qc = lax.dynamic_slice_in_dim(q, lo, size, q.ndim - 3)
+    def inputs(lo, size):
         drop = (_rows(_dropout_keep(rng, spec, k.ndim, wshape), lo, size, t)
                 if spec.dropout_rate > 0.0 else None)
-        o, (m, den) = _forward(qc, k, v, _rows(bias, lo, size, t),
-                               _keep_rows(mask, spec.causal, lo, size, t, s_len), None, sub,
-                               drop=drop)
+        return (lax.dynamic_slice_in_dim(q, lo, size, q.ndim - 3), _rows(bias, lo, size, t),
+                _keep_rows(mask, spec.causal, lo, size, t, s_len), drop)
+
+    return dataclasses.replace(spec, causal=None, query_chunk=None), wshape, inputs
+
+
+def forward_in_chunks(q, k, v, bias, mask, rng, spec):
+    """``(o, (m, l))`` of :func:`jaxmem.selective.attention._forward`, ``spec.query_chunk``
+    rows at a time."""
+    from jaxmem.selective.attention import _dropout_shape, _forward
+
+    t, s_len = q.shape[-3], k.shape[-3]
+    sub, wshape, inputs = _chunk_inputs(spec, q, k, bias, mask, rng)
+
+    def one(lo, size, carry):
+        qc, bc, keep, drop = inputs(lo, size)
+        o, (m, den) = _forward(qc, k, v, bc, keep, None, sub, drop=drop)
         return carry, (o, m, den)
 
     # the outputs' shapes and dtypes: the whole pass traced abstractly
@@ -105,13 +119,14 @@ def forward_in_chunks(q, k, v, bias, mask, rng, spec):
     drop_s = (jax.ShapeDtypeStruct(_dropout_shape(spec, k.ndim, wshape), jnp.bool_)
               if spec.dropout_rate > 0.0 else None)
     o_s, (m_s, _) = jax.eval_shape(
-        lambda q, k, v, b, keep, drop: _forward(q, k, v, b, keep, None, sub, drop=drop),
-        struct(q), struct(k), struct(v), struct(bias),
-        struct(_keep_rows(mask, spec.causal, 0, t, t, s_len)), drop_s)
-    rows = (zeros_created_after(o_s.shape, o_s.dtype, q), zeros_created_after(m_s.shape, m_s.dtype, q),
+        lambda q, k, v, b, mask, drop: _forward(
+            q, k, v, b, _keep_rows(mask, spec.causal, 0, t, t, s_len), None, sub, drop=drop),
+        struct(q), struct(k), struct(v), struct(bias), struct(mask), drop_s)
+    rows = (zeros_created_after(o_s.shape, o_s.dtype, q),
+            zeros_created_after(m_s.shape, m_s.dtype, q),
             zeros_created_after(m_s.shape, m_s.dtype, q))
-    _, (o, m, den) = _over_chunks(one, t, c, None, rows, (o_s.ndim - 3, m_s.ndim - 2,
-                                                          m_s.ndim - 2))
+    _, (o, m, den) = _over_chunks(one, t, spec.query_chunk, None, rows,
+                                  (o_s.ndim - 3, m_s.ndim - 2, m_s.ndim - 2))
     return o, (m, den)
 
 
@@ -123,12 +138,10 @@ def grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do):
     """``(dq, dk, dv, dbias, None, None)`` of :func:`jaxmem.selective.attention._core_grads`,
     ``spec.query_chunk`` rows at a time (``dk``, ``dv`` and a row-free bias's gradient
     accumulated over the chunks)."""
-    from jaxmem.selective.attention import _dropout_keep, _raw_grads, _unbroadcast
+    from jaxmem.selective.attention import _raw_grads, _unbroadcast
 
-    t, s_len, c = q.shape[-3], k.shape[-3], spec.query_chunk
-    sub = dataclasses.replace(spec, causal=None, query_chunk=None)
-    wshape = jnp.broadcast_shapes(q.shape[:-3] + (q.shape[-2], t, s_len),
-                                  *(() if a is None else a.shape for a in (bias, mask)))
+    t = q.shape[-3]
+    sub, _, inputs = _chunk_inputs(spec, q, k, bias, mask, rng)
     float_bias = bias is not None and jnp.issubdtype(bias.dtype, jnp.inexact)
     bias_rows = float_bias and bias.ndim >= 2 and bias.shape[-2] == t
     zeros = lambda a, dtype: zeros_created_after(a.shape, dtype, do)
@@ -138,15 +151,10 @@ def grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do):
 
     def one(lo, size, carry):
         acc_k, acc_v, acc_b = carry
-        qc = lax.dynamic_slice_in_dim(q, lo, size, q.ndim - 3)
+        qc, bc, keep, drop = inputs(lo, size)
         doc = lax.dynamic_slice_in_dim(do, lo, size, do.ndim - 3)
-        bc = _rows(bias, lo, size, t)
-        drop = (_rows(_dropout_keep(rng, spec, k.ndim, wshape), lo, size, t)
-                if spec.dropout_rate > 0.0 else None)
-        dq, dk, dv, ds = _raw_grads(sub, qc, k, v, bc,
-                                    _keep_rows(mask, spec.causal, lo, size, t, s_len), None,
-                                    _rows(m, lo, size, t), _rows(den, lo, size, t), doc,
-                                    drop=drop)
+        dq, dk, dv, ds = _raw_grads(sub, qc, k, v, bc, keep, None, _rows(m, lo, size, t),
+                                    _rows(den, lo, size, t), doc, drop=drop)
         acc_k = acc_k + _unbroadcast(dk, k.shape, acc_k.dtype)
         acc_v = acc_v + _unbroadcast(dv, v.shape, acc_v.dtype)
         db_rows = None
@@ -157,7 +165,7 @@ def grads_in_chunks(spec, q, k, v, bias, mask, rng, m, den, do):
         return (acc_k, acc_v, acc_b), (_unbroadcast(dq, qc.shape, q.dtype), db_rows)
 
     axes = (q.ndim - 3, None if bias is None else bias.ndim - 2)
-    (acc_k, acc_v, acc_b), (dq, db) = _over_chunks(one, t, c, carry, rows, axes)
+    (acc_k, acc_v, acc_b), (dq, db) = _over_chunks(one, t, spec.query_chunk, carry, rows, axes)
     dbias = None
     if float_bias:
         dbias = db if bias_rows else acc_b.astype(bias.dtype)

@@ -123,12 +123,12 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         values; two hidden-width arrays per gated unit instead of four). ``False`` keeps the
         factors and the product.
       scaled_products: with ``products``, a product's output multiplied by an input of the
-        function (a parameter, possibly broadcast or scaled by constants) -- a layer scale ``gamma * (x W + b)`` (BEiT, DINOv2, CaiT, ConvNeXt) -- is
-        materialised once before the product (``lax.optimization_barrier`` off CPU,
-        :mod:`jaxmem.transform.scaled`): on XLA:GPU the factor's gradient then reads the
-        kept output instead of re-reducing the partial sums of a split-K GEMM, which XLA:GPU
-        would otherwise keep alive until the backward pass (several times the output's
-        bytes). Exact; nothing changes on XLA:CPU. ``False`` binds the product as written.
+        function (a parameter, possibly broadcast or scaled by constants) -- a layer scale
+        ``gamma * (x W + b)`` (BEiT, DINOv2, CaiT, ConvNeXt) -- is materialised once before
+        the product (``lax.optimization_barrier`` off CPU, :mod:`jaxmem.transform.scaled`):
+        on XLA:GPU the factor's gradient then reads the kept output instead of re-reducing
+        the partial sums of a split-K GEMM, which XLA:GPU would otherwise keep alive until
+        the backward pass (several times the output's bytes). Exact; nothing changes on XLA:CPU. ``False`` binds the product as written.
       attention_chunk: query rows per chunk of a re-emitted attention core: one with more
         query rows runs both passes that many rows at a time
         (:mod:`jaxmem.selective.attention_chunks`): its scores, weights and their cotangents

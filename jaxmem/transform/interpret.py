@@ -190,7 +190,7 @@ class Interpreter:
 
         graph = Graph.build(jaxpr, consts)
         plan = self.plan(graph, path)
-        scaled = (scaled_products(graph, plan)
+        scaled = (scaled_products(graph)
                   if self.options.products and self.options.scaled_products else {})
         skip = set()
         for m in plan.values():

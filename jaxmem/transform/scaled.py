@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxmem._compat import core
 from jaxmem.transform.graph import Graph, call_location, is_literal, name_stack
-from jaxmem.transform.match import Match, aval_str
+from jaxmem.transform.match import aval_str
 from jaxmem.transform.report import Row, record
 
 __all__ = ["materialised", "scaled_products"]
@@ -86,17 +86,15 @@ def _input_factor(graph: Graph, v) -> bool:
     return False
 
 
-def scaled_products(graph: Graph, plan: dict[int, Match]) -> dict[int, tuple]:
-    """``{equation index: operand positions}`` of every ``mul`` not re-emitted by a match
-    whose operand at those positions is a float product's output (:func:`_from_product`)
-    of more than one element and whose other operand is an input of the function
-    (:func:`_input_factor`: a parameter, whose gradient autodiff keeps that output for)."""
-    matched = set()
-    for m in plan.values():
-        matched |= m.eqns
+def scaled_products(graph: Graph) -> dict[int, tuple]:
+    """``{equation index: operand positions}`` of every ``mul`` whose operand at those
+    positions is a float product's output (:func:`_from_product`) of more than one element
+    and whose other operand is an input of the function (:func:`_input_factor`: a
+    parameter, whose gradient autodiff keeps that output for). The interpreter reads it for
+    the equations it binds unchanged only (a match re-emits its own)."""
     out = {}
     for i, eqn in enumerate(graph.jaxpr.eqns):
-        if eqn.primitive.name != "mul" or len(eqn.invars) != 2 or i in matched:
+        if eqn.primitive.name != "mul" or len(eqn.invars) != 2:
             continue
         a, b = eqn.invars
         which = tuple(k for k, (x, other) in enumerate(((a, b), (b, a)))
