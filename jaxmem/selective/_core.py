@@ -12,7 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jaxmem._prims.checks import as_int, int_tuple, positive_int  # noqa: F401 (re-exported)
 from jaxmem._prims.recipes import kept, recipe, remember  # noqa: F401 (re-exported)
-from jaxmem._prims.ties import tie
+from jaxmem._prims.ties import tie, tie_elementwise
 
 #: Prefix of every ``checkpoint_name`` tag a selective primitive puts on a residual, so remat
 #: policies such as ``jax.checkpoint_policies.save_only_these_names`` can select them.
@@ -38,7 +38,7 @@ def tag(x, what: str):
 # ReLU output that a convolution reads beside the norm's input (ResNet on the H100 plan).
 
 
-def recomputed(rec_fn, args, groups, dep):
+def recomputed(rec_fn, args, groups, dep, *, elementwise: bool = False):
     """``rec_fn(*args)`` -- a value a backward rule reads from its producers' residuals
     instead of keeping it (:mod:`jaxmem._prims.recipes`) -- tied to the cotangent ``dep`` so
     that XLA runs it in the backward pass, not in the forward one where it would keep the
@@ -48,11 +48,14 @@ def recomputed(rec_fn, args, groups, dep):
     pass and keeps them. Measured on ResNet-50 "All", H100 plan, adds recorded (with a
     max-pool recipe since left out): 11.94 MiB so; 14.46 tying the first argument only, 12.73
     tying each producer's ``x`` only; tying all arguments of a one-producer recipe too costs
-    0.16 MiB without adds recorded."""
+    0.16 MiB without adds recorded. ``elementwise``: ``rec_fn`` runs elementwise ops only (a
+    recipe of depth 0), so the arguments are tied with :func:`ties.tie_elementwise` (off CPU
+    no copy of an argument that is a slice of a merged GEMM's output)."""
+    tie_ = tie_elementwise if elementwise else tie
     if len(groups) > 1:
-        return rec_fn(*tie(tuple(args), dep))
+        return rec_fn(*tie_(tuple(args), dep))
     first, *rest = args
-    return rec_fn(tie(first, dep), *rest)
+    return rec_fn(tie_(first, dep), *rest)
 
 
 def value(p):

@@ -71,9 +71,9 @@ def _gated_bwd(fa, ka, fb, kb, res, g):
     if is_zero(g):
         return None, None, None, None
     if ra is not None:
-        a = recomputed(fa, ra, ka, g)
+        a = recomputed(fa, ra, ka, g, elementwise=True)
     if rb is not None:
-        b = recomputed(fb, rb, kb, g)
+        b = recomputed(fb, rb, kb, g, elementwise=True)
     da = None if b is None else g * b
     db = None if a is None else g * a
     return da, db, None, None

@@ -146,18 +146,21 @@ _bilinear.defvjp(_bilinear_fwd, _bilinear_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------- input recomputed from its producer's (norm's) residuals
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w, rec):
-    del name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, x, w,
+                  rec):
+    del name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, rec
     return fn(x, w)
 
 
-def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w, rec):
+def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, x,
+                      w, rec):
     """As ``_bilinear_fwd``, but ``x == rec_fn(*rec)`` and the producer of ``x`` (a
     normalisation, an exact smooth activation) keeps ``rec`` for its own backward: when it
     does (one of ``rec[i]``, ``i in kept_if``, is differentiated), keep ``rec`` -- the very
-    same residuals, stored once -- instead of ``x``."""
-    del x_struct, w_struct, dx_fn, rec_fn
+    same residuals, stored once -- instead of ``x``. ``rec_elementwise``: ``rec_fn`` runs
+    elementwise ops only (a recipe of depth 0), see :func:`jaxmem.selective._core.recomputed`."""
+    del x_struct, w_struct, dx_fn, rec_fn, rec_elementwise
     y = fn(x.value, used(w.value, x.value, name in _LATE_FWD))
     shared = w.perturbed and kept(rec, kept_if, perturbed)
     res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
@@ -166,12 +169,13 @@ def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, x, w
     return y, (res_x, res_rec, res_w)
 
 
-def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, res, g):
+def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, res,
+                      g):
     res_x, res_rec, res_w = res
     if is_zero(g):
         return None, None, None
     if res_rec is not None:
-        res_x = recomputed(rec_fn, res_rec, kept_if, g)
+        res_x = recomputed(rec_fn, res_rec, kept_if, g, elementwise=rec_elementwise)
     dx, dw = _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, (res_x, res_w), g)
     return dx, dw, None
 
@@ -223,7 +227,11 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     xs, ws = typed_struct(x), typed_struct(w)
     if r is not None:
         rec_fn, rec, kept_if = r
-        y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, x, w, rec)
+        # a dense product's input recomputed by elementwise ops alone: tied without a copy of
+        # a factor that XLA:GPU slices out of a merged GEMM (a convolution's recomputed input
+        # is a buffer of its own either way: measured, ResNet-50 keeps as much or more so)
+        elementwise = depth(x_in) == 0 and name not in _CONVOLUTIONS
+        y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, elementwise, x, w, rec)
         if _pointwise:
             extend(y, fn, x_in, (w,))
         elif _project and weights_local():

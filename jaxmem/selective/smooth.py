@@ -14,7 +14,7 @@ recomputes ``jax.vjp(f, x)`` -- JAX's own reverse-mode derivative of the very sa
 and applies it to ``g``.  The gradient is therefore JAX's (the same equations; equal up to
 how XLA fuses them, i.e. bit for bit or at float rounding), in any float dtype, and higher
 order derivatives work (the backward is itself differentiable).  The recomputation is tied
-to ``g`` (:func:`jaxmem._prims.ties.tie`) so XLA cannot merge it with the forward's ``f(x)``
+to ``g`` (:func:`jaxmem._prims.ties.tie_elementwise`) so XLA cannot merge it with the forward's ``f(x)``
 and keep that alive instead.
 
 The output ``y`` is also registered as ``f(x)`` (``_core.remember``): a selective bilinear
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import jax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.ties import tie
+from jaxmem._prims.ties import tie_elementwise
 from jaxmem.selective._core import check_float, is_zero, remember, tag
 
 __all__ = ["smooth_activation"]
@@ -61,7 +61,7 @@ def _smooth_bwd(f, name, res, g):
     if res is None or is_zero(g):
         return (None,)
     # tied to ``g``: recomputed in the backward pass, never merged with the forward's f(x)
-    _, vjp = jax.vjp(f, tie(res, g))
+    _, vjp = jax.vjp(f, tie_elementwise(res, g))
     (dx,) = vjp(g)
     return (dx,)
 

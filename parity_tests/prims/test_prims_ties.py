@@ -1,6 +1,6 @@
 """jaxmem._prims.ties: the exact, shard-local data dependency of backward recomputations.
 
-``tie(x, dep)`` must return ``x`` bit for bit (``-0.0``, ``inf`` and ``NaN`` included, whatever
+``tie(x, dep)`` (and ``tie_elementwise``, its scalar-barrier form off CPU) must return ``x`` bit for bit (``-0.0``, ``inf`` and ``NaN`` included, whatever
 ``dep`` holds), keep every dtype and pytree leaf kind, work at size 0 and under jit / vmap /
 grad / scan / checkpoint, and leave a real dependency on ``dep`` in the compiled program. The
 collective counts under sharding are checked in parity_tests/distributed/multidevice.
@@ -17,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmem.selective as S
-from jaxmem._prims.ties import tie, together, typed_struct, vary_like
+from jaxmem._prims import ties
+from jaxmem._prims.ties import tie, tie_elementwise, together, typed_struct, vary_like
 
 SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.5, -2.25, 3e-8], np.float32)
+TIES = pytest.mark.parametrize("tie", [tie, tie_elementwise], ids=["tie", "tie_elementwise"])
 
 
 def _bits_equal(a, b):
@@ -30,7 +32,8 @@ def _bits_equal(a, b):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("first", [0.0, -0.0, np.inf, -np.inf, np.nan, 7.0])
-def test_tie_is_bit_exact_for_any_cotangent(dtype, first):
+@TIES
+def test_tie_is_bit_exact_for_any_cotangent(dtype, first, tie):
     x = jnp.asarray(SPECIAL, dtype)
     dep = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4)), dtype).at[0, 0].set(first)
     _bits_equal(tie(x, dep), x)
@@ -49,7 +52,8 @@ def test_tie_exact_random_shapes(shape, dshape, dtype, seed):
     _bits_equal(jax.jit(tie)(x, dep), x)
 
 
-def test_tie_leaf_kinds_and_structure():
+@TIES
+def test_tie_leaf_kinds_and_structure(tie):
     dep = jnp.ones((2, 3))
     key = jax.random.key(3)
     tree = {"f": jnp.float32(-0.0), "i": jnp.arange(4), "u": jnp.arange(3, dtype=jnp.uint32),
@@ -68,7 +72,8 @@ def test_tie_leaf_kinds_and_structure():
 
 @pytest.mark.parametrize("xshape,dshape", [((0, 3), (2, 2)), ((2, 2), (0, 3)), ((0,), (0,)),
                                             ((), ()), ((3,), ())])
-def test_tie_zero_size_and_scalars(xshape, dshape):
+@TIES
+def test_tie_zero_size_and_scalars(xshape, dshape, tie):
     x = jnp.asarray(np.random.default_rng(1).normal(size=xshape), jnp.float32)
     dep = jnp.full(dshape, jnp.nan, jnp.float32)
     _bits_equal(jax.jit(tie)(x, dep), x)
@@ -76,7 +81,8 @@ def test_tie_zero_size_and_scalars(xshape, dshape):
     np.testing.assert_array_equal(g, np.full(xshape, 3.0, np.float32))
 
 
-def test_tie_derivatives_pass_through_to_x():
+@TIES
+def test_tie_derivatives_pass_through_to_x(tie):
     x, dep = jnp.array([1.0, -2.0, 3.0]), jnp.array([jnp.inf, 1.0])
     gx, gd = jax.grad(lambda x, d: jnp.sum(tie(x, d) ** 2), (0, 1))(x, dep)
     np.testing.assert_array_equal(gx, 2 * x)
@@ -87,7 +93,8 @@ def test_tie_derivatives_pass_through_to_x():
     np.testing.assert_array_equal(tan, np.ones(3, np.float32))
 
 
-def test_tie_under_vmap_scan_checkpoint():
+@TIES
+def test_tie_under_vmap_scan_checkpoint(tie):
     xs = jnp.asarray(np.random.default_rng(2).normal(size=(4, 5)), jnp.float32)
     ds = jnp.asarray(np.random.default_rng(3).normal(size=(4, 2)), jnp.float32)
     _bits_equal(jax.vmap(tie)(xs, ds), xs)
@@ -112,6 +119,38 @@ def test_tie_leaves_a_dependency_in_the_compiled_program(dep):
     entry = txt[txt.index("ENTRY"):]
     dep_param = re.search(r"%(\S+) = [a-z0-9]+\[2\]\{0\} parameter\(1\)", entry).group(1)
     assert entry.count(dep_param) >= 2, entry
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32,
+                                   jnp.uint8, jnp.bool_])
+def test_off_cpu_bodies_return_x_bit_for_bit(dtype):
+    """The bodies XLA:GPU runs (a barrier over ``(x, dep)``; a barrier over a scalar zero
+    and ``x * (1 + z)``), run here on CPU: ``x`` bit for bit, ``-0.0``, ``inf`` and ``NaN``
+    included, under ``jit`` too."""
+    rng = np.random.default_rng(4)
+    if jnp.issubdtype(dtype, jnp.floating):
+        x = jnp.asarray(rng.choice(SPECIAL, size=(5, 7)), dtype)
+    elif dtype == jnp.bool_:
+        x = jnp.asarray(rng.integers(0, 2, (5, 7)).astype(bool))
+    else:
+        x = jnp.asarray(rng.integers(0, 100, (5, 7)), dtype)
+    dep = jnp.asarray([np.nan, 1.0], jnp.float32)
+    for body in (ties._arith_barrier, ties._scalar_barrier):
+        _bits_equal(body(x, dep), x)
+        _bits_equal(jax.jit(body)(x, dep), x)
+
+
+def test_elementwise_tie_barrier_holds_a_scalar_off_cpu():
+    """Off CPU the elementwise tie's barrier holds a scalar beside the dependency, not ``x``
+    (``x`` is read where it is, so no slice of a larger buffer is copied for it); the
+    plain tie's holds ``x`` itself."""
+    x, dep = jnp.ones((8, 16)), jnp.ones((4,))
+    for body, held in ((ties._scalar_barrier, [(), (4,)]), (ties._arith_barrier,
+                                                            [(8, 16), (4,)])):
+        eqns = [e for e in jax.make_jaxpr(body)(x, dep).jaxpr.eqns
+                if e.primitive.name == "optimization_barrier"]
+        assert len(eqns) == 1
+        assert [tuple(v.aval.shape) for v in eqns[0].invars] == held
 
 
 def test_tie_is_traced_once_per_operand_types_and_inlined(monkeypatch):
