@@ -33,10 +33,12 @@ import functools
 import weakref
 
 __all__ = ["PROJECTED", "combine", "depth", "extend", "kept", "project", "recipe", "remember",
-           "then"]
+           "remember_weight", "then", "weight_recipe"]
 
 # ``id(y) -> (ref, fn, args, groups, depth)``; an entry goes when ``y`` is garbage.
 _recipes: dict = {}
+# ``id(w) -> (ref, fn, args)``: weights computed from the step's inputs (:func:`remember_weight`)
+_weights: dict = {}
 
 #: the depth of a recipe recorded by :func:`project`: read by the attention core only
 PROJECTED = 2
@@ -190,3 +192,31 @@ def project(y, op, x, extra=()) -> bool:
     recipe (its ``q, k, v`` recomputed in its backward pass from what the norm keeps anyway,
     one product each). ``op`` must be deterministic. Returns whether ``y`` was recorded."""
     return depth(x) == 0 and _extend(y, op, x, extra, PROJECTED)
+
+
+def remember_weight(w, fn, args) -> None:
+    """Record that the weight ``w`` equals ``fn(*args)`` bit for bit, where every array in
+    ``args`` is an input of the step (a parameter: alive for the whole step, so keeping it
+    costs nothing) and ``fn`` runs a few parameter-sized ops (a merged LoRA weight
+    ``W + A B``, a cast ``W.astype(bfloat16)``). A bilinear layer that would keep ``w`` for
+    its input gradient keeps ``args`` instead and recomputes ``w`` in its backward pass
+    (:func:`weight_recipe`)."""
+    key = id(w)
+
+    def _drop(_, key=key):
+        _weights.pop(key, None)
+
+    try:
+        ref = weakref.ref(w, _drop)
+    except TypeError:
+        return
+    _weights[key] = (ref, fn, tuple(args))
+
+
+def weight_recipe(w):
+    """``(fn, args)`` recorded by :func:`remember_weight` for this very object ``w``, else
+    ``None``."""
+    entry = _weights.get(id(w))
+    if entry is None or entry[0]() is not w:
+        return None
+    return entry[1], entry[2]

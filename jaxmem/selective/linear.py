@@ -48,9 +48,10 @@ from jaxmem._prims.grad_layout import (
     unplaced,
     used,
     weights_local,
+    weights_whole,
 )
-from jaxmem._prims.recipes import PROJECTED, depth, extend, project
-from jaxmem._prims.ties import tie, typed_struct, vary_like
+from jaxmem._prims.recipes import PROJECTED, depth, extend, project, weight_recipe
+from jaxmem._prims.ties import tie, typed_struct, vary_like, varying_axes
 from jaxmem.selective._core import (
     as_int,
     check_float,
@@ -76,9 +77,9 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- core
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _bilinear(fn, name, x_struct, w_struct, dx_fn, x, w):
-    del name, x_struct, w_struct, dx_fn
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _bilinear(fn, name, x_struct, w_struct, dx_fn, w_fn, x, w, w_args):
+    del name, x_struct, w_struct, dx_fn, w_fn, w_args
     return fn(x, w)
 
 
@@ -101,22 +102,49 @@ def _late(w, dep, on: bool):
     return tie(w, dep) if on else w
 
 
-def _bilinear_fwd(fn, name, x_struct, w_struct, dx_fn, x, w):
+def _bilinear_fwd(fn, name, x_struct, w_struct, dx_fn, w_fn, x, w, w_args):
     del x_struct, w_struct, dx_fn
     y = fn(x.value, used(w.value, x.value, name in _LATE_FWD))
     # keep x only if dL/dW is requested, W only if dL/dx is requested.
     res_x = tag(x.value, name + ".input") if w.perturbed else None
-    y, res_w = stored(w.value, y) if x.perturbed else (y, None)
+    y, res_w = _kept_weight(w, y, x.perturbed, w_fn, w_args)
     return y, (res_x, res_w)
 
 
-def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, res, g):
+def _kept_weight(w, y, x_perturbed: bool, w_fn, w_args):
+    """``(y, what the input gradient needs of w)``: nothing when ``x`` is not differentiated;
+    ``(None, args)`` when ``w == w_fn(*args)`` is computed from the step's inputs
+    (:func:`jaxmem._prims.recipes.weight_recipe`: keeping them costs nothing); else
+    ``(w, None)`` (laid out as the step in context stores weights, :func:`stored`)."""
+    if not x_perturbed:
+        return y, None
+    if w_fn is not None:
+        return y, (None, tuple(value(a) for a in w_args))
+    y, kept_w = stored(w.value, y)
+    return y, (kept_w, None)
+
+
+def _weight_back(res_w, w_fn, g):
+    """The weight for the input gradient: recomputed from its recipe's arguments tied to
+    ``g`` (so XLA cannot merge it with the forward's and keep that), or the kept one."""
+    w, args = res_w
+    if args is not None:
+        return w_fn(*tie(args, g))
+    return gathered(w, g)  # a sharded step's stored shard, gathered back here
+
+
+def _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, w_fn, res, g):
+    dx, dw = _bilinear_grads(fn, name, x_struct, w_struct, dx_fn, w_fn, res, g)
+    return dx, dw, None
+
+
+def _bilinear_grads(fn, name, x_struct, w_struct, dx_fn, w_fn, res, g):
     res_x, res_w = res
     if is_zero(g):
         return None, None
     dx = dw = None
     if res_w is not None:
-        res_w = gathered(res_w, g)  # a sharded step's stored shard, gathered back here
+        res_w = _weight_back(res_w, w_fn, g)
         # tied to ``g``: the flipped / transposed copy of the weight that the input-gradient
         # convolution uses can then only be made in the backward pass. Without
         # it XLA (CPU) builds every layer's copy at the start of the step and keeps them all
@@ -146,15 +174,15 @@ _bilinear.defvjp(_bilinear_fwd, _bilinear_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------- input recomputed from its producer's (norm's) residuals
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, x, w,
-                  rec):
-    del name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, rec
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7, 8))
+def _bilinear_rec(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, w_fn,
+                  x, w, rec, w_args):
+    del name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, w_fn, rec, w_args
     return fn(x, w)
 
 
-def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, x,
-                      w, rec):
+def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise,
+                      w_fn, x, w, rec, w_args):
     """As ``_bilinear_fwd``, but ``x == rec_fn(*rec)`` and the producer of ``x`` (a
     normalisation, an exact smooth activation) keeps ``rec`` for its own backward: when it
     does (one of ``rec[i]``, ``i in kept_if``, is differentiated), keep ``rec`` -- the very
@@ -165,19 +193,19 @@ def _bilinear_rec_fwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_
     shared = w.perturbed and kept(rec, kept_if, perturbed)
     res_x = tag(x.value, name + ".input") if w.perturbed and not shared else None
     res_rec = tuple(value(p) for p in rec) if shared else None
-    y, res_w = stored(w.value, y) if x.perturbed else (y, None)
+    y, res_w = _kept_weight(w, y, x.perturbed, w_fn, w_args)
     return y, (res_x, res_rec, res_w)
 
 
-def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise, res,
-                      g):
+def _bilinear_rec_bwd(fn, name, x_struct, w_struct, dx_fn, rec_fn, kept_if, rec_elementwise,
+                      w_fn, res, g):
     res_x, res_rec, res_w = res
     if is_zero(g):
-        return None, None, None
+        return None, None, None, None
     if res_rec is not None:
         res_x = recomputed(rec_fn, res_rec, kept_if, g, elementwise=rec_elementwise)
-    dx, dw = _bilinear_bwd(fn, name, x_struct, w_struct, dx_fn, (res_x, res_w), g)
-    return dx, dw, None
+    dx, dw = _bilinear_grads(fn, name, x_struct, w_struct, dx_fn, w_fn, (res_x, res_w), g)
+    return dx, dw, None, None
 
 
 _bilinear_rec.defvjp(_bilinear_rec_fwd, _bilinear_rec_bwd, symbolic_zeros=True)
@@ -218,6 +246,7 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     a value recorded so ignores the recipe and keeps its input.
     """
     x_in = x
+    w_fn, w_args = _weight_recipe(w, x)
     w = unplaced(w)   # a sharded step's parameter shard, gathered in the forward rule
     r = recipe(x) if depth(x) < PROJECTED else None
     # under ``shard_map``: give ``x`` and ``w`` the same varying axes (a replicated weight
@@ -231,7 +260,8 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
         # a factor that XLA:GPU slices out of a merged GEMM (a convolution's recomputed input
         # is a buffer of its own either way: measured, ResNet-50 keeps as much or more so)
         elementwise = depth(x_in) == 0 and name not in _CONVOLUTIONS
-        y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, elementwise, x, w, rec)
+        y = _bilinear_rec(fn, name, xs, ws, _dx_fn, rec_fn, kept_if, elementwise, w_fn, x, w,
+                          rec, w_args)
         if _pointwise:
             extend(y, fn, x_in, (w,))
         elif _project and weights_local():
@@ -245,7 +275,18 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
             # gathers the kept shard once more
             project(y, regathered_product(fn), x_in, (w,))
         return y
-    return _bilinear(fn, name, xs, ws, _dx_fn, x, w)
+    return _bilinear(fn, name, xs, ws, _dx_fn, w_fn, x, w, w_args)
+
+
+def _weight_recipe(w, x) -> tuple:
+    """``(fn, args)`` of a weight computed from the step's inputs
+    (:func:`jaxmem._prims.recipes.weight_recipe`), else ``(None, ())``. Only where every
+    device holds the whole weight and outside ``shard_map`` (elsewhere the kept weight's
+    layout is the step's: :func:`stored`)."""
+    r = weight_recipe(w)
+    if r is None or not weights_whole() or varying_axes(x) or varying_axes(w):
+        return None, ()
+    return r
 
 
 # ----------------------------------------------------------------------- lax-compatible

@@ -59,6 +59,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               residual_adds: bool = True, conv_recompute: bool = True,
               biases: bool = True, projections: bool = True,
               gated_products: bool = True, scaled_products: bool = True,
+              computed_weights: bool = True,
               attention_chunk: int | None = 512,
               logits_chunk: int | None = 1024) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
@@ -129,6 +130,15 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         on XLA:GPU the factor's gradient then reads the kept output instead of re-reducing
         the partial sums of a split-K GEMM, which XLA:GPU would otherwise keep alive until
         the backward pass (several times the output's bytes). Exact; nothing changes on XLA:CPU. ``False`` binds the product as written.
+      computed_weights: with ``products``, a dense product's weight computed from the
+        function's inputs by a few parameter-sized ops -- a LoRA adapter merged into its
+        weight (``W + A B / r``), a cast (``W.astype(bfloat16)``), a weight norm -- is
+        recomputed from those inputs in the backward pass (tied to the cotangent) where the
+        input gradient needs it, instead of being kept from the forward pass: the
+        parameters are kept for the whole step anyway (:mod:`jaxmem.transform.match_dot`;
+        the top-level function only, not inside a ``scan`` body). The same ops on the same
+        values (XLA may fuse them differently: equal up to float rounding). ``False``
+        keeps the computed weight.
       attention_chunk: query rows per chunk of a re-emitted attention core: one with more
         query rows runs both passes that many rows at a time
         (:mod:`jaxmem.selective.attention_chunks`): its scores, weights and their cotangents
@@ -164,6 +174,7 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
                       residual_adds=residual_adds, conv_recompute=conv_recompute,
                       biases=biases, projections=projections,
                       gated_products=gated_products, scaled_products=scaled_products,
+                      computed_weights=computed_weights,
                       attention_chunk=attention_chunk, logits_chunk=logits_chunk)
     interp = Interpreter(options)
 

@@ -160,7 +160,8 @@ class Interpreter:
                     item = match_product(graph, i, path,
                                          recompute=opts.norms and opts.conv_recompute,
                                          project=opts.projections and opts.norms
-                                         and opts.attention)
+                                         and opts.attention,
+                                         computed_weights=opts.computed_weights)
                     if item is not None:
                         add(item)
                         if isinstance(item, Match):

@@ -8,7 +8,7 @@ __all__ = ["SWITCHES", "Options"]
 #: the conversions :class:`Options` turns on or off (``True`` / ``False`` fields)
 SWITCHES = ("attention", "products", "activations", "norms", "dropout", "pools",
             "residual_adds", "conv_recompute", "biases", "projections", "gated_products",
-            "scaled_products")
+            "scaled_products", "computed_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,10 @@ class Options:
       scale ``gamma * (x W + b)``) is materialised once before the ``mul``
       (``optimization_barrier`` off CPU): XLA:GPU then keeps that output for the factor's
       gradient instead of the partial sums of a split-K GEMM (:mod:`~jaxmem.transform.scaled`).
+    computed_weights: with ``products``, a dense product's weight computed from the
+      function's inputs by a few parameter-sized ops (a merged LoRA weight ``W + A B``, a
+      cast ``W.astype(bfloat16)``) keeps those inputs instead and is recomputed in the
+      backward pass (:mod:`~jaxmem.transform.match_dot`).
     attention_chunk: ``None`` or query rows per chunk (an int >= 1) of a re-emitted attention
       core with more query rows than that: both passes run that many rows at a time
       (:mod:`jaxmem.selective.attention_chunks`).
@@ -72,6 +76,7 @@ class Options:
     projections: bool = True
     gated_products: bool = True
     scaled_products: bool = True
+    computed_weights: bool = True
     attention_chunk: int | None = 512
     logits_chunk: int | None = 1024
 
