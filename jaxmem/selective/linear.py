@@ -244,6 +244,12 @@ def bilinear(fn: Callable[[Any, Any], Any], x: ArrayLike, w: ArrayLike, *,
     (``grad_layout.weights_local``: no SPMD mesh, a data parallel step, or a tensor
     parallel step splitting output features). A bilinear layer fed
     a value recorded so ignores the recipe and keeps its input.
+
+    A weight recorded with :func:`jaxmem._prims.recipes.remember_weight` (computed from the
+    step's inputs: a merged LoRA weight, a cast; ``jaxmem.transform(...,
+    computed_weights=True)``) is not kept for the input gradient: its recipe's arguments
+    are, and the weight is recomputed from them in the backward pass (where every device
+    holds the whole weight, outside ``shard_map``).
     """
     x_in = x
     w_fn, w_args = _weight_recipe(w, x)
