@@ -110,25 +110,6 @@ def train_step(loss):
     return opt, step
 
 
-def _times(steps, args, repeats):
-    """Median CPU step seconds per variant and the median per-round ratio to ``default``
-    (variants alternate within each round)."""
-    import statistics
-
-    fns = {k: jax.jit(s) for k, s in steps.items()}
-    for f in fns.values():
-        jax.block_until_ready(f(*args))
-    wall = {k: [] for k in fns}
-    for i in range(repeats):
-        for k in (list(fns) if i % 2 == 0 else list(reversed(fns))):
-            t = time.perf_counter()
-            jax.block_until_ready(fns[k](*args))
-            wall[k].append(time.perf_counter() - t)
-    return {k: {"step_s": statistics.median(w),
-                "step_ratio": statistics.median(a / b for a, b in zip(w, wall["default"]))}
-            for k, w in wall.items()}
-
-
 def run(models, regimes, targets, z, repeats):
     import jaxmem
     from jaxmem.measure import compiled_memory
@@ -158,7 +139,8 @@ def run(models, regimes, targets, z, repeats):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             if "cpu" in targets and repeats:
-                times = _times(steps, (tr, fr, opt_state, batch, r), repeats)
+                times = bench_hf._time_side_by_side(steps, (tr, fr, opt_state, batch, r),
+                                                    repeats)
                 for row in rows:
                     if (row["model"], row["regime"], row["target"]) == (name, regime, "cpu"):
                         row.update(times[row["variant"]])

@@ -238,22 +238,22 @@ def train_step(loss):
     return opt, step
 
 
-def _time_side_by_side(steps: dict, params, opt_state, batch, r, repeats):
-    """Per variant: median wall seconds, median process CPU seconds (all threads) and the
-    median of the per-round ratios to ``default``.  The variants run in turn within each of
-    ``repeats`` rounds (after one warm-up call each), so a change of load on a shared machine
-    hits all of them alike; CPU seconds are the work done, which waiting for a core does not
-    inflate."""
+def _time_side_by_side(steps: dict, args: tuple, repeats):
+    """Per variant (each step called as ``step(*args)``): median wall seconds, median process
+    CPU seconds (all threads) and the median of the per-round ratios to ``default``.  The
+    variants run in turn within each of ``repeats`` rounds (after one warm-up call each), so
+    a change of load on a shared machine hits all of them alike; CPU seconds are the work
+    done, which waiting for a core does not inflate."""
     fns = {k: jax.jit(s) for k, s in steps.items()}
     for f in fns.values():
-        jax.block_until_ready(f(params, opt_state, batch, r))
+        jax.block_until_ready(f(*args))
     wall = {k: [] for k in fns}
     cpu = {k: [] for k in fns}
     for i in range(repeats):
         order = list(fns) if i % 2 == 0 else list(reversed(fns))
         for k in order:
             t, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fns[k](params, opt_state, batch, r))
+            jax.block_until_ready(fns[k](*args))
             wall[k].append(time.perf_counter() - t)
             cpu[k].append(time.process_time() - c)
     out = {}
@@ -301,7 +301,7 @@ def run(models, targets, z, repeats, off=()):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         if "cpu" in targets and repeats:
-            times = _time_side_by_side(steps, params, opt_state, batch, r, repeats)
+            times = _time_side_by_side(steps, (params, opt_state, batch, r), repeats)
             for row in rows:
                 if row["model"] == name and row["target"] == "cpu":
                     row.update(times[row["variant"]])

@@ -139,7 +139,7 @@ def main():
                           jaxmem.transform(loss, logits_chunk=256))):
             opt, steps[name] = train_step(fn)
         opt_state = opt.init(params)
-        times = _time_side_by_side(steps, params, opt_state, ids, r, a.repeats)
+        times = _time_side_by_side(steps, (params, opt_state, ids, r), a.repeats)
         print(times, flush=True)
     res = {"jax": jax.__version__, "targets": targets, "rows": rows, "slope": slope,
            "report": report,

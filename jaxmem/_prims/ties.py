@@ -85,16 +85,19 @@ def _scalar_barrier(x, dep):
     z = lax.optimization_barrier((jnp.zeros((), jnp.float32), dep))[0]
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return x * (1 + z).astype(x.dtype)
-    flag = z != 0  # always False; not a constant XLA could fold
-    if x.dtype == jnp.bool_:
-        return x | flag
-    return x + flag.astype(x.dtype)
+    return _plus_false(x, z)
 
 
 def _arith_cpu(x, dep):
     z = _zero(dep)
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return x - z.astype(x.dtype)
+    return _plus_false(x, z)
+
+
+def _plus_false(x, z):
+    """An integer or boolean ``x`` unchanged, computed from the zero ``z``: ``x + [z != 0]``
+    (``x | [z != 0]`` for booleans)."""
     flag = z != 0  # always False; not a constant XLA could fold
     if x.dtype == jnp.bool_:
         return x | flag

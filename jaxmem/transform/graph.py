@@ -77,6 +77,15 @@ def bind_eqn(eqn, invals: Sequence[Any], prefix: siu.NameStack | None = None,
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def bind_eqns(eqns, env: dict) -> dict:
+    """``eqns`` bound in order on the values in ``env`` (variable -> value, updated with
+    each equation's outputs and returned); literals read as their values."""
+    for eqn in eqns:
+        outs = bind_eqn(eqn, [v.val if is_literal(v) else env[v] for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return env
+
+
 def _has_user_frame(tb) -> bool:
     try:
         return tb is not None and siu.user_frame(tb) is not None

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.transform.graph import bind_eqn, inline_calls, is_literal
+from jaxmem.transform.graph import bind_eqns, inline_calls, is_literal
 
 __all__ = ["mask_predicate"]
 
@@ -182,11 +182,6 @@ def mask_predicate(sub, lo: float, hi: float):
     x_var = jaxpr.invars[0]
 
     def predicate(x):
-        env = dict(consts)
-        env[x_var] = x
-        for eqn in keep:
-            outs = bind_eqn(eqn, [v.val if is_literal(v) else env[v] for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs))
-        return _eval(expr, env)
+        return _eval(expr, bind_eqns(keep, {**consts, x_var: x}))
 
     return predicate

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmem.transform.graph import Graph, bind_eqn, is_literal, location, name_stack
+from jaxmem.transform.graph import Graph, bind_eqns, is_literal, location, name_stack
 from jaxmem.transform.match import Match, aval_str, is_float
 from jaxmem.transform.report import Row
 
@@ -37,11 +37,12 @@ _WEIGHT_PRIMS = frozenset({
     "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sqrt", "rsqrt", "exp", "log",
     "tanh", "logistic", "integer_pow", "pow", "square", "sign", "convert_element_type",
     "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "copy",
-    "copy_p", "dot_general", "reduce_sum", "reduce_max", "select_n", "clamp",
-    "concatenate", "slice", "stop_gradient"})
-#: relayouts: a weight made by these alone is not recorded (nothing to recompute)
+    "dot_general", "reduce_sum", "reduce_max", "select_n", "clamp", "concatenate", "slice",
+    "stop_gradient"})
+#: relayouts: a weight made by these alone is not recorded (nothing to recompute; a cast is
+#: not one of them)
 _RELAYOUTS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
-                        "copy", "copy_p", "convert_element_type"})
+                        "copy"})
 #: the most equations a computed weight may take
 _WEIGHT_EQNS = 16
 
@@ -83,28 +84,17 @@ def weight_subgraph(graph: Graph, w) -> tuple[list[int], list] | None:
             return None
         stack.extend(e.invars)
     names = {graph.jaxpr.eqns[i].primitive.name for i in eqns}
-    if not leaves or names <= (_RELAYOUTS - {"convert_element_type"}):
+    if not leaves or names <= _RELAYOUTS:
         return None
     return sorted(eqns), leaves
 
 
 def _weight_fn(graph: Graph, eqns: list[int], leaves: list, w):
     """``fn(*leaf values) -> w``: the equations bound again, in order."""
-    jaxpr, consts = graph.jaxpr, graph.consts
+    region = [graph.jaxpr.eqns[i] for i in eqns]
 
     def fn(*vals):
-        env = dict(zip(leaves, vals))
-
-        def read(v):
-            if is_literal(v):
-                return v.val
-            return env[v] if v in env else consts[v]
-
-        for i in eqns:
-            e = jaxpr.eqns[i]
-            for o, val in zip(e.outvars, bind_eqn(e, [read(v) for v in e.invars])):
-                env[o] = val
-        return env[w]
+        return bind_eqns(region, {**graph.consts, **dict(zip(leaves, vals))})[w]
 
     return fn
 
