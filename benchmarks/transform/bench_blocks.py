@@ -5,7 +5,9 @@
   4 heads, d = 64) then ``x + Dense(gelu(Dense(LN(x))))`` (MLP 256), batch 8, T = 256;
 
 loss ``mean(y^2)``, f32, random init.  For the untouched loss, ``jaxmem.transform(loss)`` and
-``jaxmem.transform(loss, fewbit=3)``: ``jaxmem.measure.residual_bytes`` of the loss w.r.t.
+``jaxmem.transform(loss, fewbit=3)`` (and, for the attention block,
+``jaxmem.transform(loss, attention_chunk=64)``: its attention 64 query rows at a time):
+``jaxmem.measure.residual_bytes`` of the loss w.r.t.
 the parameters, and the temp bytes of the compiled ``jax.grad`` for XLA:CPU and the H100
 plan (``target="h100"``, compiled without a GPU).
 
@@ -57,6 +59,9 @@ def run(targets):
 
         variants = {"default": loss, "transform": jaxmem.transform(loss),
                     "transform(fewbit=3)": jaxmem.transform(loss, fewbit=3)}
+        if name == "attention block":
+            variants["transform(attention_chunk=64)"] = jaxmem.transform(loss,
+                                                                         attention_chunk=64)
         for vname, fn in variants.items():
             row = {"model": name, "variant": vname,
                    "residuals": residual_bytes(fn, params, x).total_bytes / mib}

@@ -36,32 +36,32 @@ from collections.abc import Callable
 import jax
 from jax.typing import ArrayLike
 
-from jaxmem._prims.ties import tie_elementwise
+from jaxmem._prims.ties import tie, tie_elementwise
 from jaxmem.selective._core import check_float, is_zero, remember, tag
 
 __all__ = ["smooth_activation"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _smooth(f, name, x):
-    del name
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _smooth(f, name, tie_whole, x):
+    del name, tie_whole
     return f(x)
 
 
-def _smooth_fwd(f, name, x):
-    del name
+def _smooth_fwd(f, name, tie_whole, x):
+    del name, tie_whole
     y = f(x.value)
     # ``x`` arrives tagged (see ``smooth_activation``): stored as is, it is the very
     # residual a following bilinear layer keeps (``_core.recipe``), not a second copy
     return y, (x.value if x.perturbed else None)
 
 
-def _smooth_bwd(f, name, res, g):
+def _smooth_bwd(f, name, tie_whole, res, g):
     del name
     if res is None or is_zero(g):
         return (None,)
     # tied to ``g``: recomputed in the backward pass, never merged with the forward's f(x)
-    _, vjp = jax.vjp(f, tie_elementwise(res, g))
+    _, vjp = jax.vjp(f, (tie if tie_whole else tie_elementwise)(res, g))
     (dx,) = vjp(g)
     return (dx,)
 
@@ -70,13 +70,20 @@ _smooth.defvjp(_smooth_fwd, _smooth_bwd, symbolic_zeros=True)
 
 
 def smooth_activation(f: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
-           name: str = "smooth") -> jax.Array:
+           name: str = "smooth", tie_whole: bool = False) -> jax.Array:
     """``f(x)`` for an elementwise ``f``, keeping only ``x`` for the backward pass.
 
     Args:
       f: elementwise function of one array (hashable; a static argument).
       x: floating-point array.
       name: tag of the kept input, ``jaxmem.selective.<name>.input``.
+      tie_whole: how the backward pass reads the kept ``x`` (the same values either way).
+        ``False``: through a scalar tie (:func:`jaxmem._prims.ties.tie_elementwise`), fused
+        into the op reading ``x``, so a slice of a merged GEMM's output (XLA:GPU's
+        ``[x W | x V]``) is read in place. ``True``: ``x`` tied whole
+        (:func:`jaxmem._prims.ties.tie`), so XLA stores it as one array -- where ``x`` is a
+        product's output that XLA:GPU computes as split-K partial sums, otherwise the
+        partial sums are kept (their reduction fused into every reader).
 
     Returns:
       ``f(x)`` (the same computation).  ``dL/dx = vjp(f, x)(g)`` is recomputed from the kept
@@ -93,8 +100,10 @@ def smooth_activation(f: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
       True
     """
     check_float("smooth_activation: x", x)
+    if not isinstance(tie_whole, bool):
+        raise TypeError(f"smooth_activation: tie_whole must be a bool, got {tie_whole!r}")
     x = tag(x, str(name) + ".input")
-    y = _smooth(f, str(name), x)
+    y = _smooth(f, str(name), tie_whole, x)
     # the producer keeps ``x`` exactly when ``x`` is differentiated (argument 0)
     remember(y, f, (x,), kept_if=(0,))
     return y

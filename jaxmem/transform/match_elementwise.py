@@ -370,16 +370,51 @@ def autodiff_keeps(sub: Subgraph) -> tuple[int, bool]:
 
 
 @functools.lru_cache(maxsize=512)
-def exact_activation(sub: Subgraph):
-    """The exact smooth op of a subgraph: keeps ``x``, recomputes ``vjp(f, x)``."""
+def exact_activation(sub: Subgraph, tie_whole: bool = False):
+    """The exact smooth op of a subgraph: keeps ``x``, recomputes ``vjp(f, x)``;
+    ``tie_whole``: its backward reads ``x`` tied whole (:func:`_split_k_output`)."""
     from jaxmem.selective.smooth import smooth_activation
 
     name = _label(sub)
 
     def op(x):
-        return smooth_activation(sub, x, name=name)
+        return smooth_activation(sub, x, name=name, tie_whole=tie_whole)
 
     return op
+
+
+#: what may stand between a product and an activation's input: a bias add, casts, relayouts
+_TO_PRODUCT = frozenset({"add", "convert_element_type", "reshape", "squeeze", "expand_dims",
+                         "copy", "broadcast_in_dim"})
+
+
+def _split_k_output(graph: Graph, r, depth: int = 0) -> bool:
+    """Whether ``r`` is a ``dot_general``'s output (through a bias add, casts, relayouts)
+    that XLA:GPU may compute as split-K partial sums -- a contraction at least as long as
+    the output row (``K >= N``: the MLP of ``benchmarks/transform/bench_blocks.py``, 512 ->
+    512, or a down projection, 4d -> d; not an up projection, d -> 4d) -- and whose operands
+    no other product reads. XLA:GPU fuses the partial sums' reduction into every reader of
+    the output, so an exact op that keeps it and reads it through a scalar tie kept the
+    partial sums until the backward pass (the MLP: three 4-way partial sums at the H100
+    plan's peak, 6.05 MiB of temp against 3.05); tied whole, it is stored as one array.
+    Products sharing an operand are merged by XLA:GPU into one GEMM (a gated unit's gate
+    and up projections, ``[x W | x V]``): their slices are read through the scalar tie
+    (tied whole, a slice is copied out of the merged output)."""
+    e = graph.eqn(r)
+    if e is None or depth > 4:
+        return False
+    name = e.primitive.name
+    if name == "dot_general":
+        (lc, rc), (_, rb) = e.params["dimension_numbers"]
+        lhs, rhs = e.invars
+        k = int(np.prod([lhs.aval.shape[d] for d in lc]))
+        n = int(np.prod([d for i, d in enumerate(rhs.aval.shape) if i not in rc and i not in rb]))
+        return k >= n and all(
+            is_literal(v) or sum(graph.jaxpr.eqns[j].primitive.name == "dot_general"
+                                 for j in graph.uses(v)) == 1 for v in e.invars)
+    if name not in _TO_PRODUCT:
+        return False
+    return any(not is_literal(v) and _split_k_output(graph, v, depth + 1) for v in e.invars)
 
 
 def _feeds_product(graph: Graph, o) -> bool:
@@ -625,7 +660,7 @@ def _convert(graph, r, o, anc, anchor, taken, path, fewbit, products=None,
 
     def exact(reason):
         """The exact op (keeps ``x``, ``f'`` recomputed), its row noting ``reason``."""
-        op = exact_activation(sub)
+        op = exact_activation(sub, _split_k_output(graph, r))
         row = Row("activation", what, "exact (input kept, f' recomputed)", True, reason,
                   where, ns, path)
         return Match(frozenset(anc), anchor, [r], [o], lambda x, _op=op: [_op(x)], row,

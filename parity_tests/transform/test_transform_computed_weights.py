@@ -7,8 +7,9 @@ Checked: the report says which products recompute their weight (not the adapter'
 activation); loss and gradients equal the untouched function's (rtol 1e-5 against the
 largest entry; float64 within 1e-4); the merged weights leave the residuals (their bytes,
 exactly) and the compiled temp on both plans; ``computed_weights=False`` keeps them; ``jit``,
-``vmap``, ``scan`` + ``checkpoint`` (a scan body's weights are not recorded: exact there too)
-and bf16 casts.
+``vmap``, ``scan`` + ``checkpoint`` (a scan body's weights are not recorded: exact there too),
+a scanned LoRA stack (the scan policy recomputes the merged weights: none is stacked) and
+bf16 casts.
 """
 from __future__ import annotations
 
@@ -170,6 +171,38 @@ def test_vmap_scan_checkpoint():
     assert not _recomputed_rows(lean_scan, adapters, stack, x)  # inside a scan body
     _close(jax.jit(jax.grad(lean_scan))(adapters, stack, x),
            jax.grad(scanned)(adapters, stack, x))
+
+
+def test_scanned_lora_stack_stacks_no_merged_weight():
+    """LoRA in a ``lax.scan`` over stacked layers (``nn.scan``, ``nnx.scan``): the merged
+    weight is made in the body from its slices, not from the function's inputs, so it is not
+    recorded; the converted body runs under the scan policy, which recomputes it (an ``add``
+    of slices the scan forwards) instead of stacking it. Untouched, JAX stacks both merged
+    weights of every layer."""
+    lora, frozen, x = _setup(6)
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *frozen)
+    adapters = jax.tree.map(lambda *a: jnp.stack(a), *lora)
+
+    def scanned(adapters, stack, x):
+        def body(x, layer):
+            ll, fl = layer
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * fl["g"]
+            return _block(h, ll, fl) - h + x, None
+        return jnp.mean(jax.lax.scan(body, x, (adapters, stack))[0] ** 2)
+
+    merged = {(L, D, F), (L, F, D)}
+
+    def stacked_weights(fn):
+        rep = residual_bytes(fn, adapters, stack, x)
+        return {e.shape for e in rep.by_kind("activation")} & merged
+
+    lean = jaxmem.transform(scanned)
+    assert stacked_weights(scanned) == merged
+    assert stacked_weights(lean) == set()
+    v0, g0 = jax.value_and_grad(scanned)(adapters, stack, x)
+    v1, g1 = jax.jit(jax.value_and_grad(lean))(adapters, stack, x)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    _close(g1, g0)
 
 
 def _block(x, ll, fl):

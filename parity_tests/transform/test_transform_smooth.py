@@ -32,11 +32,12 @@ ACTS = {
 
 
 # --------------------------------------------------------------------------- the op
+@pytest.mark.parametrize("tie_whole", [False, True])
 @pytest.mark.parametrize("name", list(ACTS))
-def test_op_value_and_gradient_are_jax_own(name):
+def test_op_value_and_gradient_are_jax_own(name, tie_whole):
     f = ACTS[name]
     x, g = normal((64, 32), scale=3.0), normal((64, 32))
-    op = lambda x: smooth_activation(f, x)
+    op = lambda x: smooth_activation(f, x, tie_whole=tie_whole)
     assert np.array_equal(jax.jit(op)(x), jax.jit(f)(x))     # two programs: bit for bit
 
     def grads(fn, x):
@@ -47,6 +48,11 @@ def test_op_value_and_gradient_are_jax_own(name):
     (got, got2), (want, want2) = both(grads, op, f, x)       # one program, both sides
     close(got, want, rtol=1e-6, atol=1e-7)
     close(got2, want2, rtol=1e-6, atol=1e-6)
+
+
+def test_op_tie_whole_checked():
+    with pytest.raises(TypeError, match="tie_whole must be a bool"):
+        smooth_activation(jax.nn.gelu, normal((4,)), tie_whole=1)
 
 
 @pytest.mark.parametrize("name", ["gelu erf", "gelu tanh", "silu"])
