@@ -12,16 +12,14 @@ is made in the body from the layer's slices, and the converted body runs under t
 (:mod:`jaxmem.transform.scan_policy`), which recomputes it instead of stacking it. Untouched,
 autodiff keeps every merged weight (stacked under the scan).
 
-Step time: median over ``--repeats`` interleaved rounds of the jitted step, as a ratio to the
+Step time: median over ``REPEATS`` (7) interleaved rounds of the jitted step, as a ratio to the
 untouched step of the same form (XLA:CPU; no GPU here).
 
 Run:  .venv/bin/python benchmarks/transform/scanned_lora.py [--out benchmarks/results/transform]
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import _cli
 import flax.linen as nn
@@ -29,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
+from jaxmem.bench.fewbit import _time_ratio
 from jaxmem.measure import compiled_memory, residual_bytes
 
 D, FF, RANK, LAYERS, TOKENS, REPEATS = 256, 1024, 4, 4, 512, 7
@@ -85,22 +84,6 @@ def _case(scan: bool):
     return loss, adapters, frozen, x
 
 
-def _step_ratio(steps: dict, args: tuple, repeats: int) -> float:
-    """Median over interleaved rounds of ``transform``'s jitted step time / the untouched."""
-    fns = {k: jax.jit(s) for k, s in steps.items()}
-    for f in fns.values():
-        jax.block_until_ready(f(*args))
-    ratios = []
-    for _ in range(repeats):
-        t = {}
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            t[k] = time.perf_counter() - t0
-        ratios.append(t["transform"] / t["default"])
-    return statistics.median(ratios)
-
-
 def run(targets):
     rows = []
     for scan in (False, True):
@@ -114,7 +97,8 @@ def run(targets):
                 row[f"temp_{target}_mib"] = compiled_memory(
                     steps[name], adapters, frozen, x, target=target).temp_bytes / MiB
             rows.append(row)
-        rows[-1]["cpu_step_ratio"] = _step_ratio(steps, (adapters, frozen, x), REPEATS)
+        rows[-1]["cpu_step_ratio"] = _time_ratio(
+            {k: jax.jit(s) for k, s in steps.items()}, (adapters, frozen, x), REPEATS)["transform"]
     return rows
 
 
