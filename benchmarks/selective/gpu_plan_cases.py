@@ -38,14 +38,20 @@ MiB = 2.0 ** 20
 
 @contextlib.contextmanager
 def _arith_tie():
-    """Lower every tie in its CPU (arithmetic) form, whatever the platform."""
+    """Lower every tie in its CPU (arithmetic) form, whatever the platform. The tie op is
+    traced once per operand types and replayed (``ties._traced_once``), so JAX's caches are
+    cleared on entry and exit: a trace made before would otherwise be replayed unchanged."""
+    import jax
+
     from jaxmem._prims import ties
     saved = ties._arith
     ties._arith = ties._arith_cpu
+    jax.clear_caches()
     try:
         yield
     finally:
         ties._arith = saved
+        jax.clear_caches()
 
 
 def _bytes(step, params, x, target):

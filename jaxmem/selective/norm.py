@@ -55,7 +55,7 @@ from jax.typing import ArrayLike
 from jaxmem._prims.grad_layout import active, input_after
 from jaxmem._prims.recipes import depth, extend, kept, recipe
 from jaxmem._prims.ties import laid_out_like as _laid_out_like
-from jaxmem._prims.ties import tie, vary_like
+from jaxmem._prims.ties import tie, tie_on_cpu, vary_like
 from jaxmem.selective._core import (
     as_int,
     check_eps,
@@ -247,7 +247,9 @@ def _normalize_bwd(axes, eps, subtract_mean, fast_variance, out_dtype, res, cts)
         dep = next((c for c in cts if not is_zero(c)), None)
         rstd = _rstd_from_kept(kept, how, eps[0], dep)
         xl = xv.astype(mu.dtype)
-        xhat = ((xl if dep is None else tie(xl, dep)) - mu) * rstd
+        if dep is not None:  # mu tied on CPU only (``tie_on_cpu``: XLA:GPU fuses it)
+            xl, mu = tie(xl, dep), tie_on_cpu(mu, dep)
+        xhat = (xl - mu) * rstd
         if ps and not g_zero:
             dscale = _sum_to(gf * xhat, s_s.shape).astype(s_s.dtype)
         if px:

@@ -1,7 +1,8 @@
 """jaxmem._prims.ties: the exact, shard-local data dependency of backward recomputations.
 
-``tie(x, dep)`` (and ``tie_elementwise``, its scalar-barrier form off CPU) must return ``x`` bit for bit (``-0.0``, ``inf`` and ``NaN`` included, whatever
-``dep`` holds), keep every dtype and pytree leaf kind, work at size 0 and under jit / vmap /
+``tie(x, dep)`` (and ``tie_elementwise``, its scalar-barrier form off CPU, and
+``tie_on_cpu``, nothing off CPU) must return ``x`` bit for bit (``-0.0``, ``inf`` and
+``NaN`` included, whatever ``dep`` holds), keep every dtype and pytree leaf kind, work at size 0 and under jit / vmap /
 grad / scan / checkpoint, and leave a real dependency on ``dep`` in the compiled program. The
 collective counts under sharding are checked in parity_tests/distributed/multidevice.
 """
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 
 import jaxmem.selective as S
 from jaxmem._prims import ties
-from jaxmem._prims.ties import tie, tie_elementwise, together, typed_struct, vary_like
+from jaxmem._prims.ties import tie, tie_elementwise, tie_on_cpu, together, typed_struct, vary_like
 
 SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.5, -2.25, 3e-8], np.float32)
-TIES = pytest.mark.parametrize("tie", [tie, tie_elementwise], ids=["tie", "tie_elementwise"])
+TIES = pytest.mark.parametrize("tie", [tie, tie_elementwise, tie_on_cpu],
+                              ids=["tie", "tie_elementwise", "tie_on_cpu"])
 
 
 def _bits_equal(a, b):
@@ -111,11 +113,12 @@ def test_tie_under_vmap_scan_checkpoint(tie):
     np.testing.assert_allclose(gv, 2 * xs, rtol=1e-6)
 
 
+@pytest.mark.parametrize("op", [tie, tie_on_cpu], ids=["tie", "tie_on_cpu"])
 @pytest.mark.parametrize("dep", [jnp.ones((2,)), jnp.arange(2, dtype=jnp.uint32),
                                  jax.random.key(0)], ids=["f32", "u32", "key"])
-def test_tie_leaves_a_dependency_in_the_compiled_program(dep):
+def test_tie_leaves_a_dependency_in_the_compiled_program(dep, op):
     """XLA must not fold the zero away: the dependency stays an operand of the result."""
-    txt = jax.jit(tie).lower(jnp.ones((4, 4)), dep).compile().as_text()
+    txt = jax.jit(op).lower(jnp.ones((4, 4)), dep).compile().as_text()
     entry = txt[txt.index("ENTRY"):]
     dep_param = re.search(r"%(\S+) = [a-z0-9]+\[2\]\{0\} parameter\(1\)", entry).group(1)
     assert entry.count(dep_param) >= 2, entry
@@ -162,6 +165,7 @@ def test_tie_is_traced_once_per_operand_types_and_inlined(monkeypatch):
     calls = []
     arith = ties._arith
     monkeypatch.setattr(ties, "_arith", lambda x, d: calls.append(x.shape) or arith(x, d))
+    jax.clear_caches()  # a trace of these shapes made by an earlier test would be replayed
     xs = [jnp.full((3, 7, 5), float(i)) for i in range(6)]
     dep = jnp.ones((2, 9))
 
