@@ -92,8 +92,8 @@ def test_gradients_unchanged_and_equal_to_jax(measured):
 
 
 def test_cpu_only_tie_compiles_to_nothing_on_the_h100_plan():
-    """Off CPU, ``tie_on_cpu(x, dep)`` is ``x``: the compiled program does not read ``dep``
-    (the plain tie's barrier holds ``x`` there)."""
+    """Off CPU, ``tie_on_cpu(x, dep)`` is ``x``: its compiled program holds no barrier (the
+    plain tie's barrier holds ``x`` there)."""
     from jaxmem.measure.compiled import compiled_hlo
 
     x, dep = rand(1, (4, 4)), rand(2, (2,))
