@@ -187,7 +187,8 @@ def _arith_on_cpu(x, dep):
                                   default=lambda x, dep: x)
 
 
-#: the tie: each shard ties its ``x`` to its own ``dep`` (``_arith`` looked up per call)
+#: the tie: each shard ties its ``x`` to its own ``dep`` (``_arith`` looked up when the op is
+#: traced; traces are replayed per operand types, so a patch of it needs ``jax.clear_caches()``)
 _tie = _make_tie(lambda x, dep: _arith(x, dep), lambda x, dep: _arith(x, dep))
 #: :func:`tie_elementwise`: the tie with a scalar barrier off CPU
 _tie_elementwise = _make_tie(lambda x, dep: _arith_elementwise(x, dep),

@@ -1,6 +1,7 @@
 """Shared helpers of ``parity_tests/gpu_plan``: every figure is XLA:GPU's plan for an H100."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -12,6 +13,25 @@ from jaxmem.measure import compiled_memory, slope
 TARGET = "h100"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
+
+
+@contextlib.contextmanager
+def ties_patched(**attrs):
+    """``jaxmem._prims.ties`` with ``attrs`` set (e.g. ``_arith=ties._arith_cpu``) for the
+    block. The tie ops are traced once per operand types and replayed, so JAX's caches are
+    cleared on entry and exit: no trace from before the patch is replayed inside it, and none
+    from inside it after."""
+    import pytest
+
+    from jaxmem._prims import ties
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in attrs.items():
+            mp.setattr(ties, name, value)
+        jax.clear_caches()
+        try:
+            yield
+        finally:
+            jax.clear_caches()
 
 
 def plan(fn, *args, **kw):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gp_util import TARGET, rand
+from _gp_util import TARGET, rand, ties_patched
 
 import jaxmem
 from jaxmem._prims import ties
@@ -55,15 +55,11 @@ def measured():
     step = _step(jaxmem.linen.convert(model, attention=False), variables)
     out = {"bytes": {}, "grads": {}, "x": x, "variables": variables, "model": model}
     for tied in (True, False):
-        with pytest.MonkeyPatch.context() as mp:
-            if not tied:
-                mp.setattr(ties, "_tie_on_cpu", lambda x, dep: x)
-            jax.clear_caches()  # the step's ties are traced once per operand types
+        with ties_patched(**({} if tied else {"_tie_on_cpu": lambda x, dep: x})):
             for target in ("cpu", TARGET):
                 c = compiled_memory(step, variables["params"], x, target=target)
                 out["bytes"][tied, target] = c.temp_bytes + c.output_bytes
             out["grads"][tied] = jax.jit(step)(variables["params"], x)
-        jax.clear_caches()
     return out
 
 

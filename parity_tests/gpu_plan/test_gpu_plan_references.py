@@ -18,7 +18,7 @@ import tarfile
 
 import jax
 import pytest
-from _gp_util import GPU_RESULTS, TARGET
+from _gp_util import GPU_RESULTS, TARGET, ties_patched
 
 import jaxmem
 from jaxmem._prims import ties
@@ -52,11 +52,8 @@ def resnet18_input_case():
     x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
     model = cnn_models(True)["resnet18"][0]()
     variables = jax.jit(functools.partial(model.init, train=False))(jax.random.key(1), x)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ties, "_arith", ties._arith_cpu)
-        jax.clear_caches()  # ties are traced once per operand types: replay none from before
+    with ties_patched(_arith=ties._arith_cpu):
         run = _measure(x, model, variables, ("jax", "jaxmem"))
-    jax.clear_caches()
     return {"run": run, "today": _measure(x, model, variables, ("jaxmem",))}
 
 

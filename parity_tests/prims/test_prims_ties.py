@@ -2,9 +2,10 @@
 
 ``tie(x, dep)`` (and ``tie_elementwise``, its scalar-barrier form off CPU, and
 ``tie_on_cpu``, nothing off CPU) must return ``x`` bit for bit (``-0.0``, ``inf`` and
-``NaN`` included, whatever ``dep`` holds), keep every dtype and pytree leaf kind, work at size 0 and under jit / vmap /
-grad / scan / checkpoint, and leave a real dependency on ``dep`` in the compiled program. The
-collective counts under sharding are checked in parity_tests/distributed/multidevice.
+``NaN`` included, whatever ``dep`` holds), keep every dtype and pytree leaf kind, work at
+size 0 and under jit / vmap / grad / scan / checkpoint, and leave a real dependency on
+``dep`` in the compiled program. The collective counts under sharding are checked in
+parity_tests/distributed/multidevice.
 """
 from __future__ import annotations
 
