@@ -272,7 +272,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            predicted_time=p.predicted_time, solver=p.solver_status,
                            iterations=p.iterations,
                            gap=p.solver_gap, selective=p.selective,
-                           logits_chunk=p.logits_chunk,
+                           logits_chunk=p.logits_chunk, residual_adds=p.residual_adds,
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
                                     + (f" {c.rows}" if c.rows else "")
@@ -296,17 +296,19 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
     return rows
 
 
-def _summary(choices, selective=False, notes=(), logits_chunk=None):
+def _summary(choices, selective=False, notes=(), logits_chunk=None, residual_adds=None):
     """``store`` units omitted; the others as ``label: option``; ``scope`` first when the plan
-    runs under ``jaxmem.scope()`` (selective differentiation), then ``head in C-row chunks``
-    when it computes the loss's LM head in chunks."""
+    runs under ``jaxmem.scope()`` (selective differentiation; ``scope (block outputs kept)``
+    with ``residual_adds=False``), then ``head in C-row chunks`` when it computes the loss's
+    LM head in chunks."""
     if any(n.startswith("the OLLA order alone fits") for n in notes):
         return "untouched step in an OLLA order (nothing recomputed)"
     parts = [f"{k}: {v}" for k, v in choices.items() if v != "store"]
     text = "; ".join(parts) if parts else "all stored"
     if logits_chunk:
         text = f"head in {logits_chunk}-row chunks; {text}"
-    return f"scope; {text}" if selective else text
+    scope = "scope (block outputs kept)" if residual_adds is False else "scope"
+    return f"{scope}; {text}" if selective else text
 
 
 def _fmt_time(x):
@@ -365,7 +367,7 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
             err = (f"; gradient error {r['gradient_rel_error']:.1e}"
                    if "gradient_rel_error" in r else "")
             plan_text = _summary(r['choices'], r.get('selective', False), r.get('notes', ()),
-                                 r.get('logits_chunk'))
+                                 r.get('logits_chunk'), r.get('residual_adds'))
             lines.append(
                 f"| {r['model']} | {pct} | yes | "
                 f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
@@ -386,6 +388,9 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "a to b as one chunk, `segment nested` also checkpoints its units again inside "
                    "that chunk (for one unit: its children; nested, two-level recomputation); `scope` = run under `jaxmem.scope()` (selective "
                    "differentiation), which the planner picks when it compiles smaller; "
+                   "`scope (block outputs kept)` = the same with `residual_adds=False` (ResNet "
+                   "block outputs kept, not recomputed from the add's inputs), planned when "
+                   "the default scope is refused; "
                    "`fewbit b bit` = the unit stored with b-bit GELU codes (rows marked "
                    "`approx.`, `allow_approximate=True`; gradient error = largest relative "
                    "L2 error of a gradient leaf vs the exact step); `rows r` = the VGG trunk "

@@ -93,6 +93,10 @@ class MemoryPlan:
     #: rows per chunk of the loss's language-model head when the plan computes it in chunks
     #: (``plan(..., logits_chunk=...)``), else ``None``
     logits_chunk: int | None = None
+    #: with ``selective``: the ``residual_adds`` option of the scope the plan runs under
+    #: (``False``: ResNet block outputs kept rather than recomputed from the add's inputs,
+    #: which recomputed units need less of); ``None`` without one
+    residual_adds: bool | None = None
 
     def value_and_grad(self) -> Callable[..., Any]:
         """``jax.value_and_grad(self.step)``, or, when an OLLA order was applied
@@ -114,7 +118,7 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         keys = ("budget_bytes", "default_bytes", "predicted_bytes", "compiled_bytes",
                 "predicted_time", "selective", "solver_status", "solver_gap", "iterations",
-                "approximate", "target", "logits_chunk")
+                "approximate", "target", "logits_chunk", "residual_adds")
         d = {k: getattr(self, k) for k in keys}
         d["order"] = None if self.order is None else {
             "applied": self.order.applied, "why": self.order.why,

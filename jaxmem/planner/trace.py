@@ -185,8 +185,10 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
         # the converted call re-enters this interceptor for the same module: not a new unit
         token = _CONVERTING.set((path, meth))
         try:
-            out = call_converted(m, meth, args, kwargs,
-                                 _options.Options(selective=True, fewbit=bits, attention=True))
+            # the active scope's other options (``residual_adds``, ``conv_recompute``) hold
+            base = _options._STACK.value[-1] if _options._STACK.value else _options.Options()
+            out = call_converted(m, meth, args, kwargs, dataclasses.replace(
+                base, selective=True, fewbit=bits, attention=True))
         finally:
             _CONVERTING.reset(token)
         if applied is not None and bits is not None:

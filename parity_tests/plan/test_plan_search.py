@@ -500,13 +500,15 @@ def test_plan_retries_the_other_variant_when_refused(monkeypatch):
     otherwise raises the refusal of least ``smallest_bytes``."""
     from jaxmem.planner import api
 
-    picked, other = (True, "scope", 100), (False, None, 120)
+    # a scope with ResNet block outputs kept (residual_adds=False) has no twin to try
+    picked = api._Variant(True, api._glue_scope, 100, None, residual_adds=False)
+    other = api._Variant(False, None, 120, None)
     seen = []
 
     def fake_plan(step, args, budget, s, finer, cache):
         if "variant" not in cache:
-            cache["variant"], cache["other_variant"] = picked, other
-        seen.append((cache["variant"][0], finer))
+            cache["variant"], cache["pending"] = picked, [other]
+        seen.append((cache["variant"].selective, finer))
         if cache["variant"] is picked or meets is None:
             smallest = 50 if cache["variant"] is picked else meets_not
             raise BudgetError("refused", smallest, {}, finer_units=finer == 0)
