@@ -362,8 +362,9 @@ def _next_variant(step, args, s: _Settings, cache) -> _Variant | None:
     unit's inputs are those inputs (two or three maps), where with the block outputs kept it
     is the block output alone -- recomputation then reaches fewer bytes (ResNet-50 w 0.125,
     32², batch 64, H100 plan: five nested segments 43.95 MiB against 75.99 under the default
-    scope and 49.78 without one). Traced and compiled only here (one untouched compile), and only where it
-    compiles to other bytes than the refused scope (no residual adds: the same program)."""
+    scope and 49.78 without one). Traced and compiled only here (one untouched compile), and
+    kept only where it compiles to other bytes than the refused scope (no residual adds: the
+    same program)."""
     pending = cache.setdefault("pending", [])
     v = cache.get("variant")
     if v is not None and v.selective and v.residual_adds:

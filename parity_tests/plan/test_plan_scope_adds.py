@@ -8,16 +8,40 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxmem import models
+from jaxmem.measure import compiled_memory, gpu_plan_available
 from jaxmem.planner import api
 from jaxmem.planner import candidates as C
 from jaxmem.planner import trace as T
 from jaxmem.planner.result import BudgetError
+from jaxmem.planner.steps import make_step
+
+
+class _Block(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN, the input added, ReLU."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        c = x.shape[-1]
+        h = nn.relu(nn.BatchNorm(use_running_average=not train)(
+            nn.Conv(c, (3, 3), use_bias=False)(x)))
+        h = nn.BatchNorm(use_running_average=not train)(nn.Conv(c, (3, 3), use_bias=False)(h))
+        return nn.relu(h + x)
+
+
+class _TinyResNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.BatchNorm(use_running_average=not train)(
+            nn.Conv(8, (3, 3), use_bias=False)(x)))
+        for i in range(3):
+            x = _Block(name=f"layer_{i}")(x, train)
+        return nn.Dense(4)(jnp.mean(x, axis=(1, 2)))
 
 
 def _resnet(batch=4, side=16):
-    m = models.resnet18(width=0.125, num_classes=10, stem="cifar")
+    m = _TinyResNet()
     x = jax.random.normal(jax.random.key(0), (batch, side, side, 3))
     v = m.init(jax.random.key(1), x, train=False)
 
@@ -47,12 +71,31 @@ def test_a_recomputed_block_keeps_its_input_alone_with_block_outputs_kept():
     loss, params, x = _resnet()
     args = (params, x)
     keep = _unit_residual_maps(loss, args,
-                               lambda: api._glue_scope(residual_adds=False), "layer2_1")
-    recipe = _unit_residual_maps(loss, args, api._glue_scope, "layer2_1")
-    plain = _unit_residual_maps(loss, args, None, "layer2_1")
+                               lambda: api._glue_scope(residual_adds=False), "layer_1")
+    recipe = _unit_residual_maps(loss, args, api._glue_scope, "layer_1")
+    plain = _unit_residual_maps(loss, args, None, "layer_1")
     assert keep == plain and len(keep) == 1          # the block input, one map
     assert len(recipe) > 1                            # the add's inputs, kept apart
     assert sum(int(np.prod(s)) for s in recipe) > sum(int(np.prod(s)) for s in keep)
+
+
+@pytest.mark.skipif(not gpu_plan_available(), reason="needs the CUDA PJRT plugin (GPU plans)")
+def test_block_outputs_kept_recompute_to_fewer_bytes_on_the_h100_plan():
+    """XLA:GPU's H100 plan, every unit recomputed: the kept-outputs scope compiles to fewer
+    bytes than the default scope (the reason it is planned after a refused default scope;
+    measured 5.52 vs 6.05 MB here, ResNet-50 b64 69.05 vs 91.47 MiB). Against no scope it wins only in segments (ResNet-50 b64: five nested runs 43.95 vs
+    49.78 MiB; unit by unit 69.05 vs 68.47), which is why both are planned."""
+    loss, params, x = _resnet(batch=16, side=32)
+    args = (params, x)
+    out = {}
+    for name, factory in (("scope", api._glue_scope),
+                          ("kept", lambda: api._glue_scope(residual_adds=False))):
+        prof = C.profile_units(T.trace(loss, args, factory()))
+        runs = [((label,), "recompute") for label in prof.labels]
+        step = make_step(loss, factory, prof.cut_labels, runs, {}, fence=False)
+        out[name] = compiled_memory(jax.value_and_grad(step), *args,
+                                    target="h100").total_bytes
+    assert out["kept"] < 0.95 * out["scope"], out
 
 
 def test_next_variant_after_a_refused_scope_is_the_scope_with_block_outputs_kept():
