@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from jaxmem._compat import jax_config as _jax_config
 
-__all__ = ["Options", "keyed", "using"]
+__all__ = ["Options", "active", "keyed", "using"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,12 @@ def keyed(state, value) -> Iterator[None]:
         yield
     finally:
         state.set_local(prev)
+
+
+def active() -> Options | None:
+    """The innermost options pushed with :func:`using` in this thread, or ``None``."""
+    stack = _STACK.value
+    return stack[-1] if stack else None
 
 
 @contextlib.contextmanager

@@ -186,7 +186,7 @@ def _linen_tags(conversions: dict[str, Conversion] | None = None, applied: set |
         token = _CONVERTING.set((path, meth))
         try:
             # the active scope's other options (``residual_adds``, ``conv_recompute``) hold
-            base = _options._STACK.value[-1] if _options._STACK.value else _options.Options()
+            base = _options.active() or _options.Options()
             out = call_converted(m, meth, args, kwargs, dataclasses.replace(
                 base, selective=True, fewbit=bits, attention=True))
         finally:
