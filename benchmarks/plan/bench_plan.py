@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxmem import models
 from jaxmem.measure import compiled_memory
-from jaxmem.planner import BudgetError, plan
+from jaxmem.planner import BudgetError, conversion_time, plan
 from jaxmem.planner import trace as T
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "results" / "plan"
@@ -273,6 +273,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            iterations=p.iterations,
                            gap=p.solver_gap, selective=p.selective,
                            logits_chunk=p.logits_chunk, residual_adds=p.residual_adds,
+                           conversion_time=p.conversion_time,
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
                                     + (f" {c.rows}" if c.rows else "")
@@ -296,6 +297,25 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
     return rows
 
 
+def price_conversion(rows, meta):
+    """Each met plan's ``conversion_time`` (:func:`jaxmem.planner.conversion_time` of its case
+    under the plan's scope: what the conversion adds by itself, which no unit choice changes),
+    set in ``rows`` in place; plans without a scope get 0. For rows written before plans
+    reported it: nothing is planned again."""
+    built = {}
+    for key in meta["models"]:
+        name, loss, args = ALL_CASES[key](meta["quick"], meta.get("batch"))
+        built[name] = (key, loss, args)
+    for r in rows:
+        if not r.get("met") or "fraction" not in r:
+            continue
+        key, loss, args = built[r["model"]]
+        r["conversion_time"] = (conversion_time(
+            loss, *args, residual_adds=r.get("residual_adds") is not False,
+            logits_chunk=r.get("logits_chunk")) if r.get("selective") else 0.0)
+        print(r["model"], r["fraction"], f"conversion {r['conversion_time']:+.3f}", flush=True)
+
+
 def _summary(choices, selective=False, notes=(), logits_chunk=None, residual_adds=None):
     """``store`` units omitted; the others as ``label: option``; ``scope`` first when the plan
     runs under ``jaxmem.scope()`` (selective differentiation; ``scope (block outputs kept)``
@@ -315,8 +335,17 @@ def _fmt_time(x):
     return "–" if x is None else f"{x:.2f}x"   # None: not timed (a GPU target's plan)
 
 
+def _fmt_predicted(r):
+    """``(1.22x)``, or with a conversion priced ``(1.22x + 0.25 conv. = 1.47x)``."""
+    conv = r.get("conversion_time")
+    if not r.get("selective") or conv is None:
+        return f"({r['predicted_time']:.2f}x)"
+    return (f"({r['predicted_time']:.2f}x {'+' if conv >= 0 else '-'} {abs(conv):.2f} conv. "
+            f"= {r['predicted_time'] + conv:.2f}x)")
+
+
 def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1),
-             batch=None, out=None, updated=()):
+             batch=None, out=None, updated=(), priced=False):
     pcts = "/".join(str(int(f * 100)) for f in fractions)
     head = (f"# jaxmem.plan: budgets of {pcts} % of the default compiled bytes"
             + ("" if target == "cpu" else f", on XLA:GPU's {target} plan"))
@@ -344,7 +373,9 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                 else f" --out benchmarks/results/plan/{target}")
              + "`" + ("" if not updated else
                       "; then rerun with `--update` (their rows replaced, the others kept): "
-                      + "; ".join(f"`{u}`" for u in updated)), "",
+                      + "; ".join(f"`{u}`" for u in updated))
+             + ("" if not priced else
+                "; `conv.` added with `--price-conversion` (nothing planned again)"), "",
              *([("Times were taken on a 2-core machine shared with other jobs: read them as "
                  "rough; a ratio below 1 is contention noise, not a speed-up."), ""]
                if target == "cpu" else []),
@@ -372,7 +403,7 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                 f"| {r['model']} | {pct} | yes | "
                 f"{r['compiled_bytes'] / MIB:.2f} ({r['compiled_bytes'] / r['default_bytes']:.2f}x)"
                 f" | {r['prediction_error'] * 100:+.1f} % | {_fmt_time(r['time_ratio'])} "
-                f"({r['predicted_time']:.2f}x) | "
+                f"{_fmt_predicted(r)} | "
                 f"{plan_text}"
                 f"{err} | {ustr} |")
         else:
@@ -384,7 +415,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "search compiled (a budget `plan` then meets), not the arguments + outputs "
                    "lower bound. `time (predicted)`: measured ratio, and the planner's static "
                    "estimate (recomputed FLOPs + `fence_cost` 0.1 of a step per fenced "
-                   "checkpointed item). `plan` lists the units not stored; `a..b: segment` recomputes units "
+                   "checkpointed item); `conv.` = the FLOPs the scope's conversion runs by "
+                   "itself (recomputations inside converted layers' backward passes, mask "
+                   "packing: `jaxmem.planner.conversion_time`, a fraction of a step), which "
+                   "the plan's own estimate leaves out. `plan` lists the units not stored; `a..b: segment` recomputes units "
                    "a to b as one chunk, `segment nested` also checkpoints its units again inside "
                    "that chunk (for one unit: its children; nested, two-level recomputation); `scope` = run under `jaxmem.scope()` (selective "
                    "differentiation), which the planner picks when it compiles smaller; "
@@ -487,7 +521,21 @@ def main():
     ap.add_argument("--update", action="store_true",
                     help="replace only these models' rows in the plan.json already at --out "
                          "(same settings; the other models' rows kept) and rewrite plan.md")
+    ap.add_argument("--price-conversion", action="store_true",
+                    help="only add conversion_time to the met plans of the plan.json already "
+                         "at --out (no plan is made again: no unit choice changes it) and "
+                         "rewrite plan.md")
     a = ap.parse_args()
+    if a.price_conversion:
+        old = json.loads((a.out / "plan.json").read_text())
+        meta, rows = old["meta"], old["rows"]
+        price_conversion(rows, meta)
+        meta["priced"] = True
+        names, updated, fractions = meta["models"], meta.get("updated", ()), meta["fractions"]
+        a.quick, a.target, a.batch = meta["quick"], meta["target"], meta.get("batch")
+        names = tuple(m for m in ALL_CASES if m in names)
+        _write(a, meta, rows, names, updated, fractions)
+        return
     rows = run(a.quick, a.models, a.target, a.fractions, a.batch)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "quick": a.quick,
@@ -503,12 +551,18 @@ def main():
             "" if a.fractions == fractions else f" --fractions {','.join(map(str, a.fractions))}")
         updated = (*[u for u in old["meta"].get("updated", ()) if u != rerun], rerun)
         meta.update(models=list(names), updated=list(updated), fractions=list(fractions))
+        # rows kept from a priced file keep their conversion_time; new rows carry their own
+        meta["priced"] = old["meta"].get("priced", False)
+    _write(a, meta, rows, names, updated, fractions)
+
+
+def _write(a, meta, rows, names, updated, fractions):
     try:
         out = a.out.resolve().relative_to(OUT.parents[2])
     except ValueError:
         out = a.out
     md = markdown(rows, a.quick, names, a.target, fractions, a.batch,
-                  None if a.out.resolve() == OUT else out, updated)
+                  None if a.out.resolve() == OUT else out, updated, meta.get("priced", False))
     (a.out / "plan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (a.out / "plan.md").write_text(md)
     print(md)

@@ -3,7 +3,8 @@
 :func:`plan` traces the loss with its Flax Linen layers tagged, cuts it into units, chooses
 per unit whether to keep its residuals, recompute them (``jax.checkpoint``) or recompute a
 segment of units as one, by CP-SAT, and verifies the choice in XLA's compiled bytes.
-:func:`max_batch` (also ``jaxmem.plan.max_batch``) finds the largest batch within a budget.
+:func:`max_batch` (also ``jaxmem.plan.max_batch``) finds the largest batch within a budget;
+:func:`conversion_time` prices what jaxmem's conversion adds to a step by itself.
 See docs/plan.md.
 """
 from jaxmem.planner.api import (
@@ -11,6 +12,7 @@ from jaxmem.planner.api import (
     MemoryPlan,
     UnitChoice,
     budget_spec,
+    conversion_time,
     parse_budget,
     plan,
 )
@@ -19,5 +21,5 @@ from jaxmem.planner.trace import tag
 
 plan.max_batch = max_batch
 
-__all__ = ["BatchFit", "BudgetError", "MemoryPlan", "UnitChoice", "budget_spec", "max_batch",
-           "parse_budget", "plan", "tag"]
+__all__ = ["BatchFit", "BudgetError", "MemoryPlan", "UnitChoice", "budget_spec",
+           "conversion_time", "max_batch", "parse_budget", "plan", "tag"]

@@ -26,7 +26,8 @@ from jaxmem.planner.steps import StepCompiler, compiled_total
 from jaxmem.planner.steps import make_step as _make_step
 from jaxmem.planner.steps import ordered_step as _ordered_step
 
-__all__ = ["BudgetError", "MemoryPlan", "UnitChoice", "budget_spec", "parse_budget", "plan"]
+__all__ = ["BudgetError", "MemoryPlan", "UnitChoice", "budget_spec", "conversion_time",
+           "parse_budget", "plan"]
 
 #: the OLLA order alone is tried for budgets of at least this fraction of the default (the
 #: order's reductions measured here are <= 20 %: GPT -19.8 %, ResNet-50 0 %)
@@ -444,10 +445,12 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         notes.append("traced under jaxmem.scope() with residual_adds=False: ResNet block "
                      "outputs are kept (a recomputed unit keeps its block's output, not the "
                      "add's inputs); the scope with its default options was refused")
+    conversion = _conversion_time(v.step, args, factory) if selective else 0.0
     if selective:
-        notes.append("predicted time counts the plan's recomputed units only, not the "
-                     "recomputation jaxmem's conversion runs by itself (attention weights, "
-                     "ResNet block outputs, bottleneck expansions: up to ~1.1x on CPU)")
+        notes.append(f"conversion_time {conversion:+.3f}: the FLOPs jaxmem's conversion runs "
+                     "by itself (attention inputs and weights, ResNet block outputs, bottleneck "
+                     "expansions recomputed in its layers' backward passes; masks packed), as "
+                     "a fraction of a step, apart from predicted_time (the plan's own choices)")
     head_flops = _head_recompute(step, tr, args, factory) if v.chunked else 0.0
     if v.chunked:
         notes.append(f"the loss's language-model head runs {s.logits_chunk} rows at a time "
@@ -464,7 +467,60 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         iterations=res.iterations, approximate=any(c.bits is not None for c in choices),
         notes=tuple(notes), order=order_res, target=s.target,
         logits_chunk=s.logits_chunk if v.chunked else None,
-        residual_adds=v.residual_adds if selective else None)
+        residual_adds=v.residual_adds if selective else None, conversion_time=conversion)
+
+
+def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = True,
+                    logits_chunk: int | None = None) -> float:
+    """The FLOPs that jaxmem's conversion adds to ``loss``'s ``value_and_grad`` step by itself
+    (each Linen call run as ``jaxmem.linen.convert(model, residual_adds=residual_adds)`` runs
+    it: what a selective plan traces), as a fraction of the untouched step's::
+
+        (F(value_and_grad(scoped)) - F(value_and_grad(loss))) / (3 F(loss))
+
+    ``F`` counts the traced jaxpr (:func:`jaxmem.planner.trace.flops_of`: ``2 m n k`` per
+    matmul or convolution, one per element of every other equation; an equation repeating an
+    earlier one on the same inputs counted once, as XLA's CSE runs it), so it prices the
+    recomputations inside converted layers' backward passes (attention inputs and weights,
+    ResNet block outputs, bottleneck expansions) and mask packing. It is negative where the
+    converted step traces fewer FLOPs (a strided convolution's input gradient formed by
+    phases instead of over a dilated map). With ``logits_chunk`` both steps compute the LM
+    head in chunks (as a chunked plan does; the chunks' own recomputation is not the
+    conversion's). A plan under the scope reports this as ``MemoryPlan.conversion_time``.
+
+    Args:
+        loss: a scalar loss of Flax Linen models, as :func:`plan` takes it.
+        *args: example arguments (only traced, nothing runs).
+        residual_adds: the conversion's option of that name.
+        logits_chunk: rows per chunk of the LM head in both steps, or ``None``.
+
+    Returns:
+        The added FLOPs over ``3 F(loss)``, a float (``0.25``: a quarter of a step more).
+
+    Example:
+        >>> import jax, flax.linen as nn
+        >>> from jaxmem.planner import conversion_time
+        >>> m = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(1)])
+        >>> x = jax.random.normal(jax.random.key(1), (8, 32))
+        >>> p = m.init(jax.random.key(0), x)
+        >>> t = conversion_time(lambda p, x: m.apply(p, x).sum(), p, x)
+        >>> 0.0 < t < 0.2   # the 1-bit ReLU mask packed and unpacked: elementwise work
+        True
+    """
+    factory = functools.partial(_glue_scope, residual_adds=residual_adds)
+    step = loss
+    if logits_chunk is not None:
+        step = _head_chunked(loss, args, logits_chunk, factory) or loss
+    return _conversion_time(step, args, factory)
+
+
+def _conversion_time(step, args, factory) -> float:
+    """:func:`conversion_time` of ``step`` under ``factory``'s scope."""
+    scoped = _make_step(step, factory, (), (), {})
+    vg = [_trace.flops_of(jax.make_jaxpr(jax.value_and_grad(fn))(*args).jaxpr,
+                          merge_identical=True)[0] for fn in (scoped, step)]
+    fwd = _trace.flops_of(jax.make_jaxpr(step)(*args).jaxpr)[0]
+    return (vg[0] - vg[1]) / max(3.0 * fwd, 1.0)
 
 
 def _head_recompute(step, tr, args, factory) -> float:

@@ -97,6 +97,21 @@ class MemoryPlan:
     #: (``False``: ResNet block outputs kept rather than recomputed from the add's inputs,
     #: which recomputed units need less of); ``None`` without one
     residual_adds: bool | None = None
+    #: with ``selective``: the FLOPs the scope's conversion runs by itself (recomputations
+    #: inside converted layers' backward passes, mask packing) over the untouched step's, as a
+    #: fraction of a step (3 x the loss's forward FLOPs); not part of ``predicted_time``, which
+    #: prices the plan's choices under that conversion. ``0.0`` without a scope
+    conversion_time: float = 0.0
+
+    @property
+    def predicted_time_total(self) -> float:
+        """``predicted_time + conversion_time``: the planned step's FLOPs over the untouched
+        step's, everything counted."""
+        return self.predicted_time + self.conversion_time
+
+    def _conversion_text(self) -> str:
+        return (f" ({self.conversion_time:+.2f} conversion: x{self.predicted_time_total:.2f})"
+                if self.selective else "")
 
     def value_and_grad(self) -> Callable[..., Any]:
         """``jax.value_and_grad(self.step)``, or, when an OLLA order was applied
@@ -118,12 +133,13 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         keys = ("budget_bytes", "default_bytes", "predicted_bytes", "compiled_bytes",
                 "predicted_time", "selective", "solver_status", "solver_gap", "iterations",
-                "approximate", "target", "logits_chunk", "residual_adds")
+                "approximate", "target", "logits_chunk", "residual_adds", "conversion_time")
         d = {k: getattr(self, k) for k in keys}
         d["order"] = None if self.order is None else {
             "applied": self.order.applied, "why": self.order.why,
             "compiled_bytes": self.order.compiled_bytes, "chunks": self.order.chunks}
         d["prediction_error"] = self.prediction_error
+        d["predicted_time_total"] = self.predicted_time_total
         d["notes"] = list(self.notes)
         d["choices"] = [dataclasses.asdict(c) for c in self.choices]
         return d
@@ -134,7 +150,8 @@ class MemoryPlan:
         t = Table(title=(f"jaxmem plan: compiled {self.compiled_bytes / mib:.2f} MiB "
                          f"(budget {self.budget_bytes / mib:.2f}, default "
                          f"{self.default_bytes / mib:.2f}, predicted "
-                         f"{self.predicted_bytes / mib:.2f}); time x{self.predicted_time:.2f}; "
+                         f"{self.predicted_bytes / mib:.2f}); time x{self.predicted_time:.2f}"
+                         f"{self._conversion_text()}; "
                          f"{self.solver_status}"))
         for col in ("unit", "option", "kept MiB", "recompute MFLOP", "why"):
             t.add_column(col)
@@ -147,7 +164,8 @@ class MemoryPlan:
         mib = 2.0**20
         head = (f"MemoryPlan: compiled {self.compiled_bytes / mib:.2f} MiB <= budget "
                 f"{self.budget_bytes / mib:.2f} MiB (default {self.default_bytes / mib:.2f}, "
-                f"predicted {self.predicted_bytes / mib:.2f}), time x{self.predicted_time:.2f}")
+                f"predicted {self.predicted_bytes / mib:.2f}), time x{self.predicted_time:.2f}"
+                f"{self._conversion_text()}")
         lines = [head]
         lines += [f"  {c.label:<24} {_option_text(c):<10} {c.why}" for c in self.choices]
         return "\n".join(lines)

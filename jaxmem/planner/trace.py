@@ -619,18 +619,29 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
     return [v.val if isinstance(v, core.Literal) else env[v] for v in jaxpr.outvars]
 
 
-def flops_of(jaxpr: Any) -> tuple[float, float]:
+def flops_of(jaxpr: Any, merge_identical: bool = False) -> tuple[float, float]:
     """(all, dot/conv) FLOPs of a jaxpr: ``2 * out_size * contraction`` for ``dot_general`` and
     convolutions, one per output element for other equations; a ``scan`` body counted
-    ``length`` times, other sub-jaxprs once."""
+    ``length`` times, other sub-jaxprs once. ``merge_identical``: an equation that repeats an
+    earlier one of the same jaxpr (same primitive, parameters and inputs, no effects) is
+    counted once, as XLA's common-subexpression elimination runs it once."""
     total = dots = 0.0
+    seen: dict[Any, list[Any]] = {}
+    alias: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        if merge_identical and not eqn.effects:
+            key = _eqn_key(eqn, alias)
+            if key is not None:
+                if key in seen:
+                    alias.update(zip(eqn.outvars, seen[key]))
+                    continue
+                seen[key] = list(eqn.outvars)
         subs = list(core.jaxprs_in_params(eqn.params))
         if subs:
             times = _runs(eqn)
             for s in subs:
-                t, d = flops_of(s)
+                t, d = flops_of(s, merge_identical)
                 total += times * t
                 dots += times * d
             continue
@@ -652,6 +663,28 @@ def flops_of(jaxpr: Any) -> tuple[float, float]:
         else:
             total += out
     return total, dots
+
+
+def _eqn_key(eqn: Any, alias: dict[Any, Any]) -> tuple | None:
+    """What makes ``eqn`` the same computation as another: primitive, parameters (a
+    sub-jaxpr by identity) and inputs (through ``alias``: outputs of merged equations), or
+    ``None`` where a parameter has no stable text."""
+    ins = []
+    for v in eqn.invars:
+        if isinstance(v, core.Literal):
+            ins.append(("lit", repr(v.val)))
+        else:
+            ins.append(id(alias.get(v, v)))
+    params = []
+    for k, p in sorted(eqn.params.items()):
+        if isinstance(p, (core.Jaxpr, core.ClosedJaxpr, np.ndarray)) or callable(p):
+            params.append((k, id(p)))
+        else:
+            text = repr(p)
+            if " at 0x" in text:   # an object without a value repr
+                return None
+            params.append((k, text))
+    return eqn.primitive.name, tuple(ins), tuple(params)
 
 
 def recomputed_flops(jaxpr: Any) -> float:

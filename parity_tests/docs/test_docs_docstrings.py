@@ -17,6 +17,7 @@ ENTRY_POINTS = [
     ("jaxmem.selective.subset", "train_step"),
     ("jaxmem.planner.api", "plan"),
     ("jaxmem.planner.batch", "max_batch"),
+    ("jaxmem.planner.api", "conversion_time"),
     ("jaxmem.rowconv", "apply"),
     ("jaxmem.rowconv", "spatial_apply"),
     ("jaxmem.selective", "attention"),
