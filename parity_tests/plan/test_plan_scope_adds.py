@@ -155,6 +155,11 @@ def test_plan_under_the_kept_outputs_scope_is_exact(monkeypatch):
     assert any("residual_adds=False" in n for n in mp.notes)
     assert mp.to_dict()["residual_adds"] is False
     assert mp.compiled_bytes <= mp.budget_bytes
+    # the plan prices its own variant's conversion, which recomputes no block output
+    # through the add: less work than the default scope's
+    kept = api.conversion_time(loss, params, x, residual_adds=False)
+    assert mp.conversion_time == pytest.approx(kept)
+    assert 0.0 < kept < api.conversion_time(loss, params, x)
     v0, g0 = jax.value_and_grad(loss)(params, x)
     v1, g1 = jax.jit(jax.value_and_grad(mp.step))(params, x)
     np.testing.assert_allclose(v1, v0, rtol=1e-5)
