@@ -151,6 +151,10 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
       A :class:`MemoryPlan`: ``plan.step`` takes ``step``'s positional and keyword arguments
       and returns its values; ``jax.value_and_grad(plan.step)`` and ``jax.grad(plan.step)``
       compile within the budget on ``target`` for arguments of the example's shapes.
+      ``plan.predicted_time`` prices the plan's choices; a plan traced under jaxmem's
+      conversion (``plan.selective``) prices what that conversion runs by itself apart, as
+      ``plan.conversion_time`` (:func:`conversion_time`; the sum:
+      ``plan.predicted_time_total``).
 
     The loss is planned traced plainly or under ``jaxmem.scope()``, each with its LM head
     whole or chunked (``logits_chunk``), whichever untouched step compiles smallest; when no
