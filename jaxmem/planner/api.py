@@ -486,9 +486,8 @@ def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = 
     matmul or convolution, one per element of every other equation; an equation repeating an
     earlier one on the same inputs counted once, as XLA's CSE runs it), so it prices the
     recomputations inside converted layers' backward passes (attention inputs and weights,
-    ResNet block outputs, bottleneck expansions) and mask packing. It is negative where the
-    converted step traces fewer FLOPs (a strided convolution's input gradient formed by
-    phases instead of over a dilated map). With ``logits_chunk`` both steps compute the LM
+    ResNet block outputs, bottleneck expansions) and mask packing; it is negative where the
+    converted step traces fewer FLOPs. With ``logits_chunk`` both steps compute the LM
     head in chunks (as a chunked plan does; the chunks' own recomputation is not the
     conversion's). A plan under the scope reports this as ``MemoryPlan.conversion_time``.
 

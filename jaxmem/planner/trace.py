@@ -621,7 +621,8 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
 
 def flops_of(jaxpr: Any, merge_identical: bool = False) -> tuple[float, float]:
     """(all, dot/conv) FLOPs of a jaxpr: ``2 * out_size * contraction`` for ``dot_general`` and
-    convolutions, one per output element for other equations; a ``scan`` body counted
+    convolutions (over an input dilated by ``d``: ``/ prod(d)``, the taps that meet a nonzero),
+    one per output element for other equations; a ``scan`` body counted
     ``length`` times, other sub-jaxprs once. ``merge_identical``: an equation that repeats an
     earlier one of the same jaxpr (same primitive, parameters and inputs, no effects) is
     counted once, as XLA's common-subexpression elimination runs it once."""
@@ -656,7 +657,10 @@ def flops_of(jaxpr: Any, merge_identical: bool = False) -> tuple[float, float]:
             rhs = eqn.invars[1].aval.shape
             dn = eqn.params["dimension_numbers"]
             o_dim = dn.rhs_spec[0]
-            k = float(np.prod(rhs)) / rhs[o_dim]
+            # an input dilated by d (a strided convolution's input gradient) is zero at all
+            # but 1 / prod(d) of its positions: cuDNN's and XLA's kernels skip those taps
+            k = float(np.prod(rhs)) / rhs[o_dim] / float(
+                np.prod(eqn.params.get("lhs_dilation") or (1,)))
             f = 2.0 * out * k
             total += f
             dots += f

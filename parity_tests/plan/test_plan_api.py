@@ -108,6 +108,23 @@ def test_flops_of_merges_repeated_equations_only_when_asked():
                                                     pytest.approx(2 * dot))
 
 
+def test_flops_of_a_strided_convolutions_input_gradient_counts_the_taps_that_meet_data():
+    # the input gradient of a stride-2 convolution is a convolution over the cotangent
+    # dilated by 2: one tap in four meets a nonzero, the forward's multiply-adds once more
+    x = jnp.ones((2, 16, 16, 8))
+    w = jnp.ones((3, 3, 8, 4))
+
+    def conv(x):
+        return jax.lax.conv_general_dilated(x, w, (2, 2), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    y, vjp = jax.vjp(conv, x)
+    fwd = T.flops_of(jax.make_jaxpr(conv)(x).jaxpr)[1]
+    dx = T.flops_of(jax.make_jaxpr(vjp)(y).jaxpr)[1]
+    assert fwd == 2.0 * y.size * 3 * 3 * 8
+    assert dx == pytest.approx(fwd)
+
+
 def test_plan_prediction_error_reported(gpt_half):
     # the calibrated prediction, made before the plan was compiled
     assert abs(gpt_half[3].prediction_error) < 0.25
