@@ -305,11 +305,11 @@ def price_conversion(rows, meta):
     built = {}
     for key in meta["models"]:
         name, loss, args = ALL_CASES[key](meta["quick"], meta.get("batch"))
-        built[name] = (key, loss, args)
+        built[name] = (loss, args)
     for r in rows:
         if not r.get("met") or "fraction" not in r:
             continue
-        key, loss, args = built[r["model"]]
+        loss, args = built[r["model"]]
         r["conversion_time"] = (conversion_time(
             loss, *args, residual_adds=r.get("residual_adds") is not False,
             logits_chunk=r.get("logits_chunk")) if r.get("selective") else 0.0)
@@ -531,9 +531,9 @@ def main():
         meta, rows = old["meta"], old["rows"]
         price_conversion(rows, meta)
         meta["priced"] = True
-        names, updated, fractions = meta["models"], meta.get("updated", ()), meta["fractions"]
+        names = tuple(m for m in ALL_CASES if m in meta["models"])
+        updated, fractions = meta.get("updated", ()), meta["fractions"]
         a.quick, a.target, a.batch = meta["quick"], meta["target"], meta.get("batch")
-        names = tuple(m for m in ALL_CASES if m in names)
         _write(a, meta, rows, names, updated, fractions)
         return
     rows = run(a.quick, a.models, a.target, a.fractions, a.batch)

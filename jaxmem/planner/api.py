@@ -449,8 +449,9 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         notes.append("traced under jaxmem.scope() with residual_adds=False: ResNet block "
                      "outputs are kept (a recomputed unit keeps its block's output, not the "
                      "add's inputs); the scope with its default options was refused")
-    conversion = _conversion_time(v.step, args, factory) if selective else 0.0
+    conversion = 0.0
     if selective:
+        conversion = _conversion_time(v.step, args, factory)
         notes.append(f"conversion_time {conversion:+.3f}: the FLOPs jaxmem's conversion runs "
                      "by itself (attention inputs and weights, ResNet block outputs, bottleneck "
                      "expansions recomputed in its layers' backward passes; masks packed), as "
