@@ -19,22 +19,39 @@ VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
 
 
 def _scaled(c, width):
-    return max(1, int(round(c * width)))
+    return max(1, round(c * width))
 
 
 def vgg_layers(cfg: Sequence[int | str] = VGG16, width: float = 1.0,
-               checkpoints_at_pools: bool = False) -> list[Layer]:
-    """rowconv layers of a VGG trunk; optional Checkpoint after each pool (hybrid -H)."""
-    layers = []
+               checkpoints_at_pools: bool | Sequence[int] = False) -> list[Layer]:
+    """rowconv layers of a VGG trunk, optionally cut into tiled segments (hybrid -H).
+
+    ``checkpoints_at_pools``: ``True`` puts a ``Checkpoint`` after every pool but the last
+    (one segment per stage); a sequence of 1-based pool numbers puts one after those pools
+    only (e.g. ``(2, 3, 4)``: the first two stages one segment); ``False`` none."""
+    pools = sum(1 for item in cfg if item == "M")
+    if isinstance(checkpoints_at_pools, bool):
+        after = set(range(1, pools)) if checkpoints_at_pools else set()
+    else:
+        try:
+            after = {int(i) for i in checkpoints_at_pools}
+        except TypeError:
+            raise TypeError("checkpoints_at_pools must be a bool or a sequence of pool "
+                            f"numbers, got {checkpoints_at_pools!r}") from None
+        if any(not 1 <= i <= pools for i in after):
+            raise ValueError(f"checkpoints_at_pools {sorted(after)}: pool numbers run from 1 "
+                             f"to {pools} for this cfg")
+    layers, seen = [], 0
     for item in cfg:
         if item == "M":
             layers.append(Pool("max", 2, 2))
-            if checkpoints_at_pools:
+            seen += 1
+            if seen in after:
                 layers.append(Checkpoint())
         else:
             layers += [Conv(_scaled(item, width), 3, padding=((1, 1), (1, 1))),
                        Act(jax.nn.relu)]
-    if checkpoints_at_pools and isinstance(layers[-1], Checkpoint):
+    if layers and isinstance(layers[-1], Checkpoint):
         layers.pop()
     return layers
 

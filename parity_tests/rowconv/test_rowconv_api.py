@@ -207,3 +207,24 @@ def test_public_surface_names_and_annotations():
                     check(m, f"{name}.{m_name}")
                     n_checked += 1
     assert n_checked >= 25
+
+
+def test_vgg_checkpoint_placement():
+    """``checkpoints_at_pools``: True cuts after every pool but the last, a sequence after
+    the pools it names (1-based); the segments follow, and a bad placement is an error."""
+    cfg = (4, "M", 8, "M", 8, "M")
+
+    def cuts(ck):
+        ls = rc.trunks.vgg_layers(cfg, checkpoints_at_pools=ck)
+        kinds = [type(lay).__name__ for lay in ls]
+        # the pool number each Checkpoint follows
+        return [kinds[:i].count("Pool") for i, k in enumerate(kinds) if k == "Checkpoint"]
+
+    assert cuts(False) == cuts(()) == [] and cuts(True) == [1, 2]
+    assert cuts((2,)) == [2] and cuts([1, 3]) == [1]   # none after the last pool
+    layers = rc.trunks.vgg_layers(cfg, checkpoints_at_pools=(2,))
+    assert len(rc.split_segments(layers)) == 2
+    assert rc.segment_rows(layers, (1, 64, 16, 3), 4) == [4, 4]
+    for bad, err in (((0,), ValueError), ((4,), ValueError), (2, TypeError)):
+        with pytest.raises(err, match="checkpoints_at_pools"):
+            rc.trunks.vgg_layers(cfg, checkpoints_at_pools=bad)
