@@ -551,7 +551,10 @@ GPU_WHY = [
      "second breakdown above) is now the segment output (4 MiB) and the first stage's pool "
      "backward in one tile: the masked ReLU and conv outputs of 72-74 rows x 1024 x 8 "
      "(2.25-2.31 MiB each), the scatter's zeros map (2.25), XLA:GPU's four s32 argmax maps "
-     "of the pool output (4 x 0.56) and the tile's image window (0.89)."),
+     "of the pool output (4 x 0.56) and the tile's image window (0.89). Other placements "
+     "at N=16 on the H100 plan (checked once, not part of this script): after pools 2 and "
+     "4 10.83x, 2 and 3 10.71x, 3 and 4 10.25x, 1, 3 and 4 9.45x, 1, 2 and 4 9.02x, 2 "
+     "only 8.35x: keeping the first stage's output costs more than any tile saves."),
     ("- Not adopted: a one-pass max-pool backward (compare with the block max, first "
      "maximal element gets the cotangent; bit-identical to `select_and_scatter_add` for "
      "inputs without NaN) removes the zeros / copy / argmax maps, but it lowers the "
