@@ -150,6 +150,10 @@ def test_planner_arguments():
     with pytest.raises(ValueError, match="input_shape must be an NHWC shape"):
         rc.plan(LAYERS, SHAPE[1:], 10**9, verify=False)
     assert rc.plan(LAYERS, SHAPE, 10**9, modes="share", verify=False).mode == "share"
+    for bad in ("tpu", "H200x", None):
+        with pytest.raises(ValueError, match="rowconv.plan: `target` must be one of"):
+            rc.plan(LAYERS, SHAPE, 10**9, target=bad)
+    assert rc.plan(LAYERS, SHAPE, 10**9, verify=False, target="H100").target == "h100"
     with pytest.raises(TypeError, match=r"rows\[0\] must be an int"):
         rc.estimate(LAYERS, SHAPE, "overlap", [2.5])
     assert rc.estimate(LAYERS, SHAPE, "overlap", np.int64(2)) == \

@@ -59,3 +59,24 @@ def test_input_cotangent_costs_no_second_map_on_the_h100_plan(mode):
     image = 256 * 256 * 3 * 4
     assert image <= both.output_bytes - only_p.output_bytes <= image + 256  # + tuple table
     assert both.total_bytes - only_p.total_bytes <= image + 64 * 1024
+
+
+def test_plan_checks_the_tiling_on_the_target_it_is_given():
+    """``rc.plan(..., target="h100")`` verifies its pick on XLA:GPU's plan, where this trunk
+    compiles smaller than on XLA:CPU (256², 2 rows a segment: 5.08 MiB against 10.32): at a
+    5.5 MiB budget the H100 plan takes 2 rows a segment, the CPU check needs 8."""
+    layers = rc.trunks.vgg_layers(CFG, checkpoints_at_pools=True)
+    shape, budget = (1, 256, 256, 3), int(5.5 * MIB)
+    gpu = rc.plan(layers, shape, budget, target="h100")
+    cpu = rc.plan(layers, shape, budget)
+    assert (gpu.target, cpu.target) == ("h100", "cpu")
+    assert gpu.compiled_bytes <= budget and cpu.compiled_bytes <= budget
+    assert max(gpu.rows) < max(cpu.rows), (gpu.rows, cpu.rows)
+    params = jax.eval_shape(lambda: rc.init(layers, jax.random.PRNGKey(0), shape))
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def step(p, x):
+        return jax.grad(lambda p: jnp.mean(jnp.square(
+            rc.apply(layers, p, x, rows=gpu.rows, mode=gpu.mode))))(p)
+
+    assert compiled_memory(step, params, x, target="h100").total_bytes == gpu.compiled_bytes
