@@ -279,6 +279,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                                     + (f" {c.rows}" if c.rows else "")
                                     + _stages_text(c)
                                     + (" nested" if getattr(c, "nested", False) else "")
+                                    + _partial_text(c)
                                     for c in p.choices})
                 if p.approximate:
                     g = jax.grad(p.step)(*args)
@@ -420,7 +421,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "packing: `jaxmem.planner.conversion_time`, a fraction of a step), which "
                    "the plan's own estimate leaves out. `plan` lists the units not stored; `a..b: segment` recomputes units "
                    "a to b as one chunk, `segment nested` also checkpoints its units again inside "
-                   "that chunk (for one unit: its children; nested, two-level recomputation); `scope` = run under `jaxmem.scope()` (selective "
+                   "that chunk (for one unit: its children; nested, two-level recomputation); "
+                   "`partial (c, d recomputed)` = the unit's children c and d recomputed (each "
+                   "run of neighbours as one chunk), its other children stored (GPU targets); "
+                   "`scope` = run under `jaxmem.scope()` (selective "
                    "differentiation), which the planner picks when it compiles smaller; "
                    "`scope (block outputs kept)` = the same with `residual_adds=False` (ResNet "
                    "block outputs kept, not recomputed from the add's inputs), planned when "
@@ -473,6 +477,16 @@ def _fractions_arg(text):
     if not out:
         raise argparse.ArgumentTypeError("--fractions is empty")
     return tuple(out)
+
+
+def _partial_text(choice):
+    """`` (ln_1, ln_2, mlp recomputed)`` of a ``partial`` choice (its recomputed children,
+    named within the unit), else empty."""
+    if not choice.recomputed:
+        return ""
+    names = [r[len(choice.label) + 1:] if r.startswith(choice.label + "/") else r
+             for r in choice.recomputed]
+    return f" ({', '.join(names)} recomputed)"
 
 
 def _stages_text(choice):

@@ -384,6 +384,10 @@ def _candidates(step, args, factory, prof, selective, fence, s: _Settings):
     from jaxmem.planner import offload as _offload
 
     cands, notes = _cand.exact_candidates(prof, fence), []
+    if s.target != "cpu":
+        # a unit with its costly children stored and the rest recomputed: on XLA:CPU each
+        # recomputed run would sit behind its own lax.cond fence (fence_cost each)
+        cands += _cand.partial_candidates(prof, fence)
     if s.allow_approximate:
         if selective:
             cands += _cand.fewbit_candidates(step, args, factory, prof, s.approx_cost)

@@ -11,10 +11,11 @@ import numpy as np
 
 from jaxmem._compat import core
 from jaxmem.planner import trace as _trace
-from jaxmem.planner.options import EXACT, NESTED, Candidate, Option
+from jaxmem.planner.options import EXACT, NESTED, Candidate, Option, partial_mask, recomputed_runs
 
 __all__ = ["FEWBIT_BITS", "ROW_COUNTS", "UnitProfile", "exact_candidates",
-           "fewbit_candidates", "offload_candidates", "profile_units", "row_candidates"]
+           "fewbit_candidates", "offload_candidates", "partial_candidates", "profile_units",
+           "row_candidates"]
 
 FEWBIT_BITS = (1, 2, 3, 4)
 ROW_COUNTS = (2, 4, 8)
@@ -229,6 +230,61 @@ def exact_candidates(prof: UnitProfile, fence: float, nested: bool = True) -> li
                                      chunk_recompute_flops(prof, i, j, nested=True)
                                      + fence * (1 + j - i)))
     return out
+
+
+def partial_candidates(prof: UnitProfile, fence: float) -> list[Candidate]:
+    """``partial`` over each unit with two or more children (:func:`jaxmem.planner.trace.
+    child_units`): its children that cost the most FLOPs per byte to recompute stored, the
+    others recomputed, each run of them as one chunk (:func:`jaxmem.planner.trace.
+    partial_fn`). A child that keeps nothing is always stored and one that recomputes for
+    free always recomputed; of the rest the costliest k per byte are stored, k = 1 .. n-1.
+    Keep = the jaxpr-level residuals of the unit run so, cost = what each run recomputes
+    (:func:`recompute_need` over the run) + ``fence`` per run, work = the largest run's
+    stored residuals. Offered where it keeps less than storing the unit and costs less
+    than recomputing it: a GPT 4x64 block under the scope (batch 16, ctx 64) with its
+    attention stored and its layer norms and MLP recomputed drops 0.77 of its 2.32 MiB for
+    35 MFLOP (0.022 of a step), recomputed whole 1.56 MiB for 91 MFLOP."""
+    tr = prof.traced
+    jaxpr, outer = tr.closed.jaxpr, _outer(tr)
+    out = []
+    for u, unit in enumerate(prof.units):
+        kids = _trace.child_units(tr, unit)
+        if len(kids) < 2:
+            continue
+        held = [keep_bytes(jaxpr, k, outer)[0] for k in kids]
+        rec = [recompute_need(jaxpr, k)[0] for k in kids]
+        free = {i for i in range(len(kids)) if held[i] and not rec[i]}
+        open_ = sorted((i for i in range(len(kids)) if held[i] and rec[i]),
+                       key=lambda i: (-rec[i] / held[i], i))
+        seen = set()
+        for k in range(len(open_) + 1):
+            keep_set = set(open_[:k]) | {i for i in range(len(kids)) if not held[i]}
+            stored = tuple(i in keep_set and i not in free for i in range(len(kids)))
+            if stored in seen or all(stored) or not any(stored):
+                continue
+            seen.add(stored)
+            cand = _partial_candidate(prof, u, unit, kids, stored, fence)
+            if cand is not None:
+                out.append(cand)
+    return out
+
+
+def _partial_candidate(prof, u, unit, kids, stored, fence) -> Candidate | None:
+    tr = prof.traced
+    jaxpr, outer = tr.closed.jaxpr, _outer(tr)
+    f, ins, _ = _trace.partial_fn(jaxpr, unit, kids, stored, fence=False)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
+    internal, kept = _residual_split(f, avals, None)
+    kb = internal + sum(nbytes(ins[i].aval) for i in kept if ins[i] not in outer)
+    cost, work = 0.0, 0
+    for a, b in recomputed_runs(stored):
+        run = _trace.Unit(kids[a].label, kids[a].start, kids[b - 1].stop, unit.depth + 1)
+        cost += recompute_need(jaxpr, run)[0] + fence
+        work = max(work, keep_bytes(jaxpr, run, outer)[0])
+    if kb >= prof.keep[u][0] or cost >= prof.recompute[u][0] + fence:
+        return None
+    return Candidate((u,), Option("partial", partial_mask(stored)), kb, work, cost,
+                     children=tuple(k.label for k in kids))
 
 
 def _aligned(units_c, labels, dropped=()) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxmem.planner.model import ByteModel, Choice
-from jaxmem.planner.options import Candidate
+from jaxmem.planner.options import Candidate, partial_children
 from jaxmem.planner.result import BudgetError, UnitChoice
 
 __all__ = ["refusal", "unit_choices"]
@@ -28,12 +28,26 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
             f"its trunk's {cand.option.tiled_stages} row-tiled"
         return (f"{what} into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
                 f"{saved / _MIB:.3f} MiB (exact)")
+    if kind == "partial":
+        return (f"recompute {extra / 1e6:.1f} MFLOP ({', '.join(_recomputed(cand))} again; "
+                f"{', '.join(_stored(cand))} stored) to drop {saved / _MIB:.3f} MiB")
     if cand.option.nested:
         inner = f"its {len(cand.cover)} units" if len(cand.cover) > 1 else "its children"
         return (f"recompute {extra / 1e6:.1f} MFLOP, nested (as one chunk, then {inner} "
                 f"each again inside its backward, where only their inputs are kept) to drop "
                 f"{saved / _MIB:.3f} MiB")
     return f"recompute {extra / 1e6:.1f} MFLOP to drop {saved / _MIB:.3f} MiB"
+
+
+def _recomputed(cand: Candidate) -> tuple[str, ...]:
+    """A ``partial`` candidate's recomputed children, by label."""
+    flags = partial_children(cand.option.param)
+    return tuple(lbl for lbl, s in zip(cand.children, flags) if not s)
+
+
+def _stored(cand: Candidate) -> tuple[str, ...]:
+    flags = partial_children(cand.option.param)
+    return tuple(lbl for lbl, s in zip(cand.children, flags) if s)
 
 
 def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
@@ -51,7 +65,9 @@ def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
                               float(extra), _why(cand, model.saving(i), extra),
                               bits=param if kind == "fewbit" else None,
                               rows=param if kind == "rows" else None,
-                              nested=cand.option.nested, stages=cand.option.stages))
+                              nested=cand.option.nested, stages=cand.option.stages,
+                              partial=param if kind == "partial" else None,
+                              recomputed=_recomputed(cand) if kind == "partial" else ()))
     return tuple(out)
 
 

@@ -22,7 +22,7 @@ from jaxmem.planner.options import Candidate
 __all__ = ["FITTED", "ByteModel"]
 
 #: option kinds with a fitted coefficient (``store`` saves nothing, ``rows`` is measured)
-FITTED = ("dots", "recompute", "segment", "fewbit", "offload")
+FITTED = ("dots", "recompute", "segment", "fewbit", "offload", "partial")
 
 Choice = tuple[int, ...]
 

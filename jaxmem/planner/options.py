@@ -7,15 +7,17 @@ import re
 
 from jaxmem.planner import trace as _trace
 
-__all__ = ["EXACT", "KINDS", "NESTED", "Candidate", "Option"]
+__all__ = ["EXACT", "KINDS", "NESTED", "Candidate", "Option", "partial_children",
+           "partial_mask", "recomputed_runs"]
 
 #: option kinds; ``fewbit`` and ``rows`` carry a parameter (bits, row tiles), ``segment`` may
-#: carry :data:`NESTED` (``"segment2"``: nested, two-level recomputation)
-KINDS = ("store", "dots", "recompute", "segment", "fewbit", "rows", "offload")
+#: carry :data:`NESTED` (``"segment2"``: nested, two-level recomputation), ``partial`` the
+#: children it stores (:func:`partial_mask`)
+KINDS = ("store", "dots", "recompute", "segment", "fewbit", "rows", "offload", "partial")
 #: kinds that change how a layer is traced (:class:`jaxmem.planner.trace.Conversion`)
 _CONVERSIONS = ("fewbit", "rows")
 #: kinds run under ``jax.checkpoint`` (recompute before their backward, fenced on CPU)
-_CHECKPOINTED = ("dots", "recompute", "segment")
+_CHECKPOINTED = ("dots", "recompute", "segment", "partial")
 #: per-unit options whose bytes come from the unit's own VJP under a checkpoint policy
 EXACT = ("store", "dots", "recompute")
 #: ``Option("segment", NESTED)``: the segment is recomputed as one chunk before its backward,
@@ -24,13 +26,42 @@ EXACT = ("store", "dots", "recompute")
 NESTED = 2
 
 
+def partial_mask(stored: tuple[bool, ...]) -> int:
+    """The ``param`` of ``Option("partial", ...)`` over a unit's children: bit ``i`` set when
+    child ``i`` is stored, and a leading bit ``1 << len(stored)`` that records their number
+    (``(True, False, True)`` -> ``0b1101`` = 13)."""
+    return (1 << len(stored)) | sum(1 << i for i, s in enumerate(stored) if s)
+
+
+def partial_children(param: int) -> tuple[bool, ...]:
+    """Per child of a ``partial`` unit, whether it is stored (:func:`partial_mask` inverted)."""
+    n = param.bit_length() - 1
+    return tuple(bool(param >> i & 1) for i in range(n))
+
+
+def recomputed_runs(stored: tuple[bool, ...]) -> list[tuple[int, int]]:
+    """``(start, stop)`` child index ranges of the consecutive recomputed children (each run
+    is recomputed as one chunk)."""
+    runs, start = [], None
+    for i, s in enumerate((*stored, True)):
+        if not s and start is None:
+            start = i
+        elif s and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Option:
     """One option: ``kind`` in :data:`KINDS`, ``param`` the bit count of ``fewbit``, the
     tile count of ``rows``, :data:`NESTED` for a nested ``segment`` (``None`` for every other
     kind, and for a plain segment); ``stages`` (``rows`` only) the trunk's pooling stages
     tiled (``None``: all). ``str`` gives its text (``"store"``, ``"fewbit3"``, ``"rows8"``,
-    ``"rows8s2"``, ``"segment2"``), :meth:`parse` reads it back."""
+    ``"rows8s2"``, ``"segment2"``), :meth:`parse` reads it back. ``partial`` (one unit with
+    children): the children marked stored in ``param`` (:func:`partial_mask`) keep their
+    residuals and each run of the others is recomputed as one chunk: a unit's costly layers
+    kept, its cheap ones recomputed."""
 
     kind: str
     param: int | None = None
@@ -43,6 +74,14 @@ class Option:
                                             and self.stages >= 1):
             raise ValueError(f"Option: stages must be None or an int >= 1 of kind 'rows', "
                              f"got stages={self.stages!r} for {self.kind!r}")
+        if self.kind == "partial":
+            if not (type(self.param) is int and self.param >= 4
+                    and any(partial_children(self.param))
+                    and not all(partial_children(self.param))):
+                raise ValueError(f"Option: param of kind 'partial' must be a partial_mask of "
+                                 f"two or more children, some stored and some recomputed, "
+                                 f"got {self.param!r}")
+            return
         if self.kind == "segment":
             if self.param is not None and not (type(self.param) is int
                                                and self.param == NESTED):
@@ -114,7 +153,8 @@ class Candidate:
     pass (jaxpr level), ``work_bytes`` recomputed while its own backward runs, ``cost`` the
     predicted extra FLOPs (fence included); ``converts`` the label of the layer call the
     option's conversion applies to (``None``: the last covered unit's; a ``rows`` option
-    over a trunk's first stages converts the trunk, whose last units it does not cover)."""
+    over a trunk's first stages converts the trunk, whose last units it does not cover);
+    ``children`` the labels of a ``partial`` candidate's children."""
 
     cover: tuple[int, ...]
     option: Option
@@ -122,6 +162,8 @@ class Candidate:
     work_bytes: int
     cost: float
     converts: str | None = None
+    #: a ``partial`` candidate's unit's children, by label
+    children: tuple[str, ...] = ()
 
     @property
     def checkpoints(self) -> int:
@@ -129,6 +171,8 @@ class Candidate:
         unless checkpointed, 1 + one per covered unit for a nested segment, else 1."""
         if not self.option.checkpointed:
             return 0
+        if self.option.kind == "partial":
+            return len(recomputed_runs(partial_children(self.option.param)))
         return 1 + len(self.cover) if self.option.nested else 1
 
     def __post_init__(self):

@@ -31,7 +31,10 @@ class UnitChoice:
     recomputed as one chunk; with ``nested``, its units are checkpointed again inside that
     recomputation: two-level, exact), ``fewbit`` (stored with ``bits``-bit activation codes:
     approximate) or ``rows`` (a conv trunk row-tiled into ``rows`` tiles: exact; with
-    ``stages``, only its first ``stages`` pooling stages are tiled, the rest run as before)."""
+    ``stages``, only its first ``stages`` pooling stages are tiled, the rest run as before)
+    or ``partial`` (the children in ``recomputed`` recomputed, each consecutive run as one
+    chunk, the others stored; ``partial`` is the option's mask, ``Option("partial", ...)``:
+    exact)."""
 
     label: str
     option: str
@@ -43,6 +46,8 @@ class UnitChoice:
     rows: int | None = None
     nested: bool = False
     stages: int | None = None
+    partial: int | None = None
+    recomputed: tuple[str, ...] = ()
 
     @property
     def as_option(self) -> Option:
@@ -50,6 +55,8 @@ class UnitChoice:
         a nested segment ``segment2``)."""
         if self.nested:
             return Option(self.option, NESTED)
+        if self.partial is not None:
+            return Option(self.option, self.partial)
         return Option(self.option, self.bits if self.bits is not None else self.rows,
                       self.stages)
 
@@ -58,6 +65,8 @@ def _option_text(c: UnitChoice) -> str:
     """``fewbit 2b`` / ``rows 8`` / ``segment nested`` / the option name."""
     if c.nested:
         return f"{c.option} nested"
+    if c.recomputed:
+        return f"{c.option} ({', '.join(c.recomputed)} recomputed)"
     if c.bits is not None:
         return f"{c.option} {c.bits}b"
     if c.rows is not None:

@@ -25,6 +25,8 @@ _CLOSE = 0.1
 _JOIN_TRIES = 3
 #: options of items :meth:`Search.joined` joins (a plain segment's text is ``"segment"``)
 _JOINABLE = frozenset(("recompute", "segment"))
+#: most plans :meth:`Search.cheapen` compiles
+_CHEAPEN_TRIES = 6
 
 
 class Compiler(Protocol):
@@ -153,6 +155,73 @@ class Search:
                 return
             self.compile(min(joins)[1])
 
+    def cheapen(self, budget: int, best: Choice) -> Choice:
+        """A local search from ``best`` (a plan that fits) over compiled plans, for ``partial``
+        units. Each round tries, in turn: a unit recomputed alone (``recompute``, a segment of
+        one unit, or ``partial``) given one of its cheaper ``partial`` candidates, the move
+        saving the most FLOPs first and, among equal ones, the latest unit first (its
+        residuals live the shortest, from its forward to its backward, which runs first);
+        then, when none of those fits, two neighbouring recomputed items joined into one
+        segment that costs at most 1 % more (it keeps only the joined run's inputs, making
+        room for the next round). A move is compiled and kept when it fits (a join: when it
+        also compiles smaller); the search stops when a round keeps nothing or after
+        ``_CHEAPEN_TRIES`` compiled plans. The byte model adds a unit's extra residuals to
+        every plan, but they cost nothing where that unit's backward runs after the peak:
+        GPT 4x64 on the H100 plan, two blocks of four with their attention stored and the
+        rest recomputed compile to 6.98 MiB where every block recomputed takes 6.47, under a
+        budget of 7.05, for 0.07 of a step less."""
+        m = self.model
+        partial: dict[tuple[int, ...], list[int]] = {}
+        for i, c in enumerate(m.candidates):
+            if c.option.kind == "partial":
+                partial.setdefault(c.cover, []).append(i)
+        if not partial:
+            return best
+        self._cheapen_tries = 0
+        while self._cheapen_tries < _CHEAPEN_TRIES:
+            moves = []
+            for i in best:
+                c = m.candidates[i]
+                if c.cover in partial and c.option.kind in ("recompute", "segment", "partial"):
+                    moves += [(m.candidates[j].cost - c.cost, -c.cover[0], {i}, j)
+                              for j in partial[c.cover] if m.candidates[j].cost < c.cost]
+            found = self._first_fitting(best, sorted(moves, key=lambda t: t[:2]), budget)
+            if found is None:
+                items = m.in_order(best)
+                joins = []
+                for a, b in itertools.pairwise(items):
+                    ca, cb = m.candidates[a], m.candidates[b]
+                    j = m.index.get((ca.cover + cb.cover, "segment"))
+                    if j is not None and {str(ca.option), str(cb.option)} <= _JOINABLE \
+                            and m.candidates[j].cost <= 1.01 * (ca.cost + cb.cost):
+                        joins.append((m.candidates[j].cost - ca.cost - cb.cost, 0, {a, b}, j))
+                found = self._first_fitting(best, sorted(joins, key=lambda t: t[:2]), budget,
+                                            smaller=True)
+            if found is None:
+                break
+            best = found
+        return best
+
+    def _first_fitting(self, best: Choice, moves, budget: int,
+                       smaller: bool = False) -> Choice | None:
+        """The first of ``moves`` (``(_, _, items replaced, new item)``) whose plan fits
+        (and, with ``smaller``, compiles smaller than ``best``), compiling each in turn
+        within :meth:`cheapen`'s budget of compiles."""
+        for *_, old, j in moves:
+            choice = tuple(sorted(set(best) - old | {j}))
+            if choice not in self.tried:
+                if self._cheapen_tries >= _CHEAPEN_TRIES:
+                    return None
+                self._cheapen_tries += 1
+                self.compile(choice)
+                if _DEBUG:
+                    print("plan: cheapen", choice, self.tried[choice])
+            better = self.tried[choice] < self.tried[best] if smaller else \
+                self.cost(choice) < self.cost(best)
+            if better and self.fits(choice, budget):
+                return choice
+        return None
+
     def reachable(self) -> set[Choice]:
         """Compile the uniform nested plans (:meth:`ByteModel.nested_plans`) and the plan of
         least predicted bytes under a model fitted on them and the calibration plans alone:
@@ -236,7 +305,11 @@ class Search:
         gap = sol.gap if sol is not None and sol.choice is not None else 0.0
         status = status if sol is not None else "OPTIMAL"
         if fits:
-            best = min(fits, key=lambda c: (self.cost(c), self.tried[c], c))
+            key = lambda c: (self.cost(c), self.tried[c], c)
+            # the cheapest plan, and the smallest (the most room for partial units)
+            starts = dict.fromkeys((min(fits, key=key),
+                                    min(fits, key=lambda c: (self.tried[c], *key(c)))))
+            best = min((self.cheapen(budget, s) for s in starts), key=key)
             return SearchResult(best, status, gap, max(it, 1))
         return SearchResult(None, status, gap, max(it, 1), self.smallest(canonical))
 

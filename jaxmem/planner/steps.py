@@ -104,7 +104,8 @@ def make_step(fn, factory, cut_labels, runs, conversions, fence=True):
                     present[-1].stop, present[0].depth)
                 merged.append(u)
                 opts[u.label] = "recompute" if o == "segment" else o
-                if o == "segment2":   # nested: its units, or one unit's children, again
+                if o == "segment2" or o.startswith("partial"):
+                    # nested: its units, or one unit's children, again; partial: its children
                     inner[u.label] = present if len(present) > 1 else \
                         _trace.child_units(tr, present[0])
             if used != len(units):

@@ -575,14 +575,47 @@ def nested_fn(jaxpr: Any, u: Unit, inner: Sequence[Unit], fence: bool = True):
         si, so = chunk_io(jaxpr, s.start, s.stop)
         subs.append((_checkpointed(chunk_fn(jaxpr, s.start, s.stop, si, so),
                                    POLICIES["recompute"], fence), si, so))
+    return _in_turn(subs, ins, outs), ins, outs
 
+
+def _in_turn(parts, ins, outs):
+    """A function of ``ins`` returning ``outs`` that runs ``parts`` (``(g, g's inputs, g's
+    outputs)``) in turn."""
     def f(*vals):
         env = dict(zip(ins, vals))
-        for g, si, so in subs:
+        for g, si, so in parts:
             env.update(zip(so, g(*[env[v] for v in si])))
         return [env[v] for v in outs]
 
-    return f, ins, outs
+    return f
+
+
+def partial_fn(jaxpr: Any, u: Unit, inner: Sequence[Unit], stored: Sequence[bool],
+               fence: bool = True):
+    """``(f, ins, outs)``: equations ``[u.start, u.stop)`` run as the sub-chunks ``inner``
+    (its children, :func:`child_units`), those marked ``stored`` as they are (their
+    residuals kept) and each run of consecutive others as one chunk under
+    ``jax.checkpoint(nothing_saveable)`` (fenced unless ``fence=False``): only that run's
+    inputs are kept for it. The same equations, so the same values and gradients."""
+    from jaxmem.planner.options import recomputed_runs
+
+    ins, outs = chunk_io(jaxpr, u.start, u.stop)
+    edges = [u.start] + [s.stop for s in inner]
+    if not inner or len(inner) != len(stored) or [s.start for s in inner] != edges[:-1] \
+            or edges[-1] != u.stop:
+        raise ValueError(f"partial_fn: {len(stored)} flags for the {len(inner)} sub-chunks "
+                         f"that must cover unit {u.label!r} consecutively")
+    runs = dict(recomputed_runs(tuple(stored)))
+    parts, i = [], 0
+    while i < len(inner):
+        j = runs.get(i, i + 1)
+        start, stop = inner[i].start, inner[j - 1].stop
+        si, so = chunk_io(jaxpr, start, stop)
+        g = chunk_fn(jaxpr, start, stop, si, so)
+        parts.append((_checkpointed(g, POLICIES["recompute"], fence) if i in runs else g,
+                      si, so))
+        i = j
+    return _in_turn(parts, ins, outs), ins, outs
 
 
 def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
@@ -592,8 +625,9 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
     ``"recompute"`` runs under ``jax.checkpoint`` with that policy (fenced, see
     :func:`fenced_checkpoint`, unless ``fence=False``); ``"segment2"`` runs its sub-units
     ``inner[label]`` each checkpointed inside one checkpointed chunk (nested recomputation,
-    :func:`nested_fn`); ``"offload"`` keeps its matmul outputs in host memory
-    (:func:`jaxmem.planner.offload.offload_chunk`)."""
+    :func:`nested_fn`); ``"partialK"`` runs its sub-units ``inner[label]`` stored or
+    recomputed as ``Option("partial", K)`` marks them (:func:`partial_fn`); ``"offload"``
+    keeps its matmul outputs in host memory (:func:`jaxmem.planner.offload.offload_chunk`)."""
     jaxpr = closed.jaxpr
     env: dict = {}
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -605,6 +639,11 @@ def run_chunks(closed: Any, units: Sequence[Unit], options: dict[str, str],
         if opt == "segment2":
             f, ins, outs = nested_fn(jaxpr, u, (inner or {}).get(u.label) or [u], fence)
             f = _checkpointed(f, POLICIES["recompute"], fence)
+        elif opt.startswith("partial"):
+            from jaxmem.planner.options import Option, partial_children
+            stored = partial_children(Option.parse(opt).param)
+            f, ins, outs = partial_fn(jaxpr, u, (inner or {}).get(u.label) or [u], stored,
+                                      fence)
         else:
             ins, outs = chunk_io(jaxpr, u.start, u.stop)
             f = chunk_fn(jaxpr, u.start, u.stop, ins, outs)

@@ -104,10 +104,12 @@ def test_option_conversion_and_run_mode():
     assert Option("rows", 4).conversion() == T.Conversion("rows", 4)
     assert Option("recompute").conversion() is None
     assert [Option.parse(k if k not in ("fewbit", "rows") else k + "2").run_as
-            for k in KINDS] == ["store", "dots", "recompute", "segment", "store", "store",
-                                "offload"]
-    assert [k for k in KINDS if Option.parse(k if k not in ("fewbit", "rows") else k + "1")
-            .checkpointed] == ["dots", "recompute", "segment"]
+            for k in KINDS if k != "partial"] == ["store", "dots", "recompute", "segment",
+                                                  "store", "store", "offload"]
+    assert Option.parse("partial13").run_as == "partial13"
+    assert [k for k in KINDS if Option.parse(k if k not in ("fewbit", "rows", "partial") else
+                                             k + ("13" if k == "partial" else "1"))
+            .checkpointed] == ["dots", "recompute", "segment", "partial"]
     assert UnitChoice("d0", "fewbit", 1, 0, 0.0, "", bits=3).as_option == Option("fewbit", 3)
     assert UnitChoice("t", "rows", 1, 0, 0.0, "", rows=8).as_option == Option("rows", 8)
 
