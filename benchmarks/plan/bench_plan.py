@@ -337,11 +337,12 @@ def _fmt_time(x):
 
 
 def _fmt_predicted(r):
-    """``(1.22x)``, or with a conversion priced ``(1.22x + 0.25 conv. = 1.47x)``."""
+    """``(1.221x)``, or with a conversion priced ``(1.221x + 0.25 conv. = 1.47x)`` (three
+    decimals: a goal such as 1.15x is judged on them)."""
     conv = r.get("conversion_time")
     if not r.get("selective") or conv is None:
-        return f"({r['predicted_time']:.2f}x)"
-    return (f"({r['predicted_time']:.2f}x {'+' if conv >= 0 else '-'} {abs(conv):.2f} conv. "
+        return f"({r['predicted_time']:.3f}x)"
+    return (f"({r['predicted_time']:.3f}x {'+' if conv >= 0 else '-'} {abs(conv):.2f} conv. "
             f"= {r['predicted_time'] + conv:.2f}x)")
 
 

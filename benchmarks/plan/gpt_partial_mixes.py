@@ -1,8 +1,9 @@
 """Which GPT blocks can run ``partial`` within 25 % of the default, on a target's plan.
 
 The bench's GPT 4x64 (ctx 64, batch 16) under ``jaxmem.scope()``, planned as the planner
-plans it at 25 %: the embeddings joined to the first block's segment, the head
-(``ln_f..(rest)``) one segment, and each block either recomputed whole or ``partial`` (its
+plans it at 25 %: the embeddings joined to the first block's segment, the final norm and
+the head's product (``ln_f..wte.attend``) one segment, the loss after them stored, and each
+block either recomputed whole or ``partial`` (its
 attention stored, its layer norms and MLP recomputed: the planner's first ``partial``
 candidate). Every mix of the four blocks is compiled for ``--target``; predicted time is the
 planner's own (1 + the items' recomputed FLOPs / 3 x the step's forward FLOPs, as
@@ -56,7 +57,7 @@ def main(argv=None):
         if c.option.kind == "partial":
             partial.setdefault(labels[c.cover[0]], c)
     step_flops = 3.0 * prof.total_flops
-    head = (tuple(lbl for lbl in labels[labels.index("ln_f"):]), "segment")
+    head = [(("ln_f", "wte.attend"), "segment"), (("(rest)",), "store")]
     rows = []
     for mix in itertools.product((False, True), repeat=len(BLOCKS)):
         runs = []
@@ -67,7 +68,7 @@ def main(argv=None):
             runs.append((("wte", "wpe", "h_0"), "segment"))
         runs += [((b,), str(partial[b].option) if p else "recompute")
                  for b, p in zip(BLOCKS[1:], mix[1:])]
-        runs.append(head)
+        runs += head
         cost = sum(by_key[(lbls, opt)].cost for lbls, opt in runs if opt != "store")
         step = make_step(loss, api._glue_scope, prof.cut_labels, runs, {}, fence=False)
         b = compiled_total(jax.value_and_grad(step), args, a.target)
@@ -84,7 +85,8 @@ def main(argv=None):
         f"(jax {jax.__version__}; {time.time() - t0:.0f} s). GPT 4x64, ctx 64, batch 16 "
         f"under `jaxmem.scope()`; default {default / MIB:.2f} MiB, budget "
         f"{budget / MIB:.2f} MiB. Every plan: the embeddings joined to the first block's "
-        "segment (or stored, where the first block is `partial`), the head one segment. "
+        "segment (or stored, where the first block is `partial`), `ln_f..wte.attend` one "
+        "segment, the loss after it stored. "
         f"`partial` = the block's {', '.join(kept)} stored, the rest recomputed "
         f"({by_key[(('h_1',), str(p.option))].cost / 1e6:.1f} MFLOP against "
         f"{by_key[(('h_1',), 'recompute')].cost / 1e6:.1f} for the whole block). Compiled = "

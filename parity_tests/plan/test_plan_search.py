@@ -2,6 +2,8 @@
 bytes): typed options, the byte model and its calibration, the search's promises (budget met
 when reachable, the least reachable total reported when not, ``jax.grad`` checked too, least
 cost among the plans that fit) and the explanation. Nothing here traces or compiles a model."""
+import types
+
 import numpy as np
 import pytest
 
@@ -518,8 +520,8 @@ def test_plan_retries_the_other_variant_when_refused(monkeypatch):
 
     monkeypatch.setattr(api, "_plan", fake_plan)
     settings = api._Settings()
-    meets = "the unscoped plan"
-    assert api._plan_finer(lambda p: p, (1.0,), 0.25, settings) == meets
+    meets = types.SimpleNamespace(predicted_time_total=1.2, conversion_time=0.0)
+    assert api._plan_finer(lambda p: p, (1.0,), 0.25, settings) is meets
     assert seen == [(True, 0), (True, 1), (False, 0)]
     for meets, meets_not, least in ((None, 40, 40), (None, 70, 50)):
         seen.clear()
@@ -527,3 +529,36 @@ def test_plan_retries_the_other_variant_when_refused(monkeypatch):
             api._plan_finer(lambda p: p, (1.0,), 0.25, settings)
         assert e.value.smallest_bytes == least
         assert seen == [(True, 0), (True, 1), (False, 0), (False, 1)]
+
+
+@pytest.mark.parametrize("other_total, expect", [(1.2, "other"), (1.5, "twin"), (None, "twin")])
+def test_plan_weighs_a_later_converted_plan_against_the_next_variant(monkeypatch, other_total,
+                                                                     expect):
+    """After a refused first variant, a plan that carries the conversion's own FLOPs is not
+    returned at once: the next variant is planned too and the plan of least
+    ``predicted_time_total`` returned (a refusal of that variant keeps the first plan)."""
+    from jaxmem.planner import api
+
+    first = api._Variant(True, api._glue_scope, 100, None)
+    twin = api._Variant(True, api._glue_scope, 110, None, residual_adds=False)
+    other = api._Variant(False, None, 150, None)
+    plans = {"twin": types.SimpleNamespace(predicted_time_total=1.3, conversion_time=0.17),
+             "other": types.SimpleNamespace(predicted_time_total=other_total,
+                                            conversion_time=0.0)}
+    seen = []
+
+    def fake_plan(step, args, budget, s, finer, cache):
+        if "variant" not in cache:
+            cache["variant"], cache["pending"] = first, [twin, other]
+        v = cache["variant"]
+        name = "first" if v is first else "twin" if v is twin else "other"
+        seen.append(name)
+        if name == "first" or (name == "other" and other_total is None):
+            raise BudgetError("refused", 50, {}, finer_units=False)
+        return plans[name]
+
+    monkeypatch.setattr(api, "_plan", fake_plan)
+    monkeypatch.setattr(api, "_traced_variants", lambda *a, **k: [])
+    got = api._plan_finer(lambda p: p, (1.0,), 0.25, api._Settings())
+    assert got is plans[expect]
+    assert seen == ["first", "twin", "other"]
