@@ -111,18 +111,11 @@ class ByteModel:
 
     def items(self, theta: np.ndarray) -> list[_solve.Item]:
         """The solver's items: calibrated bytes ``held - a_kind * saving`` (measured saving
-        for a measured candidate) and work ``b * work_bytes``. ``partial`` candidates are
-        left to :meth:`jaxmem.planner.search.Search.cheapen`, which compiles them from a plan
-        that fits: here they keep a byte more than storing, so the solver never picks one
-        (offered to it, they changed the search's path: ResNet-50 b64 at 25 % on the H100
-        plan was refused under the scope it otherwise meets the budget with)."""
+        for a measured candidate) and work ``b * work_bytes``."""
         coef = dict(zip(FITTED, theta))
         out = []
         for i, c in enumerate(self.candidates):
             full = self.held(c)
-            if c.option.kind == "partial":
-                out.append(_solve.Item(c.cover, c.option, full + 1, 0, c.cost))
-                continue
             if i in self.measured:
                 out.append(_solve.Item(c.cover, c.option, int(full - self.measured[i]), 0,
                                        c.cost))

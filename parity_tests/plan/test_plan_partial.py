@@ -222,3 +222,18 @@ def test_cheapen_is_bounded_and_a_no_op_without_partial_candidates():
     st = plain.uniform("recompute")
     assert s2.cheapen(10**9, st) == st
     assert "partial" in FITTED
+
+
+@pytest.mark.parametrize("objective, budget", [("time", 10**9), ("bytes", None),
+                                                ("time", 100 * KIB + 100 * KIB)])
+def test_solver_never_picks_a_partial_candidate(objective, budget):
+    """The solver is given no ``partial`` candidate (``Search.cheapen`` tries them on
+    compiled plans): with the stored plan forbidden, the cheapest other plan would be one
+    ``partial`` unit (cost 4 against 10 recomputed); the solver returns a plan without it."""
+    m = _partial_model()
+    s = Search(m, PeakCompiler(m, 100 * KIB))
+    store = m.uniform("store")
+    sol = s.solve(m.fit(s.tried), budget, objective, forbidden=[store])
+    assert sol.choice is not None and sol.choice != store
+    assert all(m.candidates[i].option.kind != "partial" for i in sol.choice)
+    assert sol.choice == tuple(sorted(sol.choice))
