@@ -29,8 +29,9 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
         return (f"{what} into {param} tiles: recompute {extra / 1e6:.1f} MFLOP to drop "
                 f"{saved / _MIB:.3f} MiB (exact)")
     if kind == "partial":
-        return (f"recompute {extra / 1e6:.1f} MFLOP ({', '.join(_recomputed(cand))} again; "
-                f"{', '.join(_stored(cand))} stored) to drop {saved / _MIB:.3f} MiB")
+        return (f"recompute {extra / 1e6:.1f} MFLOP ({', '.join(_children(cand, False))} "
+                f"again; {', '.join(_children(cand, True))} stored) to drop "
+                f"{saved / _MIB:.3f} MiB")
     if cand.option.nested:
         inner = f"its {len(cand.cover)} units" if len(cand.cover) > 1 else "its children"
         return (f"recompute {extra / 1e6:.1f} MFLOP, nested (as one chunk, then {inner} "
@@ -39,15 +40,10 @@ def _why(cand: Candidate, saved: int, extra: float) -> str:
     return f"recompute {extra / 1e6:.1f} MFLOP to drop {saved / _MIB:.3f} MiB"
 
 
-def _recomputed(cand: Candidate) -> tuple[str, ...]:
-    """A ``partial`` candidate's recomputed children, by label."""
+def _children(cand: Candidate, stored: bool) -> tuple[str, ...]:
+    """A ``partial`` candidate's stored (or recomputed) children, by label."""
     flags = partial_children(cand.option.param)
-    return tuple(lbl for lbl, s in zip(cand.children, flags) if not s)
-
-
-def _stored(cand: Candidate) -> tuple[str, ...]:
-    flags = partial_children(cand.option.param)
-    return tuple(lbl for lbl, s in zip(cand.children, flags) if s)
+    return tuple(lbl for lbl, s in zip(cand.children, flags) if s == stored)
 
 
 def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
@@ -67,7 +63,7 @@ def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
                               rows=param if kind == "rows" else None,
                               nested=cand.option.nested, stages=cand.option.stages,
                               partial=param if kind == "partial" else None,
-                              recomputed=_recomputed(cand) if kind == "partial" else ()))
+                              recomputed=_children(cand, False) if kind == "partial" else ()))
     return tuple(out)
 
 
