@@ -346,25 +346,21 @@ there, and the CPU `floor` of DP is what the step asks for, not what XLA:CPU doe
 DP sits near the all-reduce floor (`jaxmem temp / floor` column), so its percentage shrinks
 while the activations shrink as on one device (residual column).
 
-Why the H100 plan's per-device saving stays below one device's: a reading of XLA's
-live-range dump of each compiled step (the bytes live at its peak, arguments excluded) made on
-2026-11-26, with that day's conversion (its figures are not this run's). GPT DP: 29.50 MiB
-(default) and 22.16 MiB (jaxmem) live at the peak, 7.34 MiB less, close to the 7.94 MiB
-jaxmem saves on one device at batch 2; but XLA:GPU's heap packing leaves 4.13 MiB of
-jaxmem's allocation unused at the peak (1.25 MiB of the default's), so `temp` falls by
-4.47 MiB only. GPT FSDP: 28.79 / 25.53 MiB live at the peak for a `temp` of 40.53 / 34.36
-MiB: the all-gather of every parameter (12.7 MiB, one combined collective at the start) is
-freed layer by layer during the backward and the heap keeps its holes; the gathered
-parameters are not what is live at the peak. GPT TP: 33.50 -> 28.53 MiB live (4.97 MiB
-saved); a device holds half of the Megatron-split activations and all of the replicated
-ones (layer norms, residual stream, embeddings), so its mix differs from one device at batch
-4. ResNet-50 DP: 7.11 MiB (default) and 8.69 MiB (jaxmem) live at the peak, so jaxmem's
-step holds more there, not less; its peak sits in the last stage's backward and holds
-weight-shaped buffers (the 3x3 kernels transposed for cuDNN, 3 x 0.56 MiB of
-f32[128,3,3,128], and weight gradients of cuDNN's backward-filter convolutions,
-f32[512,1,1,256] and f32[512,1,1,128]) where the default's holds one 2.25 MiB transpose
-fusion; jaxmem's smaller residuals (3.59 vs 6.95 MiB) do not set that peak. ResNet-50 TP:
-5.94 -> 6.84 MiB live at the peak, the same kind of peak. The collectives of every jaxmem
+What sets each step's `temp` on the H100 plan is in `live_peaks.md`
+(`benchmarks/distributed/live_peaks.py`: the values of a device's temp allocation live
+together at its peak, `jaxmem.measure.live_peak_of_lowered`). XLA:GPU packs every step
+tightly: at most 1.50 MiB of a temp allocation (GPT FSDP default, 3.7 %) is not live at its
+peak, so what jaxmem removes from the live set comes off `temp`. GPT: jaxmem's DP and FSDP
+steps peak in the first backward layer's MLP (`h_3`), holding each layer's MLP hidden (1 MiB a
+layer at 2 examples a device) and a 2 MiB weight-gradient product; the default's DP step
+peaks in `h_0`'s backward with every layer's residuals alive, its FSDP step holds the
+parameters it gathered. Under TP a device holds half of the Megatron-split activations, all
+of the replicated ones (layer norms, residual stream, embeddings) and the LM head's 2 MiB
+logits shard at its peak, so its mix differs from one device at batch 4. ResNet-50: the
+default's DP and TP steps peak in the last stage's backward with weight-shaped buffers (the
+3x3 kernels of `layer4`, 0.56 MiB each, and the backward-filter convolutions' gradients);
+jaxmem's DP step peaks in the first stage (0.12 MiB maps), its FSDP step at `layer4_0`'s
+gathered 3x3 kernel (0.56 MiB in two layouts). The collectives of every jaxmem
 step are, kind by kind, no more than the default's on both plans, except ResNet-50 under TP:
 the bottleneck expansion that its BatchNorm's backward recomputes (`conv_recompute=True`)
 repeats its forward all-gather (the `<= default` column; `conv_recompute=False` keeps the
@@ -517,10 +513,10 @@ def main():
         md += [table(rows, t), ""]
     if shown and out == OUT:
         md += ["## Reading the tables", "", READING, ""]
-    elif shown:  # the reading quotes the live-range figures of the default results' run
+    elif shown:  # the reading describes the default results' run and its live_peaks.md
         md += ["## Reading the tables", "", ("Not written for this run: the reading of "
-               "`benchmarks/results/distributed/distributed.md` quotes the live-range figures "
-               "of its own run."), ""]
+               "`benchmarks/results/distributed/distributed.md` describes its own run (and "
+               "`live_peaks.md` beside it)."), ""]
     (out / "distributed.md").write_text("\n".join(md))
     print("\n".join(md))
 

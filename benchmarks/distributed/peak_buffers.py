@@ -1,10 +1,9 @@
 """Which buffers are live at the peak of a compiled program (per device).
 
-XLA's dump of the compiled module (``compiler_options={"xla_dump_to": dir}``) holds a
-``*-live-range.txt`` file: the instruction sequence, every buffer's live range and the list
-of buffers live at the peak with their sizes. :func:`peak_buffers` compiles ``fn`` for
-``args`` with that dump and returns the list, largest first, so a per-device figure can be
-explained buffer by buffer (e.g. which residual is replicated, which tile is larger).
+:func:`peak_buffers` compiles ``fn`` for ``args`` and reads its buffer assignment and live
+ranges with :func:`jaxmem.measure.live_peak_of_lowered`: the values of the temp allocation
+live together at its peak, largest first, so a per-device figure can be explained buffer by
+buffer (e.g. which residual is replicated, which tile is larger).
 
 Usage: ``from peak_buffers import peak_buffers`` inside a benchmark, or run the module for
 the spatial rowconv configurations::
@@ -13,63 +12,27 @@ the spatial rowconv configurations::
 """
 from __future__ import annotations
 
-import glob
 import os
-import re
 import sys
-import tempfile
-
-_LIVE = re.compile(r"^\s+(\S+): (\d+) bytes \(cumulative: (\d+) bytes\)")
 
 
-def parse_live_range(text: str) -> list[tuple[str, int]]:
-    """``(buffer, bytes)`` of the 'Live ranges at N (peak)' section, largest first."""
-    out, on = [], False
-    for line in text.splitlines():
-        if line.strip().startswith("Live ranges at") and "(peak)" in line:
-            on = True
-            continue
-        if on:
-            m = _LIVE.match(line)
-            if not m:
-                break
-            out.append((m.group(1), int(m.group(2))))
-    return sorted(out, key=lambda t: -t[1])
-
-
-def peak_buffers(fn, *args, dump_dir: str | None = None):
-    """``(compiled, [(buffer, bytes), ...])``: the buffers live at the compiled program's
-    peak, largest first (entry computation; the peak XLA's heap simulator reports)."""
+def peak_buffers(fn, *args):
+    """The :class:`jaxmem.measure.LivePeak` of ``fn`` compiled for ``args`` on this host's
+    devices (``fn`` jitted unless it is already)."""
     import jax
 
-    d = dump_dir or tempfile.mkdtemp(prefix="xla_dump_")
+    from jaxmem.measure import live_peak_of_lowered
+
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = jitted.lower(*args).compile(compiler_options={"xla_dump_to": d})
-    files = sorted(glob.glob(os.path.join(d, "*after_optimizations-live-range.txt")),
-                   key=os.path.getmtime)
-    if not files:
-        raise RuntimeError(f"no live-range dump in {d}")
-    with open(files[-1]) as fh:
-        return compiled, parse_live_range(fh.read())
+    return live_peak_of_lowered(jitted.lower(*args))
 
 
-def hlo_shapes(compiled) -> dict:
-    """``{instruction name: result type}`` of the compiled entry computation."""
-    out = {}
-    for line in compiled.as_text().splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", line)
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
-
-
-def report(label, compiled, bufs, top=25):
-    shapes = hlo_shapes(compiled)
-    tot = sum(b for _, b in bufs)
-    print(f"== {label}: {len(bufs)} buffers live at the peak, {tot / 2**20:.2f} MiB", flush=True)
-    for name, b in bufs[:top]:
-        base = name.split("{")[0]
-        print(f"   {b / 2**20:8.2f} MiB  {name:40s} {shapes.get(base, '')}", flush=True)
+def report(label, peak, top=25):
+    print(f"== {label}: temp {peak.temp_bytes / 2**20:.2f} MiB, "
+          f"{peak.live_bytes / 2**20:.2f} MiB live at the peak "
+          f"({len(peak.buffers)} buffers)", flush=True)
+    for b in peak.buffers[:top]:
+        print(f"   {b.bytes / 2**20:8.2f} MiB  {b.name:40s} {b.shape}", flush=True)
 
 
 def _main():
@@ -108,10 +71,7 @@ def _main():
         for t in args.tiles:
             rows = rc.segment_rows(layers, shape, t, "overlap")
             g = grad_of(lambda p, x, rows=rows: rc.apply(layers, p, x, rows=rows))
-            c, b = peak_buffers(g, params, x)
-            m = c.memory_analysis()
-            report(f"1 device rowconv N={t} temp {m.temp_size_in_bytes / 2**20:.2f} MiB",
-                   c, b, args.top)
+            report(f"1 device rowconv N={t}", peak_buffers(g, params, x), args.top)
     for n in args.devices:
         mesh = Mesh(np.array(jax.devices()[:n]), ("rows",))
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "rows")))
@@ -121,10 +81,7 @@ def _main():
             lr = [min(t, s.local_out) for s in plan.segments]
             g = grad_of(lambda p, x, lr=lr, mesh=mesh: spatial_apply(
                 layers, p, x, mesh=mesh, axis_name="rows", rows=lr))
-            c, b = peak_buffers(g, ps, xs)
-            m = c.memory_analysis()
-            report(f"spatial {n} devices rows={lr} temp {m.temp_size_in_bytes / 2**20:.2f} MiB",
-                   c, b, args.top)
+            report(f"spatial {n} devices rows={lr}", peak_buffers(g, ps, xs), args.top)
 
 
 if __name__ == "__main__":

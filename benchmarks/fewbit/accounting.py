@@ -4,8 +4,8 @@
 
 For each configuration, compiles ``jit(grad(loss))`` of the benchmark GPT (d 128, ctx 128,
 batch 8, as in memory.py) at depths 2 and 4 with XLA's buffer dumps switched on (one
-subprocess per compile: ``XLA_FLAGS=--xla_dump_to``), reads the live-range report at XLA's
-peak and lists the arrays live at the peak per added layer (count at depth 4 minus count at
+subprocess per compile: ``XLA_FLAGS=--xla_dump_to``), reads what is live at the peak of the
+temp allocation (``jaxmem.measure.read_live_peak``) and lists those arrays per added layer (count at depth 4 minus count at
 depth 2, divided by 2), labelled by the op that produced them, in units of
 ``E = batch * (ctx-1) * d_model * 4 B = 0.496 MiB`` (one float32 activation of the residual
 stream).  Also prints the compiled-bytes slope and the jaxpr-level residual entries per layer.
@@ -61,23 +61,14 @@ def _label(op_name: str) -> str:
 
 
 def _peak_buffers(dump: pathlib.Path) -> collections.Counter:
-    lr = next(dump.glob("*jit_loss*live-range.txt"))
-    hlo = next(p for p in dump.glob("*jit_loss.cpu_after_optimizations.txt"))
-    text = hlo.read_text()
-    lines = lr.read_text().splitlines()
-    start = next(i for i, s in enumerate(lines) if "(peak)" in s)
+    """Bytes per (producing op, shape) of the temp values live at the peak of the dumped
+    ``jit(grad(loss))`` (:func:`jaxmem.measure.read_live_peak`)."""
+    from jaxmem.measure import read_live_peak
+
     out = collections.Counter()
-    for s in lines[start + 1:]:
-        if "Stack trace" in s:
-            break
-        m = re.match(r"\s*(\S+?)\{\}: (\d+) bytes", s)
-        if not m or m.group(1).startswith(("p__", "tok")):
-            continue
-        name, nbytes = m.group(1), int(m.group(2))
-        d = re.search(rf"%{re.escape(name)} = (\S+) .*?op_name=\"([^\"]*)\"", text)
-        shape = d.group(1) if d else "?"
-        label = _label(d.group(2)) if d else name
-        out[(label, re.sub(r"\{.*", "", shape))] += nbytes
+    for b in read_live_peak(str(dump), "jit_loss").buffers:
+        label = _label(b.op_name) if b.op_name else b.name
+        out[(label, re.sub(r"\{.*", "", b.shape))] += b.bytes
     return out
 
 
@@ -91,7 +82,7 @@ def measure(cfg: dict, L: int) -> tuple[dict, collections.Counter]:
 
 
 def main() -> None:
-    md = ["## Bytes per GPT layer, accounted (XLA live buffers at the peak)", "",
+    md = ["## Bytes per GPT layer, accounted (values of XLA's temp allocation live at its peak)", "",
           ("GPT d 128, ctx 128 (127 used), batch 8, 4 heads; full training gradient. "
           f"Unit E = 8*127*128*4 B = {E / 2**20:.3f} MiB (one float32 residual-stream "
           "activation; the MLP hidden is 4E, the attention matrix 3.97E). Per layer = "

@@ -1,7 +1,7 @@
 """What bounds the smallest compiled plan of ResNet-50 (quick case of ``bench_plan.py``).
 
 Builds the planner's steps directly (every unit recomputed; one segment over the whole
-network), compiles them with XLA's buffer dump and sorts the buffers live at the peak into
+network), compiles them and sorts what is live at the peak (``jaxmem.measure.live_peak``) into
 kinds: arguments, results of the backward ``cond``s outside their branch (parameter
 gradients, the cotangent handed to the next unit), forward values kept for the backward
 (unit inputs), and the working set inside the ``cond`` branch that is running (recompute +
@@ -17,11 +17,8 @@ the planner's per-unit step (fp32, the arguments of ``resnet_case``).
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import re
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -31,46 +28,32 @@ import jaxmem
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_plan import gpt_case, resnet_case
 
-from jaxmem.measure import compiled_memory
+from jaxmem.measure import compiled_memory, live_peak
 from jaxmem.planner import trace as T
 from jaxmem.planner.api import _make_step
 
 MIB = 2.0**20
-_TOP = re.compile(r"^      [├└]── (.*) \([\d.]+%, total: ([\d ]+) bytes")
 
 
 def peak_kinds(fn, *args) -> dict[str, float]:
-    """MiB per kind of the buffers live at the compiled ``fn``'s peak (XLA's heap
-    simulator, from the ``*-live-range.txt`` dump)."""
-    with tempfile.TemporaryDirectory(prefix="resnet_floor_") as d:
-        jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": d})
-        path = max(glob.glob(os.path.join(d, "*after_optimizations-live-range.txt")),
-                   key=os.path.getmtime)
-        with open(path) as fh:
-            lines = fh.read().splitlines()
-    kinds: dict[str, float] = {}
-    on = False
-    for line in lines:
-        if line.strip().startswith("Stack trace breakdown for peak usage"):
-            on = True
-            continue
-        m = _TOP.match(line) if on else None
-        if not m:
-            continue
-        name, b = m.group(1), int(m.group(2).replace(" ", ""))
-        if name.startswith("args["):
-            k = "arguments"
-        elif "/cond{" in name:
+    """MiB per kind of what is live at the compiled ``fn``'s peak: its arguments, and the
+    values of its temp allocation live there (:func:`jaxmem.measure.live_peak`), sorted by
+    the JAX op that defines them."""
+    peak = live_peak(fn, *args)
+    kinds = {"arguments": compiled_memory(fn, *args).argument_bytes / MIB}
+    for b in peak.buffers:
+        op = b.op_name
+        if b.name.startswith("conditional"):
             k = "cond results (parameter gradients, cotangents)"
-        elif "/cond" in name:
+        elif "/cond" in op:
             k = "inside the running cond branch (recompute + VJP)"
-        elif "jvp(" in name and "transpose(" not in name:
+        elif "jvp(" in op and "transpose(" not in op:
             k = "forward values kept (unit inputs)"
-        elif "/" not in name:
+        elif not op:
             k = "unattributed XLA buffers (copies, layout changes)"
         else:
             k = "other backward values"
-        kinds[k] = kinds.get(k, 0.0) + b / MIB
+        kinds[k] = kinds.get(k, 0.0) + b.bytes / MIB
     return kinds
 
 

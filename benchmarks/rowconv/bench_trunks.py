@@ -321,55 +321,12 @@ BEFORE_H100 = {"untiled": 311.9, "OverL-H N=8": 49.6, "OverL-H N=16": 46.30}
 
 def _live_breakdown(step, args, target, top=6):
     """``(temp MiB, live peak MiB, [(MiB, HLO value, shape)] live at the peak)`` of the temp
-    allocation, from XLA's ``--xla_dump_to`` buffer assignment and live ranges."""
-    import glob
-    import re
-    import tempfile
+    allocation (:func:`jaxmem.measure.live_peak`)."""
+    from jaxmem.measure import live_peak
 
-    from jaxmem.measure.compiled import _prepare
-    from jaxmem.measure.target import compile_lowered
-
-    lowered, t, _ = _prepare(step, args, (), (), target, 1, "auto", "bench_trunks")
-    with tempfile.TemporaryDirectory(prefix="rowconv-dump-") as d:
-        compile_lowered(lowered, t, "auto", {"xla_dump_to": d})
-        with open(max(glob.glob(d + "/*after_optimizations-buffer-assignment.txt"))) as f:
-            ba = f.read()
-        with open(max(glob.glob(d + "/*after_optimizations-live-range.txt"))) as f:
-            lr = f.read()
-    live = lr.split("BufferLiveRange:")[1].split("Live ranges at")[0]
-    ranges = {m.group(1): (int(m.group(2)), int(m.group(3)))
-              for m in re.finditer(r"^\s+(\S+):(\d+)-(\d+)$", live, re.MULTILINE)}
-    temp = ba[ba.index("preallocated-temp"):]
-    nxt = temp.find("\nallocation ")
-    temp = temp if nxt < 0 else temp[:nxt]
-    vals = []
-    for m in re.finditer(r"value: <\d+ (\S+)(?: \(phi\))? @0> \(size=(\d+),offset=(\d+)\): "
-                         r"(\S+)", temp):
-        # live ranges name an array value `name{}`, a tuple element `name{i}`
-        n = m.group(1) if m.group(1) in ranges else m.group(1) + "{}"
-        if n in ranges:
-            vals.append((n, int(m.group(2)), int(m.group(3)), m.group(4)))
-    T = max(b for a, b in ranges.values()) + 1
-    best, at = -1, 0
-    for t_ in range(T):
-        spans = sorted((o, o + s) for n, s, o, _ in vals if s and ranges[n][0] <= t_ <= ranges[n][1])
-        tot, cur = 0, None
-        for lo, hi in spans:  # union of byte ranges: values sharing a buffer count once
-            if cur is None or lo > cur[1]:
-                tot += 0 if cur is None else cur[1] - cur[0]
-                cur = [lo, hi]
-            else:
-                cur[1] = max(cur[1], hi)
-        tot += 0 if cur is None else cur[1] - cur[0]
-        if tot > best:
-            best, at = tot, t_
-    alloc = max(o + s for _, s, o, _ in vals)
-    seen, items = set(), []
-    for n, s, o, sh in sorted(vals, key=lambda v: -v[1]):
-        if ranges[n][0] <= at <= ranges[n][1] and (o, s) not in seen:
-            seen.add((o, s))
-            items.append((round(s / 2**20, 2), n, sh.split("{")[0]))
-    return round(alloc / 2**20, 2), round(best / 2**20, 2), items[:top]
+    p = live_peak(step, *args, target=target)
+    items = [(round(b.bytes / 2**20, 2), b.name, b.shape.split("{")[0]) for b in p.buffers]
+    return round(p.temp_bytes / 2**20, 2), round(p.live_bytes / 2**20, 2), items[:top]
 
 
 # checkpoints after every pool (-H, five segments), or after pools 2-4 only (the first two

@@ -5,6 +5,9 @@
    on this CPU or for a GPU target without a GPU (``target="h100"``; :mod:`.target`).
 3. :func:`peak_memory` — what a real run allocates, measured in a fresh subprocess.
 
+:func:`live_peak` says what sets level 2: the values live together at the peak of XLA's temp
+allocation, read from the compile's buffer assignment and live ranges.
+
 :func:`slope` turns any of them into bytes per added layer, the headline metric for
 layer-wise techniques. The PyTorch twins live in ``torch_ref.measure``.
 """
@@ -14,6 +17,13 @@ from jaxmem.measure.compiled import (
     buffer_assignment,
     compiled_hlo,
     compiled_memory,
+)
+from jaxmem.measure.live import (
+    LiveBuffer,
+    LivePeak,
+    live_peak,
+    live_peak_of_lowered,
+    read_live_peak,
 )
 from jaxmem.measure.peak import PeakMemory, peak_memory
 from jaxmem.measure.residuals import ResidualEntry, ResidualReport, residual_bytes
@@ -31,6 +41,8 @@ __all__ = [
     "TARGETS",
     "CompiledMemory",
     "GpuPlanUnavailable",
+    "LiveBuffer",
+    "LivePeak",
     "PeakMemory",
     "ResidualEntry",
     "ResidualReport",
@@ -39,7 +51,10 @@ __all__ = [
     "compiled_hlo",
     "compiled_memory",
     "gpu_plan_available",
+    "live_peak",
+    "live_peak_of_lowered",
     "peak_memory",
+    "read_live_peak",
     "residual_bytes",
     "slope",
     "target_mesh",
