@@ -236,6 +236,13 @@ def _glue_scope(residual_adds: bool = True):
     return scope_options(_options.Options(residual_adds=residual_adds), label="jaxmem.plan")
 
 
+def _live_peak(step, args, target):
+    """What is live at the peak of ``value_and_grad(step)`` compiled for ``target``."""
+    from jaxmem.measure import live_peak
+
+    return live_peak(jax.value_and_grad(step), *args, target=target)
+
+
 def _baseline(step, args, target, cache):
     """Compiled memory of the untouched ``value_and_grad(step)`` (kept in ``cache``)."""
     if "default" not in cache:
@@ -455,8 +462,14 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         # the untouched step is a plan too: it meets any budget of at least its own bytes
         untouched = _untouched_bytes(step, args, cm0, s.target, cache)
         smallest = untouched if res.smallest is None else min(res.smallest, untouched)
+        if res.smallest is None or untouched <= res.smallest or not search.tried:
+            smallest_step = step
+        else:
+            smallest_step = compiler.build(min(search.tried, key=search.tried.__getitem__))
         raise _explain.refusal(budget_bytes, smallest, cm0, prof.labels, prof.stored,
-                               len(search.tried), finer_units)
+                               len(search.tried), finer_units,
+                               peak_of=functools.partial(_live_peak, smallest_step, args,
+                                                         s.target))
     choices = _explain.unit_choices(model, res.choice, prof.labels, fence)
     if s.target != "cpu" and compiler.checkpointed(res.choice):
         notes.append(f"{s.target} plan: this plan's recomputed units run "

@@ -132,9 +132,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                      logits_chunk=a.logits_chunk)
         except BudgetError as e:
             console.print(f"[red]{e}")
-            (out / "plan.json").write_text(json.dumps(
-                {"error": str(e), "smallest_bytes": e.smallest_bytes,
-                 "dominant": e.dominant}, indent=1))
+            report = {"error": str(e), "smallest_bytes": e.smallest_bytes,
+                      "dominant": e.dominant}
+            try:
+                peak = e.smallest_peak()
+            except Exception as pe:  # noqa: BLE001 - the refusal stands without its reading
+                console.print(f"(its peak could not be read: {type(pe).__name__}: {pe})")
+            else:
+                if peak is not None:
+                    console.print(f"at that plan's peak: {peak}\n{peak.top(5)}", markup=False)
+                    report["smallest_peak"] = {
+                        "temp_bytes": peak.temp_bytes, "live_bytes": peak.live_bytes,
+                        "instruction": f"{peak.instruction}:{peak.instruction_name}",
+                        "largest": [{"bytes": b.bytes, "shape": b.shape, "op": b.op_name}
+                                    for b in peak.buffers[:5]]}
+            (out / "plan.json").write_text(json.dumps(report, indent=1))
             return 2
     console.print(p)
     for note in p.notes:

@@ -68,9 +68,10 @@ def unit_choices(model: ByteModel, choice: Choice, labels: Sequence[str],
 
 
 def refusal(budget: int, smallest: int, cm0, labels: Sequence[str], stored: Sequence[int],
-            n_compiled: int, finer_units: bool) -> BudgetError:
+            n_compiled: int, finer_units: bool, peak_of=None) -> BudgetError:
     """The error of a refused ``budget``: ``smallest`` is the least total reached, ``cm0``
-    the untouched step's compiled memory (arguments and outputs bound every plan)."""
+    the untouched step's compiled memory (arguments and outputs bound every plan);
+    ``peak_of()`` reads the live peak of the plan that reached ``smallest``."""
     floor = cm0.argument_bytes + cm0.output_bytes - cm0.alias_bytes
     n = len(labels)
     dominant = {"arguments (parameters, batch, state)": cm0.argument_bytes,
@@ -94,5 +95,6 @@ def refusal(budget: int, smallest: int, cm0, labels: Sequence[str], stored: Sequ
         f"plan: budget {budget / _MIB:.2f} MiB cannot be met; {lead}the smallest compiled "
         f"total reached is {smallest / _MIB:.2f} MiB (a budget plan meets; default "
         f"{cm0.total_bytes / _MIB:.2f} MiB; {n} units, {n_compiled} plans compiled); dominated "
-        f"by {parts}" + (" (arguments and outputs)" if below else ""),
-        smallest, dominant, finer_units=finer_units and not below)
+        f"by {parts}" + (" (arguments and outputs)" if below else "")
+        + ("; err.smallest_peak() says what is live at that plan's peak" if peak_of else ""),
+        smallest, dominant, finer_units=finer_units and not below, peak_of=peak_of)

@@ -14,14 +14,24 @@ __all__ = ["BudgetError", "MemoryPlan", "UnitChoice"]
 
 
 class BudgetError(ValueError):
-    """The budget cannot be met; ``smallest_bytes`` is the least compiled total reached."""
+    """The budget cannot be met; ``smallest_bytes`` is the least compiled total reached.
+    :meth:`smallest_peak` says what is live at that plan's peak."""
 
     def __init__(self, msg: str, smallest_bytes: int, dominant: dict[str, int],
-                 finer_units: bool = False):
+                 finer_units: bool = False, peak_of=None):
         super().__init__(msg)
         self.smallest_bytes = smallest_bytes
         self.dominant = dominant
         self.finer_units = finer_units   # a finer cut into units exists (plan tries it)
+        self._peak_of, self._peak = peak_of, None
+
+    def smallest_peak(self):
+        """The :class:`jaxmem.measure.LivePeak` of the smallest plan reached (its
+        ``value_and_grad`` compiled again with XLA's dump, once: seconds), e.g.
+        ``print(err.smallest_peak().top(5))``; ``None`` where no plan was built."""
+        if self._peak is None and self._peak_of is not None:
+            self._peak = self._peak_of()
+        return self._peak
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,6 +229,12 @@ def test_plan_refused_below_arguments_reports_reached_smallest():
     floor = sum(e.value.dominant[k] for k in ("arguments (parameters, batch, state)",
                                               "outputs (loss, gradients)"))
     assert e.value.smallest_bytes > floor   # a compiled plan, above the lower bound
+    # what is live at that plan's peak: its temporaries, within the smallest total reached
+    assert "smallest_peak()" in str(e.value)
+    peak = e.value.smallest_peak()
+    assert 0 < peak.live_bytes <= peak.temp_bytes <= e.value.smallest_bytes - floor
+    assert peak.buffers and peak.buffers[0].bytes <= peak.live_bytes
+    assert e.value.smallest_peak() is peak   # read once
 
 
 def test_plan_bad_options():

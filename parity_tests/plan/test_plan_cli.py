@@ -21,13 +21,18 @@ def make():
 '''
 
 
-def test_plan_cli_unreachable_budget_writes_json(tmp_path, monkeypatch):
+def test_plan_cli_unreachable_budget_writes_json(tmp_path, monkeypatch, capsys):
     (tmp_path / "plan_cli_user.py").write_text(USER)
     monkeypatch.chdir(tmp_path)
     rc = main(["plan_cli_user:make", "--budget", "1KiB", "--out", str(tmp_path / "o")])
     assert rc == 2
     d = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert "cannot be met" in d["error"] and d["smallest_bytes"] > 1024
+    # what is live at the smallest plan's peak, on screen and in the JSON
+    assert "at that plan's peak: LivePeak(" in capsys.readouterr().out
+    peak = d["smallest_peak"]
+    assert 0 < peak["live_bytes"] <= peak["temp_bytes"] < d["smallest_bytes"]
+    assert peak["largest"] and peak["largest"][0]["bytes"] <= peak["live_bytes"]
 
 
 def test_plan_cli_refuses_a_bad_logits_chunk(tmp_path, monkeypatch, capsys):
