@@ -124,7 +124,7 @@ def options_of(model):
 
 def convert(model, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True, residual_adds: bool = True,
-            conv_recompute: bool = True) -> nn.Module:
+            conv_recompute: bool = True, attention_chunk: int | None = 512) -> nn.Module:
     """A Linen Module with the same fields and parameter tree as ``model`` whose every method
     call runs through ``jaxmem.transform`` (see ``Options.transform_options``).
 
@@ -146,6 +146,9 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
       conv_recompute: with ``selective``, a norm applied to a 1x1 convolution of another
         norm's output (a ResNet bottleneck's expansion) recomputes that convolution in its
         backward pass instead of keeping its input (``jaxmem.transform``'s option).
+      attention_chunk: ``None`` or query rows per chunk of the exact attention: one with more
+        query rows runs that many at a time in both passes (exact; ``jaxmem.transform``'s
+        option).
 
     Returns:
       A Linen Module of a subclass of ``type(model)`` with the same fields; ``init`` gives
@@ -174,7 +177,8 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
             f"{type(model).__module__}.{type(model).__name__}; for flax.nnx modules use "
             "jaxmem.nnx.convert")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
-                            residual_adds=residual_adds, conv_recompute=conv_recompute)
+                            residual_adds=residual_adds, conv_recompute=conv_recompute,
+                            attention_chunk=attention_chunk)
     return _convert_with(model, opts)
 
 

@@ -104,7 +104,8 @@ def is_converted(module) -> bool:
 
 def convert(module, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True, residual_adds: bool = True,
-            conv_recompute: bool = True, copy: bool = True):
+            conv_recompute: bool = True, attention_chunk: int | None = 512,
+            copy: bool = True):
     """Convert an ``nnx.Module`` (see the module docstring); returns the converted module.
 
     Calls run through :func:`jaxmem.transform` with ``products``, ``norms``, ``dropout``
@@ -123,6 +124,9 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
       conv_recompute: with ``selective``, a norm applied to a 1x1 convolution of another
         norm's output (a ResNet bottleneck's expansion) recomputes that convolution in its
         backward pass instead of keeping its input (``jaxmem.transform``'s option).
+      attention_chunk: ``None`` or query rows per chunk of the exact attention: one with more
+        query rows runs that many at a time in both passes (exact; ``jaxmem.transform``'s
+        option).
       copy: ``True`` converts a clone; ``False`` converts ``module`` in place.
 
     Returns:
@@ -154,7 +158,8 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
     if not isinstance(copy, bool):
         raise TypeError(f"jaxmem.nnx.convert: copy must be True or False, got {copy!r}")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
-                            residual_adds=residual_adds, conv_recompute=conv_recompute)
+                            residual_adds=residual_adds, conv_recompute=conv_recompute,
+                            attention_chunk=attention_chunk)
     m = _nnx.clone(module) if copy else module
     if not any("__call__" in vars(k) for k in type(m).__mro__):  # nothing to call
         return m

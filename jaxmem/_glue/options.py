@@ -34,6 +34,10 @@ class Options:
       two recomputable values (a ResNet block output) instead of keeping it.
     conv_recompute: with ``selective``, a norm of a 1x1 convolution of another norm's
       output recomputes that convolution in its backward pass instead of keeping its input.
+    attention_chunk: ``None`` or query rows per chunk (an int >= 1) of the exact attention:
+      an attention with more query rows runs that many at a time in both passes, so its
+      ``T x S`` scores, weights and their cotangents are formed ``attention_chunk x S`` at a
+      time (exact; the key and value gradients summed over chunks).
     """
 
     selective: bool = True
@@ -41,6 +45,7 @@ class Options:
     attention: bool = True
     residual_adds: bool = True
     conv_recompute: bool = True
+    attention_chunk: int | None = 512
 
     def __post_init__(self):
         if not isinstance(self.selective, bool):
@@ -53,6 +58,10 @@ class Options:
                                or not 1 <= fb <= 4):
             raise ValueError(f"fewbit must be None (exact only) or an int in 1..4 (bits per "
                              f"element), got {fb!r}")
+        n = self.attention_chunk
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"attention_chunk must be None or an int >= 1 (query rows per "
+                             f"chunk), got {n!r}")
 
     def transform_options(self) -> dict:
         """The :func:`jaxmem.transform` arguments a conversion with these options runs with
@@ -62,12 +71,12 @@ class Options:
         return {"fewbit": self.fewbit, "attention": self.attention, "products": sel,
                 "activations": sel or self.fewbit is not None, "norms": sel, "dropout": sel,
                 "pools": sel, "residual_adds": self.residual_adds,
-                "conv_recompute": self.conv_recompute}
+                "conv_recompute": self.conv_recompute, "attention_chunk": self.attention_chunk}
 
     def public(self) -> dict:
         return {"selective": self.selective, "fewbit": self.fewbit,
                 "attention": self.attention, "residual_adds": self.residual_adds,
-                "conv_recompute": self.conv_recompute}
+                "conv_recompute": self.conv_recompute, "attention_chunk": self.attention_chunk}
 
 
 def _trace_state(name: str, default):
