@@ -239,11 +239,18 @@ def buffer_assignment(fn: Callable[..., Any], *args: Any,
     every allocation, its size and the values that share it; arguments as in
     :func:`compiled_memory`). The program is compiled for the listing even where JAX's
     persistent compilation cache holds it (a loaded executable dumps nothing)."""
-    who = "buffer_assignment"
+    return read_compile(fn, args, static_argnums, donate_argnums, target, devices, gemm,
+                        "buffer_assignment", buffer_assignment_text)
+
+
+def read_compile(fn, args, static_argnums, donate_argnums, target, devices, gemm, who: str,
+                 reader: Callable[[Any, str, str], Any]) -> Any:
+    """``reader(lowered, target, gemm)`` of ``fn`` lowered for ``args`` (checked as in
+    :func:`compiled_memory`); a compile that fails raises ``TraceError`` naming ``who``."""
     lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
                                      devices, gemm, who)
     try:
-        return buffer_assignment_text(lowered, target, gemm)
+        return reader(lowered, target, gemm)
     except Exception as e:
         raise TraceError(f"{who}: could not compile {name} for target {target!r}: "
                          f"{type(e).__name__}: {e}") from e

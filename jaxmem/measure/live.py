@@ -251,14 +251,7 @@ def live_peak(fn: Callable[..., Any], *args: Any, static_argnums: int | Sequence
     >>> 0 < p.live_bytes <= p.temp_bytes
     True
     """
-    from jaxmem.measure._validate import TraceError
-    from jaxmem.measure.compiled import _prepare
+    from jaxmem.measure.compiled import read_compile
 
-    who = "live_peak"
-    lowered, target, name = _prepare(fn, args, static_argnums, donate_argnums, target,
-                                     devices, gemm, who)
-    try:
-        return live_peak_of_lowered(lowered, target, gemm)
-    except Exception as e:
-        raise TraceError(f"{who}: could not compile {name} for target {target!r}: "
-                         f"{type(e).__name__}: {e}") from e
+    return read_compile(fn, args, static_argnums, donate_argnums, target, devices, gemm,
+                        "live_peak", live_peak_of_lowered)
