@@ -8,6 +8,9 @@ attention stored, its layer norms and MLP recomputed: the planner's first ``part
 candidate). Every mix of the four blocks is compiled for ``--target``; predicted time is the
 planner's own (1 + the items' recomputed FLOPs / 3 x the step's forward FLOPs, as
 ``MemoryPlan.predicted_time``), the conversion's own FLOPs (``conversion_time``) not added.
+Where no plan within the budget meets ``--goal``, the smallest plan that would (refused by
+the budget) is read with ``jaxmem.measure.live_peak``, its attention
+whole and in ``--attention-chunk`` query rows (``linen.convert``'s ``attention_chunk``).
 
     .venv/bin/python benchmarks/plan/gpt_partial_mixes.py --target h100
 
@@ -16,6 +19,7 @@ writes ``benchmarks/results/plan/<target>/gpt_partial_mixes.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import pathlib
 import sys
@@ -26,6 +30,9 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_plan
 
+from jaxmem._glue.options import Options
+from jaxmem.linen import scope_options
+from jaxmem.measure import live_peak
 from jaxmem.planner import api
 from jaxmem.planner import candidates as C
 from jaxmem.planner import trace as T
@@ -38,10 +45,28 @@ MIB = 2.0**20
 BLOCKS = ("h_0", "h_1", "h_2", "h_3")
 
 
+def _runs(mix, partial):
+    """The plan's runs: each block recomputed whole or (``mix``) its first ``partial``
+    candidate; the embeddings joined to the first block or stored; the head one segment."""
+    runs = []
+    if mix[0]:
+        runs += [(("wte",), "store"), (("wpe",), "store"),
+                 (("h_0",), str(partial["h_0"].option))]
+    else:
+        runs.append((("wte", "wpe", "h_0"), "segment"))
+    runs += [((b,), str(partial[b].option) if p else "recompute")
+             for b, p in zip(BLOCKS[1:], mix[1:])]
+    return runs + [(("ln_f", "wte.attend"), "segment"), (("(rest)",), "store")]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="h100")
     ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--goal", type=float, default=1.15,
+                    help="predicted-time goal: the smallest refused plan within it is read")
+    ap.add_argument("--attention-chunk", type=int, default=16,
+                    help="query rows per chunk for the peak reading of that plan")
     a = ap.parse_args(argv)
     t0 = time.time()
     _, loss, args = bench_plan.gpt_case(True)
@@ -57,18 +82,9 @@ def main(argv=None):
         if c.option.kind == "partial":
             partial.setdefault(labels[c.cover[0]], c)
     step_flops = 3.0 * prof.total_flops
-    head = [(("ln_f", "wte.attend"), "segment"), (("(rest)",), "store")]
     rows = []
     for mix in itertools.product((False, True), repeat=len(BLOCKS)):
-        runs = []
-        if mix[0]:
-            runs += [(("wte",), "store"), (("wpe",), "store"),
-                     (("h_0",), str(partial["h_0"].option))]
-        else:
-            runs.append((("wte", "wpe", "h_0"), "segment"))
-        runs += [((b,), str(partial[b].option) if p else "recompute")
-                 for b, p in zip(BLOCKS[1:], mix[1:])]
-        runs += head
+        runs = _runs(mix, partial)
         cost = sum(by_key[(lbls, opt)].cost for lbls, opt in runs if opt != "store")
         step = make_step(loss, api._glue_scope, prof.cut_labels, runs, {}, fence=False)
         b = compiled_total(jax.value_and_grad(step), args, a.target)
@@ -105,6 +121,29 @@ def main(argv=None):
     if best is not None:
         lines += ["", (f"Fastest within the budget: {best[2]:.3f}x at {best[1] / MIB:.2f} MiB "
                   f"({sum(best[0])} blocks partial).")]
+    over = [r for r in rows if r[1] > budget and r[2] <= a.goal]
+    if over and (best is None or best[2] > a.goal):
+        # what stops the smallest plan the budget refuses that would meet the time goal: its
+        # peak, with the attention whole and in query chunks
+        mix, b, t = min(over, key=lambda r: (r[1], r[2]))
+        names = ", ".join(blk for blk, m in zip(BLOCKS, mix) if m)
+        lines += ["", (f"What is live at the peak of the smallest plan within {a.goal}x over "
+                       f"the budget ({names} `partial`, {t:.3f}x; "
+                       "`jaxmem.measure.live_peak`):"), ""]
+        for chunk in (None, a.attention_chunk):
+            opts = Options(attention_chunk=chunk) if chunk else Options()
+            factory = functools.partial(scope_options, opts, label="jaxmem.plan")
+            step = make_step(loss, factory, prof.cut_labels, _runs(mix, partial), {},
+                             fence=False)
+            total = compiled_total(jax.value_and_grad(step), args, a.target)
+            p = live_peak(jax.value_and_grad(step), *args, target=a.target)
+            top = "; ".join(f"{x.bytes / MIB:.2f} MiB {x.shape.split('{')[0]} "
+                            f"{x.op_name.split('/GPT/')[-1]}" for x in p.buffers[:4])
+            how = (f"attention {chunk} query rows at a time (`attention_chunk={chunk}`)"
+                   if chunk else "attention whole (`attention_chunk` 512 > 64 rows)")
+            lines.append(f"- {how}: {total / MIB:.2f} MiB compiled; {p.live_bytes / MIB:.2f} "
+                         f"MiB of its {p.temp_bytes / MIB:.2f} MiB temp live at "
+                         f"{p.instruction}:{p.instruction_name}; largest: {top}")
     out = OUT / a.target / "gpt_partial_mixes.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
