@@ -360,11 +360,16 @@ logits shard at its peak, so its mix differs from one device at batch 4. ResNet-
 default's DP and TP steps peak in the last stage's backward with weight-shaped buffers (the
 3x3 kernels of `layer4`, 0.56 MiB each, and the backward-filter convolutions' gradients);
 jaxmem's DP step peaks in the first stage (0.12 MiB maps), its FSDP step at `layer4_0`'s
-gathered 3x3 kernel (0.56 MiB in two layouts). The collectives of every jaxmem
-step are, kind by kind, no more than the default's on both plans, except ResNet-50 under TP:
-the bottleneck expansion that its BatchNorm's backward recomputes (`conv_recompute=True`)
-repeats its forward all-gather (the `<= default` column; `conv_recompute=False` keeps the
-forward's communication only)."""
+gathered 3x3 kernel (0.56 MiB in two layouts). Collectives (the `<= default`
+columns): on the H100 plan jaxmem's steps reduce each parameter gradient in the layer that
+forms it (`reduce_early`, on for GPU meshes), so they run more, smaller reductions than the
+default's one combined reduce-scatter for about the same bytes (GPT DP: 43 reduce-scatters,
+1.71 MB, against 1 of 1.65 MB; 15.66 against 15.59 MB in all), FSDP gathers each kept weight
+again in the backward (GPT: 29.29 MB against 15.59), and under TP ResNet-50's bottleneck
+expansion, which its BatchNorm's backward recomputes (`conv_recompute=True`), repeats its
+forward all-gather (`conv_recompute=False` keeps the forward's communication only). On the
+CPU devices (`reduce_early` off) every jaxmem step's collectives are, kind by kind, no more
+than the default's except that ResNet-50 TP all-gather."""
 
 
 def summary(rows, targets):
