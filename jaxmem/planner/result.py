@@ -3,6 +3,7 @@ per unit) or raises (:class:`BudgetError`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -139,6 +140,16 @@ class MemoryPlan:
         if self.order is not None and self.order.applied:
             return self.order.fn
         return jax.value_and_grad(self.step)
+
+    def live_peak(self, *args: Any, **kwargs: Any):
+        """What is live at the peak of :meth:`value_and_grad` compiled for ``self.target``
+        with the loss's arguments (a :class:`jaxmem.measure.LivePeak`: the instruction, the
+        bytes, the values and the JAX ops that made them), e.g. ``p.live_peak(params, x)
+        .top(8)``: where the plan's bytes go."""
+        from jaxmem.measure import live_peak
+
+        return live_peak(functools.partial(self.value_and_grad(), **kwargs) if kwargs
+                         else self.value_and_grad(), *args, target=self.target)
 
     @property
     def prediction_error(self) -> float:

@@ -213,6 +213,9 @@ def test_plan_budget_below_every_per_unit_option_met_by_segments(mlp, mlp_segmen
         assert _uniform_bytes(loss, params, x, opt) > p.budget_bytes, opt
     assert any(c.option == "segment" and ".." in c.label for c in p.choices)
     assert abs(p.prediction_error) < 0.10
+    # where its bytes go: the temporaries live at its peak fit within what it compiles to
+    peak = p.live_peak(params, x)
+    assert 0 < peak.live_bytes <= peak.temp_bytes < p.compiled_bytes
     x2 = jax.random.normal(jax.random.key(9), x.shape)
     v0, g0 = jax.jit(jax.value_and_grad(loss))(params, x2)
     v1, g1 = jax.jit(jax.value_and_grad(p.step))(params, x2)
