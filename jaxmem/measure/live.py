@@ -103,9 +103,9 @@ def _temp_values(ba_text: str) -> tuple[int, dict[str, tuple[int, int, int, str]
             if alloc is not None:
                 temp += int(m.group(2))
             continue
-        if alloc is None or not line.startswith(" "):
-            if not line.startswith(" "):
-                alloc = None
+        if not line.startswith(" "):   # the end of an allocation's listing
+            alloc = None
+        if alloc is None:
             continue
         m = _VALUE.match(line)
         if m and int(m.group(2)) > 0:
@@ -128,10 +128,8 @@ def _ranges(lr_text: str) -> tuple[dict[str, tuple[int, int]], dict[int, str]]:
         elif section == "BufferLiveRange:":
             m = _RANGE.match(line)
             if m:
-                name = m.group(1)
                 # an array value is named ``name{}``, a tuple element ``name{i}``
-                name = name.removesuffix("{}")
-                ranges[name] = (int(m.group(2)), int(m.group(3)))
+                ranges[m.group(1).removesuffix("{}")] = (int(m.group(2)), int(m.group(3)))
     return ranges, seq
 
 
@@ -146,9 +144,7 @@ def _listed(lr_text: str, values) -> int | None:
             m = _LISTED.match(line)
             if not m:
                 break
-            name = m.group(1)
-            name = name.removesuffix("{}")
-            if name in values:
+            if m.group(1).removesuffix("{}") in values:
                 total += int(m.group(2))
     return total if found else None
 
