@@ -462,10 +462,7 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         # the untouched step is a plan too: it meets any budget of at least its own bytes
         untouched = _untouched_bytes(step, args, cm0, s.target, cache)
         smallest = untouched if res.smallest is None else min(res.smallest, untouched)
-        if res.smallest is None or untouched <= res.smallest or not search.tried:
-            smallest_step = step
-        else:
-            smallest_step = compiler.build(min(search.tried, key=search.tried.__getitem__))
+        smallest_step = step if smallest == untouched else compiler.build(res.smallest_choice)
         raise _explain.refusal(budget_bytes, smallest, cm0, prof.labels, prof.stored,
                                len(search.tried), finer_units,
                                peak_of=functools.partial(_live_peak, smallest_step, args,

@@ -39,13 +39,15 @@ class Compiler(Protocol):
 class SearchResult:
     """``choice``: the compiled choice of least cost that fits (``None``: none fits; then
     ``smallest`` is the least compiled total, ``value_and_grad`` and ``grad`` alike, of the
-    plans every search compiles whatever its budget: a budget the search meets)."""
+    plans every search compiles whatever its budget: a budget the search meets;
+    ``smallest_choice`` the plan that compiles to it)."""
 
     choice: Choice | None
     status: str
     gap: float
     iterations: int
     smallest: int | None = None
+    smallest_choice: Choice | None = None
 
 
 class Search:
@@ -208,9 +210,9 @@ class Search:
             if found is None:
                 joins = []
                 for a, b, j in self._joins(best):
-                    extra = m.candidates[j].cost - m.candidates[a].cost - m.candidates[b].cost
-                    if m.candidates[j].cost <= 1.01 * (m.candidates[a].cost + m.candidates[b].cost):
-                        joins.append((extra, 0, {a, b}, j))
+                    pair = m.candidates[a].cost + m.candidates[b].cost
+                    if m.candidates[j].cost <= 1.01 * pair:
+                        joins.append((m.candidates[j].cost - pair, 0, {a, b}, j))
                 found = self._first_fitting(best, sorted(joins, key=lambda t: t[:2]), budget,
                                             smaller=True)
             if found is None:
@@ -327,14 +329,16 @@ class Search:
                                     min(fits, key=lambda c: (self.tried[c], *key(c)))))
             best = min((self.cheapen(budget, s) for s in starts), key=key)
             return SearchResult(best, status, gap, max(it, 1))
-        return SearchResult(None, status, gap, max(it, 1), self.smallest(canonical))
+        return SearchResult(None, status, gap, max(it, 1), *self.smallest(canonical))
 
-    def smallest(self, plans: set[Choice]) -> int:
-        """Least ``max(value_and_grad, grad)`` compiled total over ``plans``."""
-        smallest = None
+    def smallest(self, plans: set[Choice]) -> tuple[int | None, Choice | None]:
+        """``(bytes, plan)``: the least ``max(value_and_grad, grad)`` compiled total over
+        ``plans`` and the plan that compiles to it (``(None, None)`` for no plans)."""
+        smallest, which = None, None
         for c in sorted(plans, key=lambda c: self.tried[c]):
             if smallest is not None and self.tried[c] >= smallest:
                 break
             both = max(self.tried[c], self.grad_total(c))
-            smallest = both if smallest is None else min(smallest, both)
-        return smallest
+            if smallest is None or both < smallest:
+                smallest, which = both, c
+        return smallest, which
