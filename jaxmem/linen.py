@@ -124,7 +124,8 @@ def options_of(model):
 
 def convert(model, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True, residual_adds: bool = True,
-            conv_recompute: bool = True, attention_chunk: int | None = 512) -> nn.Module:
+            conv_recompute: bool = True, attention_chunk: int | None = 512,
+            mlp_chunk: int | None = None) -> nn.Module:
     """A Linen Module with the same fields and parameter tree as ``model`` whose every method
     call runs through ``jaxmem.transform`` (see ``Options.transform_options``).
 
@@ -149,6 +150,9 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
       attention_chunk: ``None`` or query rows per chunk of the exact attention: one with more
         query rows runs that many at a time in both passes (exact; ``jaxmem.transform``'s
         option).
+      mlp_chunk: ``None`` or rows per chunk of a two-layer perceptron (a transformer's MLP):
+        it keeps its input and weights, and its backward pass recomputes the first product
+        and runs that many rows at a time (exact; ``jaxmem.transform``'s option).
 
     Returns:
       A Linen Module of a subclass of ``type(model)`` with the same fields; ``init`` gives
@@ -178,7 +182,7 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
             "jaxmem.nnx.convert")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
                             residual_adds=residual_adds, conv_recompute=conv_recompute,
-                            attention_chunk=attention_chunk)
+                            attention_chunk=attention_chunk, mlp_chunk=mlp_chunk)
     return _convert_with(model, opts)
 
 

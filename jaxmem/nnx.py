@@ -105,7 +105,7 @@ def is_converted(module) -> bool:
 def convert(module, *, selective: bool = True, fewbit: int | None = None,
             attention: bool = True, residual_adds: bool = True,
             conv_recompute: bool = True, attention_chunk: int | None = 512,
-            copy: bool = True):
+            mlp_chunk: int | None = None, copy: bool = True):
     """Convert an ``nnx.Module`` (see the module docstring); returns the converted module.
 
     Calls run through :func:`jaxmem.transform` with ``products``, ``norms``, ``dropout``
@@ -127,6 +127,9 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
       attention_chunk: ``None`` or query rows per chunk of the exact attention: one with more
         query rows runs that many at a time in both passes (exact; ``jaxmem.transform``'s
         option).
+      mlp_chunk: ``None`` or rows per chunk of a two-layer perceptron (a transformer's MLP):
+        it keeps its input and weights, and its backward pass recomputes the first product
+        and runs that many rows at a time (exact; ``jaxmem.transform``'s option).
       copy: ``True`` converts a clone; ``False`` converts ``module`` in place.
 
     Returns:
@@ -159,7 +162,7 @@ def convert(module, *, selective: bool = True, fewbit: int | None = None,
         raise TypeError(f"jaxmem.nnx.convert: copy must be True or False, got {copy!r}")
     opts = _options.Options(selective=selective, fewbit=fewbit, attention=attention,
                             residual_adds=residual_adds, conv_recompute=conv_recompute,
-                            attention_chunk=attention_chunk)
+                            attention_chunk=attention_chunk, mlp_chunk=mlp_chunk)
     m = _nnx.clone(module) if copy else module
     if not any("__call__" in vars(k) for k in type(m).__mro__):  # nothing to call
         return m

@@ -152,13 +152,29 @@ def gpt_wide_head_case(quick, batch=None):
     return name.replace(")", ", plan(logits_chunk=128))"), loss, args
 
 
+def gpt_chunks_case(quick, batch=None):
+    """``gpt``'s loss planned with ``plan(..., attention_chunk=16, mlp_chunk=256)``: under
+    the scope its attentions and MLPs run their backward passes in row chunks."""
+    name, loss, args = gpt_case(quick, batch)
+    return name.replace(")", ", plan(attention_chunk=16, mlp_chunk=256))"), loss, args
+
+
+def vit_chunks_case(quick, batch=None):
+    """``vit``'s loss planned with ``plan(..., attention_chunk=16, mlp_chunk=256)``."""
+    name, loss, args = vit_case(quick, batch)
+    return name.replace(")", ", plan(attention_chunk=16, mlp_chunk=256))"), loss, args
+
+
 CASES = {"gpt": gpt_case, "resnet50": resnet_case, "vit": vit_case, "vgg16": vgg_case}
 #: cases run only when named in ``--models`` (a plan on the H100 plan takes tens of minutes)
 EXTRA_CASES = {"gpt_wide": gpt_wide_case, "gpt_wide_chunked": gpt_wide_chunked_case,
                "gpt_wide_transformed": gpt_wide_transformed_case,
-               "gpt_wide_head": gpt_wide_head_case}
+               "gpt_wide_head": gpt_wide_head_case, "gpt_chunks": gpt_chunks_case,
+               "vit_chunks": vit_chunks_case}
 #: ``plan`` keyword arguments of a case (others: ``plan``'s defaults)
-PLAN_KWARGS = {"gpt_wide_head": {"logits_chunk": 128}}
+_CHUNKS = {"attention_chunk": 16, "mlp_chunk": 256}
+PLAN_KWARGS = {"gpt_wide_head": {"logits_chunk": 128}, "gpt_chunks": _CHUNKS,
+               "vit_chunks": _CHUNKS}
 ALL_CASES = {**CASES, **EXTRA_CASES}
 #: models with smooth activations (GELU): also planned with ``allow_approximate=True``
 APPROXIMATE = ("gpt", "vit")
@@ -274,6 +290,7 @@ def run(quick, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1), bat
                            gap=p.solver_gap, selective=p.selective,
                            logits_chunk=p.logits_chunk, residual_adds=p.residual_adds,
                            conversion_time=p.conversion_time,
+                           traced_time=p.traced_time,
                            approximate=p.approximate, notes=list(p.notes),
                            choices={c.label: c.option + (f" {c.bits} bit" if c.bits else "")
                                     + (f" {c.rows}" if c.rows else "")
@@ -303,17 +320,20 @@ def price_conversion(rows, meta):
     under the plan's scope: what the conversion adds by itself, which no unit choice changes),
     set in ``rows`` in place; plans without a scope get 0. For rows written before plans
     reported it: nothing is planned again."""
-    built = {}
+    built, key_of = {}, {}
     for key in meta["models"]:
         name, loss, args = ALL_CASES[key](meta["quick"], meta.get("batch"))
         built[name] = (loss, args)
+        key_of[name] = key
     for r in rows:
         if not r.get("met") or "fraction" not in r:
             continue
         loss, args = built[r["model"]]
         r["conversion_time"] = (conversion_time(
             loss, *args, residual_adds=r.get("residual_adds") is not False,
-            logits_chunk=r.get("logits_chunk")) if r.get("selective") else 0.0)
+            logits_chunk=r.get("logits_chunk"),
+            **{k: v for k, v in PLAN_KWARGS.get(key_of[r["model"]], {}).items()
+               if k != "logits_chunk"}) if r.get("selective") else 0.0)
         print(r["model"], r["fraction"], f"conversion {r['conversion_time']:+.3f}", flush=True)
 
 
@@ -339,11 +359,12 @@ def _fmt_time(x):
 def _fmt_predicted(r):
     """``(1.221x)``, or with a conversion priced ``(1.221x + 0.25 conv. = 1.47x)`` (three
     decimals: a goal such as 1.15x is judged on them)."""
-    conv = r.get("conversion_time")
+    conv, traced = r.get("conversion_time"), r.get("traced_time")
+    tail = f"; traced {traced:.2f}x" if traced is not None else ""
     if not r.get("selective") or conv is None:
-        return f"({r['predicted_time']:.3f}x)"
+        return f"({r['predicted_time']:.3f}x{tail})"
     return (f"({r['predicted_time']:.3f}x {'+' if conv >= 0 else '-'} {abs(conv):.2f} conv. "
-            f"= {r['predicted_time'] + conv:.2f}x)")
+            f"= {r['predicted_time'] + conv:.2f}x{tail})")
 
 
 def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5, 0.25, 0.1),
@@ -420,7 +441,10 @@ def markdown(rows, quick=False, names=tuple(CASES), target="cpu", fractions=(0.5
                    "checkpointed item); `conv.` = the FLOPs the scope's conversion runs by "
                    "itself (recomputations inside converted layers' backward passes, mask "
                    "packing: `jaxmem.planner.conversion_time`, a fraction of a step), which "
-                   "the plan's own estimate leaves out. `plan` lists the units not stored; `a..b: segment` recomputes units "
+                   "the plan's own estimate leaves out; `traced` = the FLOPs of the planned step's "
+                   "`value_and_grad` jaxpr over the untouched step's (`MemoryPlan.traced_time`: "
+                   "everything it runs, each recomputation counted once; rows planned before it "
+                   "was reported have none). `plan` lists the units not stored; `a..b: segment` recomputes units "
                    "a to b as one chunk, `segment nested` also checkpoints its units again inside "
                    "that chunk (for one unit: its children; nested, two-level recomputation); "
                    "`partial (c, d recomputed)` = the unit's children c and d recomputed (each "

@@ -38,6 +38,9 @@ class Options:
       an attention with more query rows runs that many at a time in both passes, so its
       ``T x S`` scores, weights and their cotangents are formed ``attention_chunk x S`` at a
       time (exact; the key and value gradients summed over chunks).
+    mlp_chunk: ``None`` or rows per chunk (an int >= 1) of a two-layer perceptron (a
+      transformer's MLP): it keeps its input and weights and its backward pass recomputes
+      the first product and runs that many rows at a time (exact).
     """
 
     selective: bool = True
@@ -46,6 +49,7 @@ class Options:
     residual_adds: bool = True
     conv_recompute: bool = True
     attention_chunk: int | None = 512
+    mlp_chunk: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.selective, bool):
@@ -58,10 +62,11 @@ class Options:
                                or not 1 <= fb <= 4):
             raise ValueError(f"fewbit must be None (exact only) or an int in 1..4 (bits per "
                              f"element), got {fb!r}")
-        n = self.attention_chunk
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"attention_chunk must be None or an int >= 1 (query rows per "
-                             f"chunk), got {n!r}")
+        for name, what in (("attention_chunk", "query rows"), ("mlp_chunk", "rows")):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name} must be None or an int >= 1 ({what} per chunk), "
+                                 f"got {n!r}")
 
     def transform_options(self) -> dict:
         """The :func:`jaxmem.transform` arguments a conversion with these options runs with
@@ -71,12 +76,14 @@ class Options:
         return {"fewbit": self.fewbit, "attention": self.attention, "products": sel,
                 "activations": sel or self.fewbit is not None, "norms": sel, "dropout": sel,
                 "pools": sel, "residual_adds": self.residual_adds,
-                "conv_recompute": self.conv_recompute, "attention_chunk": self.attention_chunk}
+                "conv_recompute": self.conv_recompute, "attention_chunk": self.attention_chunk,
+                "mlp_chunk": self.mlp_chunk}
 
     def public(self) -> dict:
         return {"selective": self.selective, "fewbit": self.fewbit,
                 "attention": self.attention, "residual_adds": self.residual_adds,
-                "conv_recompute": self.conv_recompute, "attention_chunk": self.attention_chunk}
+                "conv_recompute": self.conv_recompute, "attention_chunk": self.attention_chunk,
+                "mlp_chunk": self.mlp_chunk}
 
 
 def _trace_state(name: str, default):

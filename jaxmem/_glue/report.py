@@ -36,9 +36,10 @@ class Entry:
 
     path: the Flax module path of the computation ('' at the top level); kind: ``'dot'``,
     ``'conv'``, ``'norm'``, ``'activation'``, ``'attention'``, ``'dropout'``, ``'pool'``,
-    ``'logits'`` or ``'higher-order'``; target: what was matched (primitives and shapes,
+    ``'logits'``, ``'mlp'`` or ``'higher-order'``; target: what was matched (primitives and shapes,
     prefixed by the enclosing higher-order primitives); technique: 'selective', 'fewbit',
-    'attention', 'chunked' (a language-model head computed a chunk of rows at a time) or ''
+    'attention', 'chunked' (a language-model head computed, or an MLP's backward pass run, a
+    chunk of rows at a time) or ''
     (none applied); status: one of :data:`STATUSES`; reason: what it became, or why it was
     left; where: the user's source location (``file:line (function)``).
     """
@@ -237,7 +238,7 @@ def entry_of_row(row) -> Entry:
         status = "converted"
         technique = ("fewbit" if "bit code" in row.became else
                      "attention" if row.kind == "attention" else
-                     "chunked" if row.kind == "logits" else "selective")
+                     "chunked" if row.kind in ("logits", "mlp") else "selective")
     else:
         technique = ""
         status = ("nothing-to-save" if any(w in row.reason for w in _NOTHING_TO_SAVE) else

@@ -52,6 +52,8 @@ class _Settings:
     order: bool = True
     target: str = "cpu"
     logits_chunk: int | None = 1024
+    attention_chunk: int | None = 512
+    mlp_chunk: int | None = None
 
     def checked(self, step, example_args, budget) -> _Settings:
         """These settings with ``target`` normalised; a bad value (``budget`` included)
@@ -70,11 +72,18 @@ class _Settings:
                         ("fence_cost", self.fence_cost)):
             _check_number(name, v)
         budget_spec(budget)
-        lc = self.logits_chunk
-        if lc is not None and (type(lc) is not int or lc < 1):
-            raise ValueError(f"plan: logits_chunk must be None or an int >= 1 (rows per chunk "
-                             f"of a language-model head), got {lc!r}")
+        self.check_chunks()
         return dataclasses.replace(self, target=check_target(self.target, 1, "plan"))
+
+    def check_chunks(self) -> None:
+        """Raise ``ValueError`` naming a chunk option that is not ``None`` or an int >= 1."""
+        for name, what in (("logits_chunk", "rows per chunk of a language-model head"),
+                           ("attention_chunk", "query rows per chunk of an attention"),
+                           ("mlp_chunk", "rows per chunk of a two-layer perceptron")):
+            n = getattr(self, name)
+            if n is not None and (type(n) is not int or n < 1):
+                raise ValueError(f"plan: {name} must be None or an int >= 1 ({what}), got "
+                                 f"{n!r}")
 
 
 def _check_number(name: str, v: Any) -> None:
@@ -93,7 +102,8 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
          max_iterations: int = 6, fence_cost: float = 0.1,
          approx_cost: float = 0.01, offload_bandwidth: float = 25e9,
          offload_flops: float = 50e12, order: bool = True,
-         target: str = "cpu", logits_chunk: int | None = 1024) -> MemoryPlan:
+         target: str = "cpu", logits_chunk: int | None = 1024,
+         attention_chunk: int | None = 512, mlp_chunk: int | None = None) -> MemoryPlan:
     """Fit ``jax.value_and_grad(step)`` (gradient w.r.t. the first argument) into ``budget``.
 
     ``step(params, *batch) -> scalar loss`` may call Flax Linen modules (their outputs become
@@ -146,6 +156,13 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         ``tokens x vocab`` array is kept; the head's product runs again in the backward pass
         (counted in ``predicted_time``). Used where the step compiles at least 1 % smaller
         so; ``None``: never.
+      attention_chunk, mlp_chunk: the conversion's options of those names, for a loss
+        planned under ``jaxmem.scope()`` (``jaxmem.transform``'s ``attention_chunk`` /
+        ``mlp_chunk``): an attention with more query rows, or a transformer MLP with more
+        rows, runs its backward pass that many rows at a time, so a recomputed block's
+        working set is that much smaller (exact). A chunked MLP keeps its input instead of
+        its hidden activation and recomputes its first product in its backward pass (in
+        ``conversion_time`` where stored). Defaults: ``512`` and ``None`` (never).
 
     Returns:
       A :class:`MemoryPlan`: ``plan.step`` takes ``step``'s positional and keyword arguments
@@ -183,7 +200,8 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
         raise TypeError(f"plan: order must be True or False, got {order!r}")
     return _plan_finer(step, example_args, budget, _Settings(
         allow_approximate, time_limit, max_iterations, fence_cost, approx_cost,
-        offload_bandwidth, offload_flops, order, target, logits_chunk))
+        offload_bandwidth, offload_flops, order, target, logits_chunk, attention_chunk,
+        mlp_chunk))
 
 
 def _plan_finer(step, example_args, budget, settings: _Settings) -> MemoryPlan:
@@ -226,14 +244,26 @@ def _plan_finer(step, example_args, budget, settings: _Settings) -> MemoryPlan:
     raise err
 
 
-def _glue_scope(residual_adds: bool = True):
+def _glue_scope(residual_adds: bool = True, attention_chunk: int | None = 512,
+                mlp_chunk: int | None = None):
     """The conversion a plan may trace the loss under: each outermost Linen call runs as
-    ``jaxmem.linen.convert(model, residual_adds=residual_adds)`` would run it (exact
-    options)."""
+    ``jaxmem.linen.convert(model, residual_adds=..., attention_chunk=..., mlp_chunk=...)``
+    would run it (exact options)."""
     from jaxmem._glue import options as _options
     from jaxmem.linen import scope_options
 
-    return scope_options(_options.Options(residual_adds=residual_adds), label="jaxmem.plan")
+    return scope_options(_options.Options(residual_adds=residual_adds,
+                                          attention_chunk=attention_chunk,
+                                          mlp_chunk=mlp_chunk), label="jaxmem.plan")
+
+
+def _scope_factory(s: _Settings, residual_adds: bool = True):
+    """:func:`_glue_scope` with ``s``'s chunk options; the plain default where they are
+    the defaults (one factory, so traces and compiles are shared)."""
+    if residual_adds and s.attention_chunk == 512 and s.mlp_chunk is None:
+        return _glue_scope
+    return functools.partial(_glue_scope, residual_adds=residual_adds,
+                             attention_chunk=s.attention_chunk, mlp_chunk=s.mlp_chunk)
 
 
 def _live_peak(step, args, target):
@@ -269,7 +299,8 @@ def _untouched_plan(step, budget_bytes, untouched, cm0, s: _Settings) -> MemoryP
         step=step, choices=(UnitChoice("(step)", "store", 0, 0, 0.0, why),),
         budget_bytes=budget_bytes, default_bytes=cm0.total_bytes, predicted_bytes=untouched,
         compiled_bytes=cm0.total_bytes, predicted_time=1.0, selective=False,
-        solver_status="OPTIMAL", solver_gap=0.0, iterations=1, notes=(why,), target=s.target)
+        solver_status="OPTIMAL", solver_gap=0.0, iterations=1, notes=(why,), target=s.target,
+        traced_time=1.0)
 
 
 def _order_plan(step, args, budget_bytes, cm0, s: _Settings):
@@ -358,8 +389,7 @@ def _traced_variants(step, args, s: _Settings, sel: bool,
     so."""
     found: list[_Variant] = []
     whole = None
-    factory = None if not sel else _glue_scope if residual_adds else functools.partial(
-        _glue_scope, residual_adds=False)
+    factory = None if not sel else _scope_factory(s, residual_adds)
     for chunked in (False, True):
         if chunked and (whole is None or s.logits_chunk is None):
             continue
@@ -485,13 +515,18 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
                      "expansions recomputed in its layers' backward passes; masks packed), as "
                      "a fraction of a step, apart from predicted_time (the plan's own choices)")
     head_flops = _head_recompute(step, tr, args, factory) if v.chunked else 0.0
+    if selective and (s.attention_chunk != 512 or s.mlp_chunk is not None):
+        notes.append(f"traced under jaxmem.scope() with attention_chunk={s.attention_chunk}, "
+                     f"mlp_chunk={s.mlp_chunk}: attentions and MLPs with more rows run their "
+                     "backward passes that many rows at a time")
     if v.chunked:
         notes.append(f"the loss's language-model head runs {s.logits_chunk} rows at a time "
                      "(jaxmem.transform's logits_chunk): no tokens x vocab array is kept, "
                      "its product runs again in the backward pass (in predicted time: "
                      f"+{head_flops / max(3.0 * prof.total_flops, 1.0):.3f})")
+    built = compiler.build(res.choice)
     return MemoryPlan(
-        step=compiler.build(res.choice), choices=choices, budget_bytes=budget_bytes,
+        step=built, choices=choices, budget_bytes=budget_bytes,
         default_bytes=cm0.total_bytes, predicted_bytes=search.predicted[res.choice],
         compiled_bytes=search.tried[res.choice],
         predicted_time=1.0 + (search.cost(res.choice) + head_flops)
@@ -500,11 +535,22 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         iterations=res.iterations, approximate=any(c.bits is not None for c in choices),
         notes=tuple(notes), order=order_res, target=s.target,
         logits_chunk=s.logits_chunk if v.chunked else None,
-        residual_adds=v.residual_adds if selective else None, conversion_time=conversion)
+        residual_adds=v.residual_adds if selective else None, conversion_time=conversion,
+        traced_time=_traced_time(built, step, args))
+
+
+def _traced_time(planned, step, args) -> float:
+    """FLOPs of ``value_and_grad(planned)``'s jaxpr over ``value_and_grad(step)``'s."""
+    def flops(fn):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(fn))(*args).jaxpr
+        return _trace.flops_of(jaxpr, merge_identical=True)[0]
+
+    return flops(planned) / max(flops(step), 1.0)
 
 
 def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = True,
-                    logits_chunk: int | None = None) -> float:
+                    logits_chunk: int | None = None, attention_chunk: int | None = 512,
+                    mlp_chunk: int | None = None) -> float:
     """The FLOPs that jaxmem's conversion adds to ``loss``'s ``value_and_grad`` step by itself
     (each Linen call run as ``jaxmem.linen.convert(model, residual_adds=residual_adds)`` runs
     it: what a selective plan traces), as a fraction of the untouched step's::
@@ -525,6 +571,7 @@ def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = 
         *args: example arguments (only traced, nothing runs).
         residual_adds: the conversion's option of that name.
         logits_chunk: rows per chunk of the LM head in both steps, or ``None``.
+        attention_chunk, mlp_chunk: the conversion's options of those names.
 
     Returns:
         The added FLOPs over ``3 F(loss)``, a float (``0.25``: a quarter of a step more).
@@ -539,7 +586,9 @@ def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = 
         >>> 0.0 < t < 0.2   # the 1-bit ReLU mask packed and unpacked: elementwise work
         True
     """
-    factory = functools.partial(_glue_scope, residual_adds=residual_adds)
+    chunks = _Settings(attention_chunk=attention_chunk, mlp_chunk=mlp_chunk)
+    chunks.check_chunks()
+    factory = _scope_factory(chunks, residual_adds)
     step = loss
     if logits_chunk is not None:
         step = _head_chunked(loss, args, logits_chunk, factory) or loss

@@ -76,8 +76,9 @@ def _png(p, path: pathlib.Path) -> bool:
     return True
 
 
-def _logits_chunk(text: str) -> int | None:
-    """``--logits-chunk``: an int >= 1, or ``none``."""
+def _rows_or_none(text: str) -> int | None:
+    """``--logits-chunk`` / ``--attention-chunk`` / ``--mlp-chunk``: an int >= 1, or
+    ``none``."""
     if text.lower() == "none":
         return None
     try:
@@ -105,9 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-order", action="store_true",
                     help="do not try the untouched step in an OLLA order first")
     ap.add_argument("--time-limit", type=float, default=10.0)
-    ap.add_argument("--logits-chunk", type=_logits_chunk, default=1024, metavar="ROWS",
+    ap.add_argument("--logits-chunk", type=_rows_or_none, default=1024, metavar="ROWS",
                     help="rows per chunk of a language-model head the plan may compute in "
                          "chunks (default 1024; 'none': keep it whole)")
+    ap.add_argument("--attention-chunk", type=_rows_or_none, default=512, metavar="ROWS",
+                    help="query rows per chunk of an attention under the plan's conversion "
+                         "(default 512; 'none': whole)")
+    ap.add_argument("--mlp-chunk", type=_rows_or_none, default=None, metavar="ROWS",
+                    help="rows per chunk of a transformer MLP's backward pass under the "
+                         "plan's conversion (default none: whole)")
     ap.add_argument("--out", default="jaxmem-plan", help="folder for plan.json / plan.png")
     a = ap.parse_args(list(argv) if argv is not None else None)
     from rich.console import Console
@@ -129,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             p = plan(loss, *args, budget=a.budget, allow_approximate=a.approximate,
                      time_limit=a.time_limit, order=not a.no_order, target=a.target,
-                     logits_chunk=a.logits_chunk)
+                     logits_chunk=a.logits_chunk, attention_chunk=a.attention_chunk,
+                     mlp_chunk=a.mlp_chunk)
         except BudgetError as e:
             console.print(f"[red]{e}")
             report = {"error": str(e), "smallest_bytes": e.smallest_bytes,

@@ -122,11 +122,18 @@ class MemoryPlan:
     #: fraction of a step (3 x the loss's forward FLOPs); not part of ``predicted_time``, which
     #: prices the plan's choices under that conversion. ``0.0`` without a scope
     conversion_time: float = 0.0
+    #: the FLOPs of ``value_and_grad(step)``'s jaxpr over the untouched step's
+    #: (:func:`jaxmem.planner.trace.flops_of`, repeated equations counted once): what the
+    #: planned step runs, its recomputations and the conversion's included, each counted once
+    #: (``predicted_time_total`` counts twice what a recomputed converted layer's own backward
+    #: recomputes anyway, e.g. a chunked MLP's first product); ``None`` where not traced
+    traced_time: float | None = None
 
     @property
     def predicted_time_total(self) -> float:
-        """``predicted_time + conversion_time``: the planned step's FLOPs over the untouched
-        step's, everything counted."""
+        """``predicted_time + conversion_time``: the plan's choices priced by the planner's
+        model plus what the conversion runs by itself (``traced_time`` counts the planned
+        step as it is traced)."""
         return self.predicted_time + self.conversion_time
 
     def _conversion_text(self) -> str:
@@ -163,7 +170,8 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         keys = ("budget_bytes", "default_bytes", "predicted_bytes", "compiled_bytes",
                 "predicted_time", "selective", "solver_status", "solver_gap", "iterations",
-                "approximate", "target", "logits_chunk", "residual_adds", "conversion_time")
+                "approximate", "target", "logits_chunk", "residual_adds", "conversion_time",
+                "traced_time")
         d = {k: getattr(self, k) for k in keys}
         d["order"] = None if self.order is None else {
             "applied": self.order.applied, "why": self.order.why,

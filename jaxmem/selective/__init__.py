@@ -16,6 +16,8 @@ saves residuals according to which inputs are perturbed):
 * :func:`gated_product` -- ``a * b`` keeping the residuals of ``a``'s producer instead of
   ``a`` (a gated linear unit's ``act(x W) * (x V)`` keeps ``x W`` and ``x V``; the down
   projection recomputes the product);
+* :func:`chunked_mlp` -- a two-layer perceptron keeping its input and weights, its backward
+  pass run a few rows at a time (:mod:`jaxmem.selective.mlp_chunks`);
 * :func:`max_pool` -- the packed argmax position inside each window;
 * :func:`dropout` -- only the PRNG key;
 * :func:`bias_add` -- nothing kept; the bias gradient formed where the cotangent arrives
@@ -47,6 +49,7 @@ from jaxmem.selective.linear import (
     dense,
     dot_general,
 )
+from jaxmem.selective.mlp_chunks import chunked_mlp
 from jaxmem.selective.norm import batch_norm, group_norm, layer_norm, normalize, rms_norm
 from jaxmem.selective.pool import max_pool
 from jaxmem.selective.smooth import smooth_activation
@@ -62,7 +65,8 @@ from jaxmem.selective.subset import (
 )
 
 __all__ = [
-    "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bias_add", "bilinear", "combine",
+    "NAME_PREFIX", "attention", "attention_core", "batch_norm", "bias_add", "bilinear", "chunked_mlp",
+    "combine",
     "conv", "conv_general_dilated", "conv_transpose", "dense", "dot_general", "dropout", "gated_product", "grad",
     "group_norm", "hard_tanh", "layer_norm", "leaky_relu", "max_pool", "nnx_value_and_grad",
     "normalize", "pack_bits", "partition", "path_str", "relu", "relu6", "rms_norm",

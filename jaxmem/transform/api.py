@@ -61,7 +61,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
               gated_products: bool = True, scaled_products: bool = True,
               computed_weights: bool = True,
               attention_chunk: int | None = 512,
-              logits_chunk: int | None = 1024) -> Callable:
+              logits_chunk: int | None = 1024,
+              mlp_chunk: int | None = None) -> Callable:
     """``f`` re-emitted with memory-lean ops where its computation matches.
 
     Args:
@@ -153,6 +154,15 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
         ``tokens x vocab`` array is kept or formed whole; the head's product runs again in
         the backward pass. Heads of at most ``logits_chunk`` rows are left as they are.
         ``None`` never chunks.
+      mlp_chunk: rows (tokens) per chunk of a two-layer perceptron ``f(x W1 [+ b1]) W2``
+        (dense products, an exact smooth activation ``f``: a transformer's MLP) with more
+        rows than that: it keeps ``x`` and the weights instead of an ``R x F`` activation
+        input, and its backward pass recomputes ``x W1`` and runs ``mlp_chunk`` rows at a
+        time (:func:`jaxmem.selective.chunked_mlp`): its ``R x F`` intermediates are formed
+        ``mlp_chunk x F`` at a time (exact; the weight gradients summed over the chunks,
+        float rounding apart). One product more per MLP in the backward pass where the block
+        is stored; none where it is recomputed (``jax.checkpoint``). ``None`` (default)
+        never chunks.
 
     Returns:
       ``g`` with ``g(*a, **k) == f(*a, **k)``; ``g.report(*a, **k)`` returns the
@@ -175,7 +185,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
                       biases=biases, projections=projections,
                       gated_products=gated_products, scaled_products=scaled_products,
                       computed_weights=computed_weights,
-                      attention_chunk=attention_chunk, logits_chunk=logits_chunk)
+                      attention_chunk=attention_chunk, logits_chunk=logits_chunk,
+                      mlp_chunk=mlp_chunk)
     interp = Interpreter(options)
 
     @functools.wraps(f)

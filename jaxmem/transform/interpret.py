@@ -176,6 +176,9 @@ class Interpreter:
             from jaxmem.transform.match_bias import match_biases
             for item in match_biases(graph, taken, path):
                 add(item)
+        if opts.mlp_chunk is not None and opts.products and opts.activations:
+            from jaxmem.transform.match_mlp import chunk_mlps
+            found = chunk_mlps(graph, found, opts.mlp_chunk)
         plan: dict[int, Match] = {}
         for item in found:
             if isinstance(item, Match):

@@ -57,6 +57,10 @@ class Options:
     attention_chunk: ``None`` or query rows per chunk (an int >= 1) of a re-emitted attention
       core with more query rows than that: both passes run that many rows at a time
       (:mod:`jaxmem.selective.attention_chunks`).
+    mlp_chunk: ``None`` or rows per chunk (an int >= 1) of a two-layer perceptron
+      ``f(x W1 + b1) W2`` with more rows than that: it keeps ``x`` and the weights and its
+      backward pass recomputes ``x W1`` and runs that many rows at a time
+      (:mod:`~jaxmem.transform.match_mlp`).
     logits_chunk: ``None`` or rows per chunk (an int >= 1) of a language-model head: a
       product ``h W`` with more columns than ``h`` has, reduced within each row to per-token
       values by a softmax-like loss, computed that many rows at a time
@@ -79,6 +83,7 @@ class Options:
     computed_weights: bool = True
     attention_chunk: int | None = 512
     logits_chunk: int | None = 1024
+    mlp_chunk: int | None = None
 
     def __post_init__(self):
         fb = self.fewbit
@@ -89,7 +94,7 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"transform: {name} must be True or False, got "
                                 f"{getattr(self, name)!r}")
-        for name in ("attention_chunk", "logits_chunk"):
+        for name in ("attention_chunk", "logits_chunk", "mlp_chunk"):
             n = getattr(self, name)
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise ValueError(f"transform: {name} must be None or an int >= 1 (rows per "

@@ -32,7 +32,8 @@ class Row:
     """One decision of the transformation.
 
     kind: ``"dot"``, ``"conv"``, ``"bias"``, ``"activation"``, ``"attention"``, ``"norm"``,
-    ``"dropout"``, ``"pool"``, ``"logits"`` (a language-model head and its loss), ``"gate"``
+    ``"dropout"``, ``"pool"``, ``"logits"`` (a language-model head and its loss), ``"mlp"`` (a two-layer perceptron run as
+    :func:`jaxmem.selective.chunked_mlp`), ``"gate"``
     (a gated linear unit's product), ``"scale"`` (a product's output scaled by a
     parameter, materialised once), ``"higher-order"``, ``"gradient"`` (the function
     differentiates inside: see :class:`GradientInsideWarning`).
