@@ -8,9 +8,11 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from _gp_util import plan
+import pytest
+from _gp_util import TARGET
 
 import jaxmem
+from jaxmem.measure import compiled_memory
 
 
 class _Wide(nn.Module):
@@ -20,14 +22,15 @@ class _Wide(nn.Module):
         return x + nn.Dense(128)(h)
 
 
-def test_recomputed_mlp_forms_row_blocks():
+@pytest.mark.parametrize("target", [TARGET, "cpu"])
+def test_recomputed_mlp_forms_row_blocks(target):
     block = _Wide()
     x = jax.ShapeDtypeStruct((4, 1024, 128), jnp.float32)
     v = jax.eval_shape(block.init, jax.random.key(0), x)
 
     def temp(**kw):
         f = jaxmem.transform(lambda v, x: jnp.sum(block.apply(v, x) ** 2), **kw)
-        return plan(jax.grad(jax.checkpoint(f)), v, x).temp_bytes
+        return compiled_memory(jax.grad(jax.checkpoint(f)), v, x, target=target).temp_bytes
 
     hidden = 4 * 1024 * 1024 * 4
     whole, chunked = temp(), temp(mlp_chunk=512)
