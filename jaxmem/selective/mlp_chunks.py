@@ -13,7 +13,8 @@ the remainder):
     dW1 += x_r^T dh_r,   db1 += sum_r dh_r,   dx_r = dh_r W1^T
 
 so its working set is ``rows x F`` arrays instead of ``R x F`` ones. The chunk's gradients are
-JAX's own rules (``jax.vjp`` of the chunk); the weight gradients are summed over the chunks in
+JAX's own rules (``jax.vjp`` of ``f(x_r W1 + b1)``, the transposes of the second product); the
+weight gradients are summed over the chunks in
 float32 at least (their order of summation differs from one ``R``-long contraction: float
 rounding level). It recomputes ``x W1`` (one of the MLP's six products) in the backward pass:
 free where the block is recomputed anyway (``jax.checkpoint``), one product more where it is
@@ -158,8 +159,8 @@ def _product(axis: int, params: dict | None):
 def chunked_mlp(x, w1, b1, w2, activation: Callable, rows: int, *, w1_axis: int = 0,
                 w2_axis: int = 0, w1_params: dict | None = None,
                 w2_params: dict | None = None) -> jax.Array:
-    """``activation(x @ W1 + b1) @ W2`` with its backward pass ``rows`` rows at a time (see
-    the module docstring): keeps the inputs alone and recomputes ``x W1`` there.
+    """``activation(x @ W1 + b1) @ W2`` with both passes ``rows`` rows at a time (see the
+    module docstring): keeps the inputs alone and recomputes ``x W1`` in the backward pass.
 
     x: ``(..., D)``; w1: a matrix whose axis ``w1_axis`` (0 or 1) has ``D`` entries (``(D,
     F)`` by default); b1: ``None`` or ``(F,)``; w2: a matrix contracted over its axis

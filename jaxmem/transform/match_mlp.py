@@ -130,8 +130,8 @@ def chunk_mlps(graph: Graph, found: list, rows: int) -> list:
                 f"{act.row.matched} -> @ {aval_str(w2)}")
         row = dataclasses.replace(
             second.row, kind="mlp", matched=what, became="jaxmem.selective.chunked_mlp",
-            reason=f"x and the weights kept; the backward pass {rows} of {n} rows at a "
-                   f"time, x W1 recomputed there")
+            reason=f"x and the weights kept; both passes {rows} of {n} rows at a "
+                   f"time, x W1 recomputed in the backward")
         eqns = second.eqns.union(*(found[k].eqns for k in taken), names)
         inputs = [x, w1] + ([bias.inputs[1]] if bias is not None else []) + [w2]
         out[k2] = Match(eqns, second.anchor, inputs, [z], emit, row)
