@@ -156,7 +156,8 @@ def _product(axis: int, params: dict | None):
     return product
 
 
-def chunked_mlp(x, w1, b1, w2, activation: Callable, rows: int, *, w1_axis: int = 0,
+def chunked_mlp(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array,
+                activation: Callable, rows: int, *, w1_axis: int = 0,
                 w2_axis: int = 0, w1_params: dict | None = None,
                 w2_params: dict | None = None) -> jax.Array:
     """``activation(x @ W1 + b1) @ W2`` with both passes ``rows`` rows at a time (see the
