@@ -151,8 +151,9 @@ def convert(model, *, selective: bool = True, fewbit: int | None = None,
         query rows runs that many at a time in both passes (exact; ``jaxmem.transform``'s
         option).
       mlp_chunk: ``None`` or rows per chunk of a two-layer perceptron (a transformer's MLP):
-        it keeps its input and weights, and its backward pass recomputes the first product
-        and runs that many rows at a time (exact; ``jaxmem.transform``'s option).
+        it keeps its input and weights, runs both passes that many rows at a time and
+        recomputes the first product in its backward pass (exact; ``jaxmem.transform``'s
+        option).
 
     Returns:
       A Linen Module of a subclass of ``type(model)`` with the same fields; ``init`` gives

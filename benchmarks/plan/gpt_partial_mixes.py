@@ -61,12 +61,6 @@ def _runs(mix, partial):
     return runs + [(("ln_f", "wte.attend"), "segment"), (("(rest)",), "store")]
 
 
-def _traced_flops(fn, args):
-    """FLOPs of ``value_and_grad(fn)``'s jaxpr (as ``MemoryPlan.traced_time`` counts them)."""
-    return T.flops_of(jax.make_jaxpr(jax.value_and_grad(fn))(*args).jaxpr,
-                      merge_identical=True)[0]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="h100")
@@ -95,7 +89,7 @@ def main(argv=None):
     chunks = Options(attention_chunk=a.attention_chunk, mlp_chunk=a.mlp_chunk)
     scopes = {"whole": api._glue_scope,
               "chunks": functools.partial(scope_options, chunks, label="jaxmem.plan")}
-    f0 = _traced_flops(loss, args)
+    f0 = api._step_flops(loss, args)
     rows = []
     for mix in itertools.product((False, True), repeat=len(BLOCKS)):
         runs = _runs(mix, partial)
@@ -104,7 +98,7 @@ def main(argv=None):
         for name, factory in scopes.items():
             step = make_step(loss, factory, prof.cut_labels, runs, {}, fence=False)
             got[name] = (compiled_total(jax.value_and_grad(step), args, a.target),
-                         _traced_flops(step, args) / f0)
+                         api._step_flops(step, args) / f0)
         rows.append((mix, got, 1.0 + cost / step_flops))
         print(mix, {k: (f"{b / MIB:.2f} MiB", f"{t:.3f}") for k, (b, t) in got.items()},
               f"{1.0 + cost / step_flops:.3f}", flush=True)

@@ -39,8 +39,8 @@ class Options:
       ``T x S`` scores, weights and their cotangents are formed ``attention_chunk x S`` at a
       time (exact; the key and value gradients summed over chunks).
     mlp_chunk: ``None`` or rows per chunk (an int >= 1) of a two-layer perceptron (a
-      transformer's MLP): it keeps its input and weights and its backward pass recomputes
-      the first product and runs that many rows at a time (exact).
+      transformer's MLP): it keeps its input and weights, runs both passes that many rows at
+      a time and recomputes the first product in its backward pass (exact).
     """
 
     selective: bool = True

@@ -38,8 +38,8 @@ class Entry:
     ``'conv'``, ``'norm'``, ``'activation'``, ``'attention'``, ``'dropout'``, ``'pool'``,
     ``'logits'``, ``'mlp'`` or ``'higher-order'``; target: what was matched (primitives and shapes,
     prefixed by the enclosing higher-order primitives); technique: 'selective', 'fewbit',
-    'attention', 'chunked' (a language-model head computed, or an MLP's backward pass run, a
-    chunk of rows at a time) or ''
+    'attention', 'chunked' (a language-model head or an MLP computed a chunk of rows at a
+    time) or ''
     (none applied); status: one of :data:`STATUSES`; reason: what it became, or why it was
     left; where: the user's source location (``file:line (function)``).
     """

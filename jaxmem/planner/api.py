@@ -159,7 +159,7 @@ def plan(step: Callable[..., Any], *example_args: Any, budget: Any,
       attention_chunk, mlp_chunk: the conversion's options of those names, for a loss
         planned under ``jaxmem.scope()`` (``jaxmem.transform``'s ``attention_chunk`` /
         ``mlp_chunk``): an attention with more query rows, or a transformer MLP with more
-        rows, runs its backward pass that many rows at a time, so a recomputed block's
+        rows, runs both passes that many rows at a time, so a recomputed block's
         working set is that much smaller (exact). A chunked MLP keeps its input instead of
         its hidden activation and recomputes its first product in its backward pass (in
         ``conversion_time`` where stored). Defaults: ``512`` and ``None`` (never).
@@ -517,8 +517,8 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
     head_flops = _head_recompute(step, tr, args, factory) if v.chunked else 0.0
     if selective and (s.attention_chunk != 512 or s.mlp_chunk is not None):
         notes.append(f"traced under jaxmem.scope() with attention_chunk={s.attention_chunk}, "
-                     f"mlp_chunk={s.mlp_chunk}: attentions and MLPs with more rows run their "
-                     "backward passes that many rows at a time")
+                     f"mlp_chunk={s.mlp_chunk}: attentions and MLPs with more rows run both "
+                     "passes that many rows at a time")
     if v.chunked:
         notes.append(f"the loss's language-model head runs {s.logits_chunk} rows at a time "
                      "(jaxmem.transform's logits_chunk): no tokens x vocab array is kept, "
@@ -539,13 +539,16 @@ def _plan(step, args, budget, s: _Settings, finer: int, cache: dict) -> MemoryPl
         traced_time=_traced_time(built, step, args))
 
 
+def _step_flops(fn, args) -> float:
+    """FLOPs of ``value_and_grad(fn)``'s jaxpr, repeated identical equations counted once
+    (:func:`jaxmem.planner.trace.flops_of`)."""
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(fn))(*args).jaxpr
+    return _trace.flops_of(jaxpr, merge_identical=True)[0]
+
+
 def _traced_time(planned, step, args) -> float:
     """FLOPs of ``value_and_grad(planned)``'s jaxpr over ``value_and_grad(step)``'s."""
-    def flops(fn):
-        jaxpr = jax.make_jaxpr(jax.value_and_grad(fn))(*args).jaxpr
-        return _trace.flops_of(jaxpr, merge_identical=True)[0]
-
-    return flops(planned) / max(flops(step), 1.0)
+    return _step_flops(planned, args) / max(_step_flops(step, args), 1.0)
 
 
 def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = True,
@@ -598,8 +601,7 @@ def conversion_time(loss: Callable[..., Any], *args: Any, residual_adds: bool = 
 def _conversion_time(step, args, factory) -> float:
     """:func:`conversion_time` of ``step`` under ``factory``'s scope."""
     scoped = _make_step(step, factory, (), (), {})
-    vg = [_trace.flops_of(jax.make_jaxpr(jax.value_and_grad(fn))(*args).jaxpr,
-                          merge_identical=True)[0] for fn in (scoped, step)]
+    vg = [_step_flops(fn, args) for fn in (scoped, step)]
     fwd = _trace.flops_of(jax.make_jaxpr(step)(*args).jaxpr)[0]
     return (vg[0] - vg[1]) / max(3.0 * fwd, 1.0)
 

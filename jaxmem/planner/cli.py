@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="query rows per chunk of an attention under the plan's conversion "
                          "(default 512; 'none': whole)")
     ap.add_argument("--mlp-chunk", type=_rows_or_none, default=None, metavar="ROWS",
-                    help="rows per chunk of a transformer MLP's backward pass under the "
+                    help="rows per chunk of a transformer MLP (both passes) under the "
                          "plan's conversion (default none: whole)")
     ap.add_argument("--out", default="jaxmem-plan", help="folder for plan.json / plan.png")
     a = ap.parse_args(list(argv) if argv is not None else None)

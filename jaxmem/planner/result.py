@@ -125,8 +125,8 @@ class MemoryPlan:
     #: the FLOPs of ``value_and_grad(step)``'s jaxpr over the untouched step's
     #: (:func:`jaxmem.planner.trace.flops_of`, repeated equations counted once): what the
     #: planned step runs, its recomputations and the conversion's included, each counted once
-    #: (``predicted_time_total`` counts twice what a recomputed converted layer's own backward
-    #: recomputes anyway, e.g. a chunked MLP's first product); ``None`` where not traced
+    #: (a check of ``predicted_time_total``, which prices them apart); ``None`` where not
+    #: traced
     traced_time: float | None = None
 
     @property

@@ -16,8 +16,8 @@ saves residuals according to which inputs are perturbed):
 * :func:`gated_product` -- ``a * b`` keeping the residuals of ``a``'s producer instead of
   ``a`` (a gated linear unit's ``act(x W) * (x V)`` keeps ``x W`` and ``x V``; the down
   projection recomputes the product);
-* :func:`chunked_mlp` -- a two-layer perceptron keeping its input and weights, its backward
-  pass run a few rows at a time (:mod:`jaxmem.selective.mlp_chunks`);
+* :func:`chunked_mlp` -- a two-layer perceptron keeping its input and weights, both passes
+  run a few rows at a time (:mod:`jaxmem.selective.mlp_chunks`);
 * :func:`max_pool` -- the packed argmax position inside each window;
 * :func:`dropout` -- only the PRNG key;
 * :func:`bias_add` -- nothing kept; the bias gradient formed where the cotangent arrives

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmem._prims.ties import tie, zeros_created_after
+from jaxmem.selective.attention_chunks import _acc_dtype, _over_chunks
 
 __all__ = ["chunked_mlp"]
 
@@ -86,15 +87,9 @@ def _zero(ct) -> bool:
     return ct is None or isinstance(ct, SymbolicZero)
 
 
-def _acc_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _over_rows(one, n_rows: int, c: int, carry, out):
     """``one(lo, size, carry) -> (carry, rows)`` over the whole chunks (a scan) and the
     remainder, ``rows`` written into ``out`` (``None``: no rows) at ``lo``."""
-    from jaxmem.selective.attention_chunks import _over_chunks
-
     def one_(lo, size, carry):
         carry, part = one(lo, size, carry)
         return carry, (part,)

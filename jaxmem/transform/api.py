@@ -157,8 +157,8 @@ def transform(f: Callable, *, fewbit: int | None = None, attention: bool = True,
       mlp_chunk: rows (tokens) per chunk of a two-layer perceptron ``f(x W1 [+ b1]) W2``
         (dense products, an exact smooth activation ``f``: a transformer's MLP) with more
         rows than that: it keeps ``x`` and the weights instead of an ``R x F`` activation
-        input, and its backward pass recomputes ``x W1`` and runs ``mlp_chunk`` rows at a
-        time (:func:`jaxmem.selective.chunked_mlp`): its ``R x F`` intermediates are formed
+        input, runs both passes ``mlp_chunk`` rows at a time and recomputes ``x W1`` in its
+        backward pass (:func:`jaxmem.selective.chunked_mlp`): its ``R x F`` intermediates are formed
         ``mlp_chunk x F`` at a time (exact; the weight gradients summed over the chunks,
         float rounding apart). One product more per MLP in the backward pass where the block
         is stored; none where it is recomputed (``jax.checkpoint``). ``None`` (default)

@@ -1,5 +1,5 @@
 """Two-layer perceptrons -> :func:`jaxmem.selective.chunked_mlp` (``transform(...,
-mlp_chunk=rows)``: the backward pass ``rows`` rows at a time).
+mlp_chunk=rows)``: both passes ``rows`` rows at a time).
 
 Matched, among the other matchers' re-emitted ops: ``z = f(x W1 [+ b1]) W2``, where
 
@@ -13,9 +13,10 @@ Matched, among the other matchers' re-emitted ops: ``z = f(x W1 [+ b1]) W2``, wh
   product of its leading axes) than ``rows``.
 
 The chain's equations are re-emitted as one op keeping ``x`` and the weights (the separate ops
-keep ``x`` and an ``R x F`` activation input) whose backward pass recomputes ``x W1`` and runs
-``rows`` rows at a time: exact (the same forward equations; the weight gradients summed over
-the chunks in float32), one product more in the backward pass where the block is stored.
+keep ``x`` and an ``R x F`` activation input) whose passes run ``rows`` rows at a time and
+whose backward pass recomputes ``x W1``: exact (the same equations per row; the weight
+gradients summed over the chunks in float32), one product more in the backward pass where
+the block is stored.
 """
 from __future__ import annotations
 

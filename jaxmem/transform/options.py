@@ -58,8 +58,8 @@ class Options:
       core with more query rows than that: both passes run that many rows at a time
       (:mod:`jaxmem.selective.attention_chunks`).
     mlp_chunk: ``None`` or rows per chunk (an int >= 1) of a two-layer perceptron
-      ``f(x W1 + b1) W2`` with more rows than that: it keeps ``x`` and the weights and its
-      backward pass recomputes ``x W1`` and runs that many rows at a time
+      ``f(x W1 + b1) W2`` with more rows than that: it keeps ``x`` and the weights, runs both
+      passes that many rows at a time and recomputes ``x W1`` in its backward pass
       (:mod:`~jaxmem.transform.match_mlp`).
     logits_chunk: ``None`` or rows per chunk (an int >= 1) of a language-model head: a
       product ``h W`` with more columns than ``h`` has, reduced within each row to per-token
